@@ -1,0 +1,105 @@
+"""What a rank started by :func:`course_lib.parallel.launch.run_ranks` runs first.
+
+Kept in its own module, importing nothing heavy at the top, because the environment (thread
+counts, rank variables) must be in place *before* the user's function is unpickled: unpickling
+imports the user's module, which imports torch, which reads OMP_NUM_THREADS once.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs to join the group (ports are TCP ports, timeout in seconds)."""
+
+    rank: int
+    world_size: int
+    backend: str
+    store_port: int
+    timeout_s: float
+    threads: int
+    log_path: str
+    parent_pid: int
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL us when the parent dies (a killed notebook kernel leaves no ranks)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+    except OSError:
+        pass
+
+
+def _redirect_output(path: str) -> None:
+    """Send fd 1 and 2 (Python prints and C++ warnings alike) to the rank's log file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+def main(spec: RankSpec, payload: bytes, conn) -> None:
+    """Join the group, run the user's function, hand back the result, then leave fast."""
+    _die_with_parent(spec.parent_pid)
+    _redirect_output(spec.log_path)
+    os.environ.update({
+        "RANK": str(spec.rank), "WORLD_SIZE": str(spec.world_size),
+        "LOCAL_RANK": str(spec.rank), "LOCAL_WORLD_SIZE": str(spec.world_size),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(spec.store_port),
+        "OMP_NUM_THREADS": str(spec.threads),
+    })
+    code = 0
+    try:
+        import pickle
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(spec.threads)
+        if spec.backend == "nccl":
+            torch.cuda.set_device(spec.rank % torch.cuda.device_count())
+        store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world_size + 1, False,
+                              timeout=timedelta(seconds=spec.timeout_s))
+        dist.init_process_group(spec.backend, store=store, rank=spec.rank,
+                                world_size=spec.world_size,
+                                timeout=timedelta(seconds=spec.timeout_s))
+        fn, args, kwargs = pickle.loads(payload)
+        result = fn(spec.rank, spec.world_size, *args, **kwargs)
+        # Hand the result back *before* any teardown: a crash after this line cannot lose it.
+        conn.send(("ok", result, ""))
+        # Nobody tears down while a peer may still be inside a collective with it.
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - everything must reach the caller
+        code = 1
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        except Exception:  # noqa: BLE001 - the caller then reports "died without a result"
+            pass
+    finally:
+        try:
+            conn.close()
+        except OSError:
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip interpreter shutdown: that is where gloo's SIGABRT at exit lives.
+        os._exit(code)

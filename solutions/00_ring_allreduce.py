@@ -1,0 +1,130 @@
+# %% [markdown]
+# # Exercise 00 — Ring all-reduce from send and receive
+#
+# Data-parallel training sums every gradient over all ranks once per step. NCCL and gloo do it
+# with a **ring all-reduce**: each rank talks only to its two neighbours, and the bytes each rank
+# sends do not grow with the number of ranks. You will build one from point-to-point messages.
+#
+# The algorithm, for `p` ranks and a tensor cut into `p` chunks:
+#
+# 1. **Reduce-scatter** (`p - 1` steps). At step `s`, rank `r` sends chunk `(r - s) mod p` to rank
+#    `r + 1` and adds the chunk `(r - s - 1) mod p` it receives from rank `r - 1` into its own
+#    copy. Afterwards rank `r` holds the *complete* sum of chunk `(r + 1) mod p`.
+# 2. **All-gather** (`p - 1` steps). At step `s`, rank `r` sends chunk `(r + 1 - s) mod p` and
+#    overwrites chunk `(r - s) mod p` with what it receives. Afterwards every rank has every sum.
+#
+# Rules: use `dist.send` / `dist.recv` / `dist.isend` / `dist.irecv` only (no collective), sum in
+# place into the tensor you are given, and handle a tensor whose length is not a multiple of `p`.
+
+# %% tags=["parameters"]
+SMOKE = False  # True: the tests run this notebook at small sizes
+
+# %%
+import importlib
+
+import course_lib
+from course_lib.checks import check
+from course_lib.parallel import collectives
+
+SMOKE = course_lib.smoke(SMOKE)
+
+# %% [markdown]
+# ## Part 1: your ring all-reduce
+#
+# Spawned ranks can only run code they can import, so the next cell *writes your function to a
+# file* (`ex00_ring_allreduce.py`, next to this notebook) instead of defining it in the notebook.
+# Edit the function inside the cell, run the cell, then run the check below it.
+#
+# A trap: if every rank first calls a blocking `dist.send` and only then `dist.recv`, every rank
+# can wait for a receiver that never comes. Start the send with `dist.isend`, receive, then
+# `wait()` on the send.
+
+# %%
+# %%writefile ex00_ring_allreduce.py
+import torch
+import torch.distributed as dist
+
+
+def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks, in place, with a ring of point-to-point messages."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        return tensor
+    ### BEGIN SOLUTION cut tensor.view(-1) into world chunks with tensor_split, then do p-1 reduce-scatter steps and p-1 all-gather steps as described above
+    chunks = tensor.view(-1).tensor_split(world)  # views: writing into them writes the tensor
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for step in range(world - 1):  # reduce-scatter: partial sums travel around the ring
+        send_idx, recv_idx = (rank - step) % world, (rank - step - 1) % world
+        incoming = torch.empty_like(chunks[recv_idx])
+        request = dist.isend(chunks[send_idx], right)
+        dist.recv(incoming, left)
+        request.wait()
+        chunks[recv_idx].add_(incoming)
+    for step in range(world - 1):  # all-gather: finished sums travel around the ring
+        send_idx, recv_idx = (rank + 1 - step) % world, (rank - step) % world
+        request = dist.isend(chunks[send_idx], right)
+        dist.recv(chunks[recv_idx], left)
+        request.wait()
+    ### END SOLUTION
+    return tensor
+
+# %% [markdown]
+# The check runs your function on 2 and on 4 ranks (4 processes share this machine's cores, so it
+# takes a few seconds) and compares every rank's result with `dist.all_reduce` on the same data.
+
+# %%
+import ex00_ring_allreduce
+
+importlib.reload(ex00_ring_allreduce)  # pick up your latest edit
+from ex00_ring_allreduce import ring_all_reduce  # noqa: E402
+
+visible_cases = [(1024, "float32", 0), (10, "float32", 1)]
+rows = collectives.check_all_reduce(ring_all_reduce, [2, 4], visible_cases)
+for row in rows:
+    print(f"{row['ranks']} ranks  numel={row['numel']:>5}  {row['dtype']:<8}  "
+          f"max error vs dist.all_reduce: {row['max_abs_err']:.2e}")
+print("ring all-reduce matches dist.all_reduce")
+
+# %% [markdown]
+# **What you should see:** four lines with errors around `1e-7` or smaller (floating-point sums
+# in a different order round differently) and "ring all-reduce matches dist.all_reduce".
+
+# %%
+### BEGIN HIDDEN TESTS
+hidden_cases = [(7, "float32", 2), (1000, "float64", 3), (999, "int64", 4), (64, "bfloat16", 5),
+                (33, "int32", 6)]
+collectives.check_all_reduce(ring_all_reduce, [3], hidden_cases)
+collectives.check_all_reduce(ring_all_reduce, [2], hidden_cases[:3])
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Part 2: how many bytes does each rank send?
+#
+# Count it from the algorithm: two phases of `p - 1` steps, one chunk of `N / p` elements per
+# step. Assume `N` is a multiple of `p`. This is the number the communication estimator of
+# lab 01 uses, and why a ring's cost per rank barely grows with `p`.
+
+# %%
+def ring_bytes_sent_per_rank(numel: int, world_size: int, bytes_per_element: int) -> float:
+    """Bytes one rank sends during a ring all-reduce of ``numel`` elements over ``world_size`` ranks."""
+    ### BEGIN SOLUTION two phases, world_size - 1 steps each, numel / world_size elements per step
+    return 2 * (world_size - 1) * (numel / world_size) * bytes_per_element
+    ### END SOLUTION
+
+
+# %%
+sent = ring_bytes_sent_per_rank(1024, 4, 4)
+check(sent == 6144, f"1024 fp32 elements on 4 ranks: expected 6144 bytes sent per rank, got {sent}. "
+      "Each phase has p - 1 steps and each step sends one chunk of N/p elements.")
+check(ring_bytes_sent_per_rank(1000, 1, 4) == 0, "a single rank sends nothing")
+print("byte count is right; per rank it approaches 2 x N x bytes as p grows:")
+for p in (2, 4, 8, 64, 1024):
+    print(f"  p={p:>5}: {ring_bytes_sent_per_rank(2**20, p, 4) / 2**20:.3f} MiB for a 1 MiB-element fp32 tensor")
+
+# %%
+### BEGIN HIDDEN TESTS
+for n, p, b in [(4096, 8, 2), (600, 3, 8), (2**30, 1024, 2)]:
+    want = 2 * (p - 1) * n / p * b
+    got = ring_bytes_sent_per_rank(n, p, b)
+    check(abs(got - want) <= 1e-9 * want, f"n={n}, p={p}, b={b}: expected {want}, got {got}")
+### END HIDDEN TESTS
