@@ -33,6 +33,11 @@ _CELL_HEADER = re.compile(r"^# %%(\s.*)?$")
 HIDDEN_PLACEHOLDER = "# (hidden tests run here when the exercise is graded)"
 
 
+def _marker_in(line: str):
+    """Match a marker in a code line, or in a markdown line (which percent format comments out)."""
+    return _MARKER.match(line) or _MARKER.match(re.sub(r"^\s*#\s?", "", line, count=1))
+
+
 class NotebookSourceError(ValueError):
     """A source script is malformed; the message names the file and line."""
 
@@ -76,7 +81,7 @@ def make_exercise_source(text: str, filename: str = "<source>") -> str:
             in_markdown = "[markdown]" in spec or "[md]" in spec
             out.append(line)
             continue
-        marker = _MARKER.match(line.lstrip("#").lstrip() if in_markdown else line)
+        marker = _marker_in(line) if in_markdown else _MARKER.match(line)
         if marker and in_markdown:
             raise NotebookSourceError(
                 f"{filename}:{lineno}: '### {marker.group(2)} {marker.group(3)}' in a markdown "
@@ -114,7 +119,7 @@ def make_exercise_source(text: str, filename: str = "<source>") -> str:
 def find_markers(text: str) -> list[int]:
     """1-based line numbers of every marker line in ``text`` (used to keep labs marker-free)."""
     return [i for i, line in enumerate(text.split("\n"), 1)
-            if _MARKER.match(line.lstrip("#").lstrip())]
+            if _marker_in(line)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,12 +286,8 @@ def to_notebook_like(executed_nb):
     nb = nbformat.from_dict(json.loads(json.dumps(executed_nb)))
     nb.cells = [c for c in nb.cells if "injected-parameters" not in c.metadata.get("tags", [])]
     for cell in nb.cells:
-        cell.metadata.pop("papermill", None)
-        cell.metadata.pop("execution", None)
-        if cell.cell_type == "code":
-            tags = [t for t in cell.metadata.get("tags", []) if t != "injected-parameters"]
-            cell.metadata.pop("tags", None)
-            if tags:
-                cell.metadata["tags"] = tags
+        # to_notebook writes only non-empty tags; papermill adds run metadata and empty tags
+        tags = [t for t in cell.metadata.get("tags", []) if t != "injected-parameters"]
+        cell.metadata = {"tags": tags} if tags else {}
     nb.metadata = {"kernelspec": dict(KERNELSPEC), "language_info": {"name": "python"}}
     return nb

@@ -6,9 +6,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# The notebook kernel is a child of this process; these keep it headless and deterministic.
-_KERNEL_ENV = {"MPLBACKEND": "Agg", "PYDEVD_DISABLE_FILE_VALIDATION": "1",
-               "TQDM_MININTERVAL": "5"}
+# The notebook kernel is a child of this process. The inline backend is headless *and* puts
+# figures into the notebook (Agg would drop them); the rest keep runs quiet.
+_KERNEL_ENV = {"MPLBACKEND": "module://matplotlib_inline.backend_inline",
+               "PYDEVD_DISABLE_FILE_VALIDATION": "1", "TQDM_MININTERVAL": "5"}
 
 
 @dataclass

@@ -205,6 +205,7 @@ def test_init_distributed_under_torchrun(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # ~2.5 s a launch on an idle 2-core machine, far more when it is busy
 def test_one_hundred_back_to_back_runs_all_pass():
     """The reliability promise: naive gloo runs die at teardown about 1 in 8 here."""
     for i in range(100):

@@ -1,0 +1,378 @@
+"""TinyGPT: one small decoder-only transformer with GPT-2 and Llama switches.
+
+    cfg = ModelConfig.preset("tiny")                 # GPT-2 style, trains on a CPU in seconds
+    cfg = ModelConfig.preset("llama-tiny")           # RMSNorm, SwiGLU, RoPE, grouped-query attention
+    model = TinyGPT(cfg)
+    logits, loss = model(idx, targets)               # idx, targets: int64 [batch, seq]
+
+Switches (all on `ModelConfig`):
+
+| switch | GPT-2 | Llama |
+| --- | --- | --- |
+| `norm` | `layernorm` | `rmsnorm` |
+| `mlp` | `gelu` (4C wide) | `swiglu` (~8C/3 wide) |
+| `position` | `learned` | `rope` |
+| `bias` | True | False |
+| `n_kv_heads` | = `n_heads` | < `n_heads` (grouped-query attention) |
+| `tie_embeddings` | True | False |
+
+Memory strategies, switchable on a built model with `set_memory_strategy` so a lab can compare them
+on the same weights: activation checkpointing `none | full | selective` (always
+`use_reentrant=False`) and offloading saved activations to CPU memory (`save_on_cpu`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from course_lib.model_layers import Block, RMSNorm, init_linear_, make_norm, rope_tables
+
+INIT_SCHEMES = ("normal", "scaled_residual", "zero_out_proj", "kaiming", "xavier", "small")
+CHECKPOINTING = ("none", "full", "selective")
+
+# Overrides on top of the ModelConfig defaults. Real-model shapes are here so labs can count
+# parameters and bytes on the meta device; only `tiny` and `llama-tiny` are meant to train on a CPU.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(vocab_size=256, block_size=64, n_layers=2, n_heads=4, d_model=64),
+    "llama-tiny": dict(
+        vocab_size=256, block_size=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=64,
+        norm="rmsnorm", mlp="swiglu", position="rope", bias=False, tie_embeddings=False,
+    ),
+    "gpt2-small": dict(
+        vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768, init="scaled_residual",
+    ),
+    "gpt2-medium": dict(
+        vocab_size=50257, block_size=1024, n_layers=24, n_heads=16, d_model=1024, init="scaled_residual",
+    ),
+    "llama2-7b": dict(
+        vocab_size=32000, block_size=4096, n_layers=32, n_heads=32, d_model=4096, d_ff=11008,
+        norm="rmsnorm", mlp="swiglu", position="rope", bias=False, tie_embeddings=False, norm_eps=1e-5,
+    ),
+}
+
+
+def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {rng}, got {value}")
+
+
+def _check_float(name: str, value, lo: float, hi: float | None = None, *, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    bad_lo = value <= lo if lo_open else value < lo
+    if bad_lo or (hi is not None and value > hi) or math.isnan(value):
+        rng = f"{'>' if lo_open else '>='} {lo}" + ("" if hi is None else f" and <= {hi}")
+        raise ValueError(f"{name} must be {rng}, got {value}")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and switches of a TinyGPT. Frozen: derive variants with `dataclasses.replace`.
+
+    Sizes are counts (tokens, channels, heads), never bytes. `block_size` is the longest sequence
+    the model accepts (learned position table / RoPE table length).
+    """
+
+    vocab_size: int = 256
+    block_size: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: = n_heads (multi-head attention)
+    d_model: int = 64
+    d_ff: int | None = None  # None: 4*d_model for gelu, round_up(8*d_model/3, 8) for swiglu
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    mlp: str = "gelu"  # gelu | swiglu
+    position: str = "learned"  # learned | rope | none
+    bias: bool = True
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init: str = "normal"  # one of INIT_SCHEMES
+    init_std: float = 0.02
+    # Bounded embedding: None (off) or b > 0, applied to the token embedding output before
+    # positions are added, so one row grown large (rare token, big Adam steps) cannot flood the
+    # residual stream. "tanh": e -> b*tanh(e/b), identity near 0, gradient shrinks smoothly (it
+    # underflows to 0 in fp32 only beyond ~9b). "clamp": clip to [-b, b], gradient 0 outside.
+    embedding_bound: float | None = None
+    embedding_bound_mode: str = "tanh"
+    attention_window: int | None = None  # None: full causal; w: each token sees itself + w-1 before
+    checkpointing: str = "none"  # none | full | selective
+    checkpoint_every: int | None = None  # selective only: checkpoint whole blocks 0, k, 2k, ...
+    offload_activations: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("vocab_size", self.vocab_size, 1)
+        _check_int("block_size", self.block_size, 1)
+        _check_int("n_layers", self.n_layers, 1)
+        _check_int("n_heads", self.n_heads, 1)
+        _check_int("d_model", self.d_model, 1)
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_kv_heads is not None:
+            _check_int("n_kv_heads", self.n_kv_heads, 1, self.n_heads)
+            if self.n_heads % self.n_kv_heads:
+                raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+        if self.d_ff is not None:
+            _check_int("d_ff", self.d_ff, 1)
+        _check_choice("norm", self.norm, ("layernorm", "rmsnorm"))
+        _check_choice("mlp", self.mlp, ("gelu", "swiglu"))
+        _check_choice("position", self.position, ("learned", "rope", "none"))
+        if self.position == "rope" and (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"position='rope' needs an even head dimension, got {self.d_model // self.n_heads}")
+        for name in ("bias", "tie_embeddings", "offload_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        _check_float("dropout", self.dropout, 0.0, 1.0)
+        if self.dropout >= 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        _check_float("norm_eps", self.norm_eps, 0.0, lo_open=True)
+        _check_float("rope_theta", self.rope_theta, 0.0, lo_open=True)
+        _check_choice("init", self.init, INIT_SCHEMES)
+        _check_float("init_std", self.init_std, 0.0, lo_open=True)
+        if self.embedding_bound is not None:
+            _check_float("embedding_bound", self.embedding_bound, 0.0, lo_open=True)
+        _check_choice("embedding_bound_mode", self.embedding_bound_mode, ("tanh", "clamp"))
+        if self.attention_window is not None:
+            _check_int("attention_window", self.attention_window, 1)
+        _check_choice("checkpointing", self.checkpointing, CHECKPOINTING)
+        if self.checkpoint_every is not None:
+            _check_int("checkpoint_every", self.checkpoint_every, 1)
+            if self.checkpointing != "selective":
+                raise ValueError(
+                    "checkpoint_every applies only to checkpointing='selective' (every k-th block); "
+                    f"got checkpointing={self.checkpointing!r}"
+                )
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads actually used."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        """Hidden width of the MLP (for SwiGLU: of each of gate and up)."""
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.mlp == "gelu":
+            return 4 * self.d_model
+        # SwiGLU has three matrices; 2/3 of 4C keeps the parameter count of the 4C GELU MLP.
+        return 8 * ((8 * self.d_model // 3 + 7) // 8)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "ModelConfig":
+        """A named configuration (see PRESETS) with optional field overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose from {', '.join(sorted(PRESETS))}")
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ModelConfig":
+        """Build from a plain dict (e.g. a TOML table); an unknown key is a ValueError naming it."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model config key(s) {unknown}; valid keys: {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        """Plain dict of all fields (round-trips through from_dict)."""
+        return dataclasses.asdict(self)
+
+
+class TinyGPT(nn.Module):
+    """Decoder-only transformer. `forward(idx, targets=None) -> (logits, loss)`.
+
+    Init schemes (`cfg.init`) differ in how Linear weights are drawn; biases start at zero, norms
+    at weight 1, embeddings at N(0, init_std) (N(0, sqrt(2/(5C))) for `small`):
+
+    - `normal`: every matrix N(0, init_std=0.02).
+    - `scaled_residual`: as normal, but the two projections that write into the residual stream
+      (attention output, MLP down) use init_std / sqrt(2 * n_layers) (GPT-2), so the variance of the
+      residual stream does not grow with depth.
+    - `zero_out_proj`: those residual projections start at zero; every block is the identity at
+      step 0 and learns its way in.
+    - `kaiming`, `xavier`, `small`: the course texts' alternatives, for comparison. kaiming is
+      He-normal (fan_in, ReLU gain), xavier is Glorot-uniform, small is N(0, sqrt(2/(5C))).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if not isinstance(cfg, ModelConfig):
+            raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model) if cfg.position == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm_f = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # one matrix, two uses
+        if cfg.position == "rope":
+            cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_theta)
+            # Not persistent: derived from the config, so they stay out of checkpoints.
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
+        self.reset_parameters()
+        self.set_memory_strategy(cfg.checkpointing, cfg.checkpoint_every, cfg.offload_activations)
+
+    # ----------------------------------------------------------------------------- set-up
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """(Re-)initialise every parameter according to `cfg.init` (see the class docstring)."""
+        cfg = self.cfg
+        emb_std = math.sqrt(2.0 / (5.0 * cfg.d_model)) if cfg.init == "small" else cfg.init_std
+        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        for module in self.modules():
+            if isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, emb_std)
+            elif isinstance(module, nn.Linear):
+                if module is self.lm_head and cfg.tie_embeddings:
+                    continue  # it is the embedding matrix, already drawn above
+                init_linear_(module, cfg.init, cfg.init_std, residual_std, cfg.d_model)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def set_memory_strategy(
+        self, checkpointing: str = "none", checkpoint_every: int | None = None, offload_activations: bool = False
+    ) -> None:
+        """Switch activation checkpointing / offloading on this model without touching weights.
+
+        - `none`: keep every activation autograd saves.
+        - `full`: checkpoint every block: keep only each block's input, recompute the block in backward.
+        - `selective`, `checkpoint_every=None`: recompute only the attention core in every block.
+        - `selective`, `checkpoint_every=k`: checkpoint whole blocks 0, k, 2k, ... (trade memory for
+          compute on a fraction of the layers).
+        - `offload_activations=True`: tensors autograd saves are moved to CPU memory in forward and
+          back in backward (pinned when on CUDA). On a CPU-only run this costs copies and saves nothing.
+        Gradients are identical in fp32 for every combination (tested).
+        """
+        self.cfg = dataclasses.replace(
+            self.cfg, checkpointing=checkpointing, checkpoint_every=checkpoint_every,
+            offload_activations=offload_activations,
+        )  # replace() re-runs the config validation
+        core_only = checkpointing == "selective" and checkpoint_every is None
+        for block in self.blocks:
+            block.attn.recompute_core = core_only
+
+    def _checkpoint_block(self, index: int) -> bool:
+        cfg = self.cfg
+        if cfg.checkpointing == "full":
+            return True
+        return cfg.checkpointing == "selective" and cfg.checkpoint_every is not None and index % cfg.checkpoint_every == 0
+
+    def num_params(self, include_position_embedding: bool = True) -> int:
+        """Number of parameters (a count, not bytes); a tied matrix counts once."""
+        n = sum(p.numel() for p in self.parameters())
+        if not include_position_embedding and self.pos_emb is not None:
+            n -= self.pos_emb.weight.numel()
+        return n
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Optimizer groups: decay on matrices and embeddings (dim >= 2), none on biases and norms."""
+        _check_float("weight_decay", weight_decay, 0.0)
+        decay, no_decay = [], []
+        for p in self.parameters():
+            if p.requires_grad:
+                (decay if p.dim() >= 2 else no_decay).append(p)
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    # ----------------------------------------------------------------------------- forward
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx, targets: int64 [B, T] token ids with T <= block_size; targets == -100 are ignored.
+
+        Returns (logits [B, T, vocab] in the compute dtype, loss or None). The loss is the mean
+        cross-entropy in nats per scored token, computed in float32.
+        """
+        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"idx must be an int64 tensor [batch, seq], got {tuple(idx.shape)} {idx.dtype}")
+        T = idx.shape[1]
+        if not 1 <= T <= self.cfg.block_size:
+            raise ValueError(f"sequence length must be in [1, block_size={self.cfg.block_size}], got {T}")
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+
+        offload = (
+            torch.autograd.graph.save_on_cpu(pin_memory=idx.is_cuda)
+            if self.cfg.offload_activations and torch.is_grad_enabled()
+            else contextlib.nullcontext()
+        )
+        with offload:
+            x = self._bound(self.tok_emb(idx))
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(torch.arange(T, device=idx.device))
+            x = self.drop(x)
+            cos = self.rope_cos[:T] if self.rope_cos is not None else None
+            sin = self.rope_sin[:T] if self.rope_sin is not None else None
+            grad = torch.is_grad_enabled()
+            for i, block in enumerate(self.blocks):
+                if grad and self._checkpoint_block(i):
+                    x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                else:
+                    x = block(x, cos, sin)
+            logits = self.lm_head(self.norm_f(x))
+            loss = None
+            if targets is not None:
+                loss = F.cross_entropy(
+                    logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100
+                )
+        return logits, loss
+
+    def _bound(self, emb: torch.Tensor) -> torch.Tensor:
+        b = self.cfg.embedding_bound
+        if b is None:
+            return emb
+        if self.cfg.embedding_bound_mode == "tanh":
+            return b * torch.tanh(emb / b)
+        return emb.clamp(-b, b)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample `max_new_tokens` tokens after idx [B, T]; returns [B, T + max_new_tokens].
+
+        temperature 0 means greedy. The context is cropped to the last block_size tokens.
+        """
+        _check_int("max_new_tokens", max_new_tokens, 0)
+        _check_float("temperature", temperature, 0.0)
+        if top_k is not None:
+            _check_int("top_k", top_k, 1, self.cfg.vocab_size)
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.cfg.block_size:])
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, top_k).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx

@@ -1,0 +1,53 @@
+"""`course doctor` on this machine, and its verdict when the install is broken."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from course_lib import catalog, cli, doctor
+
+ROOT = Path(__file__).resolve().parent.parent
+COURSE = Path(sys.executable).with_name("course")
+
+
+def test_doctor_reports_this_machine():
+    report = doctor.gather(root=ROOT)
+    assert report["versions"]["torch"].startswith(doctor.PINNED_TORCH)
+    for pkg in ("deepspeed", "jupyterlab", "papermill", "nbval"):
+        assert report["versions"][pkg], pkg
+    assert report["backends"]["gloo"] is True
+    assert report["device"]["cpu_cores"] >= 1
+    assert report["deepspeed"]["importable"] and report["deepspeed"]["accelerator"] in ("cpu", "cuda")
+    assert report["kernel"]["registered"] and report["kernel"]["python_exists"]
+    labs = {row["lab"]: row["verdict"] for row in report["labs"]}
+    assert "00_orientation" in labs
+    if not report["device"]["cuda_available"]:
+        assert labs["00_orientation"].startswith("runs with CPU stand-ins")
+    assert report["problems"] == []
+
+
+def test_doctor_command_exits_zero_and_prints_a_verdict():
+    out = subprocess.run([str(COURSE), "doctor"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "install is healthy" in out.stdout and "gloo: yes" in out.stdout
+    js = subprocess.run([str(COURSE), "doctor", "--json"], capture_output=True, text=True,
+                        timeout=120, cwd=ROOT)
+    assert json.loads(js.stdout)["backends"]["gloo"] is True
+
+
+def test_broken_install_exits_non_zero_with_the_fix(monkeypatch, capsys):
+    real_version = doctor._version
+    monkeypatch.setattr(doctor, "_version", lambda p: None if p == "nbval" else real_version(p))
+    monkeypatch.setattr(doctor, "_kernel_info", lambda: {"registered": False, "error": ""})
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "packages not installed: nbval" in out and "./kit setup" in out
+    assert "kernel 'course-kit' is not registered" in out and "ipykernel install" in out
+
+
+def test_every_lab_has_a_catalog_entry():
+    for path in sorted((ROOT / "labs").glob("[0-9][0-9]_*.py")):
+        assert path.stem in catalog.LABS, f"add {path.stem} to course_lib/catalog.py"
+    info = catalog.LABS["00_orientation"]
+    assert catalog.verdict(info, has_cuda=True) == "runs fully here"
