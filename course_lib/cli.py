@@ -148,14 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write the executed (full-size) outputs back into labs/*.ipynb")
     run.set_defaults(func=cmd_labs_run)
 
-    try:
-        from course_lib.estimate import cli as estimate_cli
-    except ImportError:  # the estimator package is optional while it is being built
-        estimate_cli = None
-    if estimate_cli is not None:
-        p = sub.add_parser("estimate", help="memory / FLOPs per rank for a model and a parallel layout")
-        estimate_cli.add_arguments(p)
-        p.set_defaults(func=estimate_cli.run)
+    from course_lib.estimate import cli as estimate_cli  # torch-free, cheap to import
+
+    p = sub.add_parser("estimate", help="memory / FLOPs per rank for a model and a parallel layout")
+    estimate_cli.add_arguments(p)
+    p.set_defaults(func=estimate_cli.run)
     return parser
 
 

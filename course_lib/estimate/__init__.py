@@ -1,0 +1,50 @@
+"""Closed-form estimators: will it fit, how long will it take, what does it cost to talk.
+
+Torch-free (standard library only), so labs, the CLI and the autograder can import it anywhere.
+Every function documents its unit (bytes vs GiB, per rank vs total) and its source; where the
+literature disagrees the assumption is an argument naming the source (recipe="mixed-adam" vs
+"mixed-adam-fp32-grads", attention="eager" vs "flash", relative_to="ideal" vs "total", ...).
+
+Modules: shapes (ModelShape, presets, parameter counts) - memory (model state, ZeRO) -
+ds_estimator (DeepSpeed's estimator) - activations (Korthikanti et al.) - flops (FLOPs, MFU,
+days) - hardware (peak FLOP/s table) - comm (collectives, ZeRO/TP traffic, alpha-beta) -
+pipeline (bubble) - units (GB vs GiB formatting) - cli (`course estimate`).
+"""
+
+from .activations import (
+    ActivationBreakdown,
+    StageActivations,
+    activation_breakdown_per_layer,
+    activation_bytes_first_stage,
+    activation_bytes_per_layer,
+    first_stage_activation_breakdown,
+)
+from .comm import (
+    AlphaBetaFit,
+    CommVolume,
+    TensorParallelComm,
+    collective_time,
+    comm_elements_per_step,
+    fit_alpha_beta,
+    ring_bytes_per_rank,
+    ring_steps,
+    tp_comm_bytes_per_layer,
+)
+from .ds_estimator import DeepSpeedEstimate, deepspeed_zero2_estimate, deepspeed_zero3_estimate
+from .flops import flops_per_token, mfu, model_flops_per_iteration, palm_flops_per_token, training_days
+from .hardware import ACCELERATORS, Accelerator, accelerator
+from .memory import RECIPES, ModelStateBytes, PrecisionRecipe, model_state_bytes, resolve_recipe
+from .pipeline import bubble_fraction
+from .shapes import PRESETS, ModelShape, default_d_ff
+from .units import BYTE_UNITS, bytes_to, format_bytes, format_si
+
+__all__ = [
+    "ACCELERATORS", "Accelerator", "ActivationBreakdown", "AlphaBetaFit", "BYTE_UNITS", "CommVolume",
+    "DeepSpeedEstimate", "ModelShape", "ModelStateBytes", "PRESETS", "PrecisionRecipe", "RECIPES",
+    "StageActivations", "TensorParallelComm", "accelerator", "activation_breakdown_per_layer",
+    "activation_bytes_first_stage", "activation_bytes_per_layer", "bubble_fraction", "bytes_to",
+    "collective_time", "comm_elements_per_step", "deepspeed_zero2_estimate", "deepspeed_zero3_estimate",
+    "default_d_ff", "first_stage_activation_breakdown", "fit_alpha_beta", "flops_per_token", "format_bytes",
+    "format_si", "mfu", "model_flops_per_iteration", "model_state_bytes", "palm_flops_per_token",
+    "resolve_recipe", "ring_bytes_per_rank", "ring_steps", "tp_comm_bytes_per_layer", "training_days",
+]

@@ -1,0 +1,148 @@
+"""Bytes of model state (parameters, gradients, optimizer state) per rank, with ZeRO sharding.
+
+The literature disagrees on bytes per parameter, so the recipe is an explicit, named argument:
+
+| recipe | params + grads + master + optimizer | B/param | source |
+| --- | --- | --- | --- |
+| ``mixed-adam`` | 2 + 2 + 4 + 8 | 16 | ZeRO paper (Rajbhandari et al. 2020), Sec. 3.1: (2 + 2 + K)Psi, K = 12 |
+| ``mixed-adam-fp32-grads`` | 2 + (2+4) + 4 + 8 | 20 | Ultra-Scale Playbook: fp32 gradient accumulation adds 4N |
+| ``fp32-adam`` | 4 + 4 + 0 + 8 | 16 | Ultra-Scale Playbook: full precision, m_params + m_grad + m_opt |
+| ``fp32-sgd-momentum`` | 4 + 4 + 0 + 4 | 12 | one fp32 momentum buffer (torch.optim.SGD, momentum > 0) |
+| ``seed`` | 2 + 2 + 0 + 8 | 12 | the course seed text; it leaves out the fp32 master copy |
+
+ZeRO stages shard over the data-parallel degree `dp` exactly as the ZeRO paper's Figure 1:
+stage 1 shards the optimizer state (master weights and moments, the paper's K), stage 2 also the
+gradients, stage 3 also the parameters. The division is exact (no padding to alignment, no
+communication buffers), so results are fractional bytes; real engines add buckets and padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._checks import check_choice, check_count, check_int, check_number
+from .units import format_bytes
+
+
+@dataclass(frozen=True)
+class PrecisionRecipe:
+    """Bytes per parameter of each model-state component.
+
+    - `param_bytes`: the weights the forward pass reads (2 for bf16/fp16, 4 for fp32);
+    - `grad_bytes`: gradients, including any fp32 accumulation buffer;
+    - `master_bytes`: an fp32 master copy of the weights kept by the optimizer (mixed precision);
+    - `optimizer_bytes`: optimizer moments (Adam: fp32 momentum + variance = 8).
+    """
+
+    param_bytes: float
+    grad_bytes: float
+    master_bytes: float
+    optimizer_bytes: float
+    name: str = "custom"
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("param_bytes", "grad_bytes", "master_bytes", "optimizer_bytes"):
+            check_number(field, getattr(self, field), 0)
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Total bytes of model state per parameter without sharding."""
+        return self.param_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
+
+
+RECIPES: dict[str, PrecisionRecipe] = {
+    "mixed-adam": PrecisionRecipe(
+        2, 2, 4, 8, "mixed-adam",
+        "Rajbhandari et al. 2020 (ZeRO), Sec. 3.1: fp16 params 2 + fp16 grads 2 + K=12 "
+        "(fp32 params, momentum, variance)"),
+    "mixed-adam-fp32-grads": PrecisionRecipe(
+        2, 6, 4, 8, "mixed-adam-fp32-grads",
+        "Ultra-Scale Playbook (Tazi et al. 2025), memory of weights/grads/optimizer: bf16 2+2, fp32 params 4, "
+        "Adam 8, plus 4 for fp32 gradient accumulation = 20"),
+    "fp32-adam": PrecisionRecipe(
+        4, 4, 0, 8, "fp32-adam", "Ultra-Scale Playbook: full precision m_params 4 + m_grad 4 + m_opt (4+4) = 16"),
+    "fp32-sgd-momentum": PrecisionRecipe(
+        4, 4, 0, 4, "fp32-sgd-momentum", "fp32 weights and grads plus one fp32 momentum buffer (torch.optim.SGD)"),
+    "seed": PrecisionRecipe(
+        2, 2, 0, 8, "seed", "the course seed text's 2 + 2 + 8; omits the fp32 master copy the ZeRO paper counts"),
+}
+
+
+def resolve_recipe(recipe) -> PrecisionRecipe:
+    """A PrecisionRecipe from a recipe name (see RECIPES) or an existing PrecisionRecipe."""
+    if isinstance(recipe, PrecisionRecipe):
+        return recipe
+    if not isinstance(recipe, str):
+        raise TypeError(f"recipe must be a recipe name or a PrecisionRecipe, got {type(recipe).__name__}")
+    check_choice("recipe", recipe, RECIPES)
+    return RECIPES[recipe]
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Model-state memory **per rank, in bytes** (floats: ZeRO divides exactly, without padding).
+
+    `optimizer` is what the ZeRO paper calls the optimizer state (K*Psi): the fp32 master weights
+    plus the moments; the two parts are also given separately.
+    """
+
+    params: float
+    grads: float
+    master_weights: float
+    optimizer_states: float
+    num_params: float
+    recipe: str
+    zero_stage: int
+    dp: int
+    unit: str = "bytes per rank"
+
+    @property
+    def optimizer(self) -> float:
+        """Master weights + optimizer moments, bytes per rank."""
+        return self.master_weights + self.optimizer_states
+
+    @property
+    def total(self) -> float:
+        """params + grads + optimizer, bytes per rank."""
+        return self.params + self.grads + self.optimizer
+
+    def to_dict(self) -> dict:
+        """Plain dict (bytes per rank) for JSON output."""
+        return {
+            "unit": self.unit, "recipe": self.recipe, "zero_stage": self.zero_stage, "dp": self.dp,
+            "num_params": self.num_params, "params": self.params, "grads": self.grads,
+            "master_weights": self.master_weights, "optimizer_states": self.optimizer_states,
+            "optimizer": self.optimizer, "total": self.total,
+        }
+
+    def format(self, unit: str = "GiB", digits: int = 2) -> str:
+        """One line, every number with its unit, e.g. for a notebook print."""
+        def fmt(x: float) -> str:
+            return format_bytes(x, unit, digits)
+        return (f"params {fmt(self.params)}, grads {fmt(self.grads)}, optimizer {fmt(self.optimizer)}, "
+                f"total {fmt(self.total)} per rank (ZeRO-{self.zero_stage}, dp={self.dp}, recipe {self.recipe})")
+
+
+def model_state_bytes(num_params, *, recipe="mixed-adam", zero_stage: int = 0, dp: int = 1) -> ModelStateBytes:
+    """Bytes of parameters, gradients and optimizer state held by **one rank**.
+
+    Follows the ZeRO paper (Rajbhandari et al. 2020, Sec. 5 and Figure 1): with Psi parameters,
+    data-parallel degree Nd and K bytes of optimizer state per parameter,
+    stage 0: (2 + 2 + K)Psi; stage 1: 2Psi + 2Psi + K*Psi/Nd; stage 2: 2Psi + (2 + K)Psi/Nd;
+    stage 3: (2 + 2 + K)Psi/Nd - here with the recipe's byte counts in place of 2, 2 and K.
+    `num_params` is the parameter count the data-parallel group replicates (for tp/pp, pass the
+    parameters on one rank, e.g. `ModelShape.params_on_busiest_rank`). Returns ModelStateBytes.
+    """
+    check_count("num_params", num_params)
+    check_int("zero_stage", zero_stage, 0, 3)
+    check_int("dp", dp, 1)
+    r = resolve_recipe(recipe)
+    shard = 1.0 / dp
+    return ModelStateBytes(
+        params=num_params * r.param_bytes * (shard if zero_stage >= 3 else 1.0),
+        grads=num_params * r.grad_bytes * (shard if zero_stage >= 2 else 1.0),
+        master_weights=num_params * r.master_bytes * (shard if zero_stage >= 1 else 1.0),
+        optimizer_states=num_params * r.optimizer_bytes * (shard if zero_stage >= 1 else 1.0),
+        num_params=num_params, recipe=r.name, zero_stage=zero_stage, dp=dp,
+    )

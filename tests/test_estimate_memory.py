@@ -1,0 +1,132 @@
+"""Model-state bytes per rank: the ZeRO paper, the Ultra-Scale Playbook, recipes, properties, errors."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from course_lib.estimate import (
+    RECIPES, ModelStateBytes, PrecisionRecipe, deepspeed_zero2_estimate, format_bytes, model_state_bytes,
+)
+
+GB = 1e9
+
+
+# ZeRO paper (Rajbhandari et al. 2020), Figure 1 / Sec. 1: Psi = 7.5B, Nd = 64, K = 12:
+# baseline 120 GB, P_os 31.4 GB, P_os+g 16.6 GB, P_os+g+p 1.9 GB (decimal GB, one decimal).
+@pytest.mark.parametrize("stage, published_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_figure_1(stage, published_gb):
+    state = model_state_bytes(7.5e9, recipe="mixed-adam", zero_stage=stage, dp=64)
+    assert round(state.total / GB, 1) == published_gb
+
+
+def test_zero_paper_formulas_exact():
+    # Sec. 5.1-5.3: 2Psi + 2Psi + K Psi/Nd; 2Psi + (2 + K) Psi/Nd; (2 + 2 + K) Psi/Nd.
+    psi, nd, k = 7.5e9, 64, 12
+    assert model_state_bytes(psi, zero_stage=1, dp=nd).total == pytest.approx(4 * psi + k * psi / nd)
+    assert model_state_bytes(psi, zero_stage=2, dp=nd).total == pytest.approx(2 * psi + (2 + k) * psi / nd)
+    assert model_state_bytes(psi, zero_stage=3, dp=nd).total == pytest.approx((4 + k) * psi / nd)
+
+
+# Ultra-Scale Playbook (Tazi et al. 2025), "Memory usage in Transformers" table:
+# FP32 or BF16 w/o FP32 grad acc | BF16 w/ FP32 grad acc, in GB.
+@pytest.mark.parametrize("params, without_gb, with_gb", [
+    (1e9, 16, 20), (7e9, 112, 140), (70e9, 1120, 1400), (405e9, 6480, 8100)])
+def test_playbook_table(params, without_gb, with_gb):
+    assert model_state_bytes(params, recipe="mixed-adam").total / GB == pytest.approx(without_gb)
+    assert model_state_bytes(params, recipe="fp32-adam").total / GB == pytest.approx(without_gb)
+    assert model_state_bytes(params, recipe="mixed-adam-fp32-grads").total / GB == pytest.approx(with_gb)
+
+
+def test_recipe_bytes_per_param_and_the_seed_omission():
+    assert {n: r.bytes_per_param for n, r in RECIPES.items()} == {
+        "mixed-adam": 16, "mixed-adam-fp32-grads": 20, "fp32-adam": 16, "fp32-sgd-momentum": 12, "seed": 12}
+    # The seed text's 2 + 2 + 8 differs from the ZeRO paper by exactly the fp32 master copy.
+    seed, zero = model_state_bytes(7e9, recipe="seed"), model_state_bytes(7e9, recipe="mixed-adam")
+    assert zero.total - seed.total == pytest.approx(4 * 7e9)
+    assert zero.master_weights == 4 * 7e9 and seed.master_weights == 0
+    for r in RECIPES.values():
+        assert r.source, r.name
+
+
+def test_components_and_units():
+    s = model_state_bytes(1e9, recipe="mixed-adam", zero_stage=2, dp=4)
+    assert isinstance(s, ModelStateBytes)
+    assert (s.params, s.grads, s.master_weights, s.optimizer_states) == (2e9, 0.5e9, 1e9, 2e9)
+    assert s.optimizer == 3e9 and s.total == 5.5e9
+    assert s.unit == "bytes per rank"
+    assert s.to_dict()["total"] == s.total
+    assert "5.50 GB" in s.format("GB") and "per rank" in s.format("GB")
+
+
+def test_custom_recipe():
+    r = PrecisionRecipe(2, 2, 4, 4, name="mixed-adafactor-ish")
+    assert model_state_bytes(10, recipe=r).total == 120
+    with pytest.raises(ValueError, match="optimizer_bytes must be >= 0"):
+        PrecisionRecipe(2, 2, 4, -1)
+
+
+def test_zero2_with_fp32_grads_matches_deepspeed_zero2():
+    # DeepSpeed's ZeRO-2 estimate is 2 + 18/n B/param, i.e. the Playbook's 20 B/param with
+    # everything but the 16-bit weights sharded - our "mixed-adam-fp32-grads" at stage 2.
+    for n_params, gpus in [(7e9, 8), (1_234_567, 3), (2_851_598_336, 16)]:
+        ours = model_state_bytes(n_params, recipe="mixed-adam-fp32-grads", zero_stage=2, dp=gpus).total
+        ds = deepspeed_zero2_estimate(n_params, num_gpus_per_node=gpus).gpu_bytes_per_gpu
+        assert 0 <= ours - ds < 1  # DeepSpeed truncates to whole bytes
+
+
+sizes = st.integers(min_value=0, max_value=10**13)
+recipes = st.sampled_from(sorted(RECIPES))
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=sizes, recipe=recipes, dp=st.integers(1, 4096), stage=st.integers(0, 2))
+def test_higher_zero_stage_never_uses_more_memory(n, recipe, dp, stage):
+    lo = model_state_bytes(n, recipe=recipe, zero_stage=stage, dp=dp)
+    hi = model_state_bytes(n, recipe=recipe, zero_stage=stage + 1, dp=dp)
+    assert hi.total <= lo.total
+    assert hi.params <= lo.params and hi.grads <= lo.grads and hi.optimizer <= lo.optimizer
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=sizes, recipe=recipes, dp=st.integers(1, 4096), stage=st.integers(0, 3))
+def test_more_data_parallel_ranks_never_use_more_memory_per_rank(n, recipe, dp, stage):
+    a = model_state_bytes(n, recipe=recipe, zero_stage=stage, dp=dp).total
+    b = model_state_bytes(n, recipe=recipe, zero_stage=stage, dp=dp + 1).total
+    assert b <= a
+    if stage == 0:
+        assert a == b  # plain data parallelism replicates everything
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=sizes, recipe=recipes, dp=st.integers(1, 4096))
+def test_stage3_shards_everything(n, recipe, dp):
+    full = model_state_bytes(n, recipe=recipe).total
+    assert full == pytest.approx(n * RECIPES[recipe].bytes_per_param)
+    assert model_state_bytes(n, recipe=recipe, zero_stage=3, dp=dp).total * dp == pytest.approx(full)
+
+
+def test_format_bytes_is_explicit():
+    assert format_bytes(112e9, "GB") == "112.00 GB"
+    assert format_bytes(2**30, "GiB") == "1.00 GiB"
+    assert format_bytes(112e9, "GiB") == "104.31 GiB"
+    with pytest.raises(ValueError, match="unit must be one of"):
+        format_bytes(1, "gb")
+
+
+@pytest.mark.parametrize("args, kwargs, exc, words", [
+    ((-1,), {}, ValueError, ["num_params", ">= 0"]),
+    ((7e9,), dict(zero_stage=4), ValueError, ["zero_stage", "[0, 3]"]),
+    ((7e9,), dict(zero_stage=-1), ValueError, ["zero_stage", "[0, 3]"]),
+    ((7e9,), dict(dp=0), ValueError, ["dp", ">= 1"]),
+    ((7e9,), dict(dp=True), TypeError, ["dp", "int"]),
+    ((7e9,), dict(recipe="bf16-lion"), ValueError, ["recipe", "'mixed-adam'", "'seed'"]),
+    ((7e9,), dict(recipe=16), TypeError, ["recipe"]),
+    ((7.5,), {}, ValueError, ["num_params", "whole"]),
+    (("7e9",), {}, TypeError, ["num_params", "number"]),
+    ((float("nan"),), {}, ValueError, ["num_params", "finite"]),
+])
+def test_invalid_arguments_name_the_argument(args, kwargs, exc, words):
+    with pytest.raises(exc) as info:
+        model_state_bytes(*args, **kwargs)
+    for word in words:
+        assert word in str(info.value)
