@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 NEEDS = ("cpu", "cpu-standins", "gpu")
 
@@ -40,16 +39,6 @@ LABS: dict[str, LabInfo] = {info.name: info for info in [
     LabInfo("06_schedules", "Learning-rate schedules", "cpu"),
     LabInfo("07_checkpoints", "Checkpointing and fault tolerance", "cpu"),
 ]}
-
-
-def labs_dir() -> Path:
-    """The repository's ``labs/`` folder (the package is installed editable, next to it)."""
-    return Path(__file__).resolve().parent.parent / "labs"
-
-
-def is_written(info: LabInfo) -> bool:
-    """True when the lab's source ``labs/<name>.py`` exists in this checkout."""
-    return (labs_dir() / f"{info.name}.py").exists()
 
 
 def verdict(info: LabInfo, *, has_cuda: bool) -> str:

@@ -39,15 +39,15 @@ SMOKE = course_lib.smoke(SMOKE)
 # * `course_lib/` is the library every lab uses: the launcher, the estimators, the trainer;
 # * the `course` command: `course doctor`, `course labs run`, `course estimate`, ...
 #
-# The course map: each lab, what it needs from the machine (`cpu-standins`: runs here, with a CPU
-# stand-in for one GPU-only part, named by `course doctor`), and whether it is written yet:
+# The course map: each lab and what it needs from the machine (`cpu-standins`: runs here, with a
+# CPU stand-in for one GPU-only part, named by `course doctor`, which also lists the labs your
+# checkout has):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(f"{'lab':<32} {'needs':<13} {'written':<8} title")
+print(f"{'lab':<32} {'needs':<13} title")
 for info in catalog.LABS.values():
-    written = "yes" if catalog.is_written(info) else "not yet"
-    print(f"{info.name:<32} {info.needs:<13} {written:<8} {info.title}")
+    print(f"{info.name:<32} {info.needs:<13} {info.title}")
 
 # %% [markdown]
 # ## 2. Is this machine ready?
