@@ -100,24 +100,14 @@ def test_tinygpt_deviations_are_parameters():
 
 def _saved_bytes_per_layer(model_mod, torch, preset, checkpointing, seq, batch):
     """Bytes autograd saves for one extra block: measure(L=3) - measure(L=2), each storage once."""
+    from course_lib.measure import saved_activation_bytes
+
     totals = []
     for n_layers in (2, 3):
         cfg = model_mod.ModelConfig.preset(preset, n_layers=n_layers, checkpointing=checkpointing)
         model = model_mod.TinyGPT(cfg).train()
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        seen, total = set(), [0]
-
-        def pack(t):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in params and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total[0] += storage.nbytes()
-            return t
-
         idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(idx, idx)
-        totals.append(total[0])
+        totals.append(saved_activation_bytes(model, idx, idx).total_bytes)
     return totals[1] - totals[0], cfg
 
 

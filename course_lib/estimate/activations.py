@@ -106,15 +106,8 @@ def activation_breakdown_per_layer(*, seq_len: int, micro_batch: int, d_model: i
     # repeats them to n_heads first (HF `repeat_kv`, TinyGPT) - then attention keeps the copies.
     # Selective recomputation saves the core's inputs, i.e. the un-repeated projections.
     kv_saved = a if (kv_repeat and recompute != "selective") else kv
-    if norm_saves == "unfused-rmsnorm":
-        # x * rsqrt(mean(x^2)) then * weight in separate ops (HF LlamaRMSNorm, TinyGPT): keeps the
-        # input upcast to fp32, the fp32 rstd per token and the normalised tensor (residual dtype).
-        norm_inputs = 2 * 4 * sbh / rep
-        norm_extras = 2 * (r * sbh + 4 * sb) / rep
-    else:
-        norm_inputs = 2 * r * sbh / rep
-        # Fused LayerNorm kernels also keep fp32 mean and rstd per token (8 bytes).
-        norm_extras = 2 * 8 * sb / rep if norm_saves == "input+stats" else 0.0
+    norm_input, norm_extra = _one_norm_bytes(norm_saves, r, sbh, sb)
+    norm_inputs, norm_extras = 2 * norm_input / rep, 2 * norm_extra / rep
     n_hidden = 2 if mlp == "gelu" else 4  # gelu: its input and output; swiglu: gate, up, silu, product
     return ActivationBreakdown({
         "norm_inputs": norm_inputs,
@@ -127,6 +120,16 @@ def activation_breakdown_per_layer(*, seq_len: int, micro_batch: int, d_model: i
         "mlp_hidden": n_hidden * e * s * b * f / t,
         "dropout_masks": 2 * mask * sbh / rep,
     })
+
+
+def _one_norm_bytes(norm_saves: str, r: float, sbh: float, sb: float) -> tuple[float, float]:
+    """(input bytes, extra bytes) one norm keeps for backward, before any parallel split."""
+    if norm_saves == "unfused-rmsnorm":
+        # x * rsqrt(mean(x^2)) then * weight in separate ops (HF LlamaRMSNorm, TinyGPT): keeps the
+        # input upcast to fp32, the fp32 rstd per token and the normalised tensor (residual dtype).
+        return 4 * sbh, r * sbh + 4 * sb
+    # Fused LayerNorm kernels also keep fp32 mean and rstd per token (8 bytes).
+    return r * sbh, (8 * sb if norm_saves == "input+stats" else 0.0)
 
 
 def activation_bytes_per_layer(*, seq_len: int, micro_batch: int, d_model: int, n_heads: int,
@@ -232,9 +235,12 @@ def first_stage_activation_breakdown(*, n_layers: int, pp: int = 1, virtual_stag
         # Embedding dropout mask: 1 byte per element per micro-batch in flight (Sec. 4.3: sbhp/t).
         embedding = (s * b * h / rep) * in_flight if layer_kwargs.get("dropout", True) else 0.0
         if pp == 1:
-            # Final norm input (residual dtype) and output-projection input plus fp32 logits for the
-            # cross-entropy, split over the vocabulary (Sec. 4.3: 4sbh/t (1 + v/h) for e = 2).
-            output = (r + e) * s * b * h / rep + 4 * s * b * vocab_size / t
+            # Final norm (what each block's norms keep, per `norm_saves`; the paper's "input" is
+            # its input in the residual dtype) and output-projection input plus fp32 logits for
+            # the cross-entropy, split over the vocabulary (Sec. 4.3: 4sbh/t (1 + v/h) for e = 2).
+            norm_input, norm_extra = _one_norm_bytes(
+                layer_kwargs.get("norm_saves", "input"), r, s * b * h, s * b)
+            output = (norm_input + norm_extra + e * s * b * h) / rep + 4 * s * b * vocab_size / t
     return StageActivations(per_layer.total, layer_equivalents, in_flight, embedding, output)
 
 

@@ -1,0 +1,277 @@
+# %% [markdown]
+# # Lab 02 — FLOPs, MFU and time to train
+#
+# Lab 01 asked "will it fit?". This one asks "how long will it take?". Three numbers answer it:
+#
+# 1. **FLOPs per token**: how much arithmetic one training token costs (forward + backward);
+# 2. **MFU**, model FLOPs utilization: the fraction of the hardware's peak FLOP/s the run
+#    actually turns into model arithmetic;
+# 3. **time to train** = FLOPs per token x tokens / (devices x peak x MFU).
+#
+# We count FLOPs two ways, redo nanoGPT's GPT-2 124M arithmetic, measure the MFU of a small
+# training run on this CPU against *this CPU's own* measured matmul peak, translate it to
+# A100/H100 numbers, and estimate how many days GPT-3 takes on a cluster.
+#
+# A FLOP here is one floating-point operation: a multiply-add counts 2. FLOP/s is per second.
+
+# %% tags=["parameters"]
+SMOKE = False  # True: small sizes, so the automated tests finish quickly
+D_MODEL, N_LAYERS, N_HEADS = 256, 4, 8  # the TinyGPT we train on this CPU
+SEQ, BATCH = 128, 16  # tokens per sequence, sequences per step
+ROUNDS, STEPS_PER_ROUND = 4, 6  # timing: each round re-measures the CPU peak, then times steps
+
+# %%
+import matplotlib.pyplot as plt
+import torch
+
+import course_lib
+from course_lib import data, estimate, measure
+from course_lib.checks import check
+from course_lib.estimate import format_si
+from course_lib.model import ModelConfig, TinyGPT
+
+SMOKE = course_lib.smoke(SMOKE)
+if SMOKE:
+    D_MODEL, N_LAYERS, N_HEADS, SEQ, BATCH, ROUNDS, STEPS_PER_ROUND = 128, 2, 4, 64, 8, 2, 2
+
+# %% [markdown]
+# ## 1. FLOPs per token: 6N, and the attention term
+#
+# A matmul of an (m x k) by a (k x n) matrix costs 2mkn FLOPs. Each parameter of a linear layer
+# takes part in one multiply-add per token in the forward pass (2 FLOPs) and two in the backward
+# pass (gradient of the input and of the weight: 4 FLOPs): **6N per token** (Kaplan et al. 2020).
+#
+# 6N misses the attention scores, which involve no parameters: Q K^T and scores x V cost
+# 2 x 2 x s x h per token per layer forward, x 3 with backward. PaLM (Appendix B) adds them:
+# **6N + 12 L H Q T** (L layers, H heads, Q head dimension, T sequence length).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'model':<12}{'params N':>18}{'seq T':>7}{'6N':>14}{'6N + 12LHQT':>14}{'attention share':>17}")
+for name in ("gpt2-small", "gpt2-xl", "llama2-7b", "llama3-70b", "gpt3-175b"):
+    shape = estimate.ModelShape.preset(name)
+    six_n = estimate.flops_per_token(shape, formula="6n")
+    palm = estimate.flops_per_token(shape, formula="palm")
+    print(f"{name:<12}{shape.num_params():>18,}{shape.seq_len:>7}{format_si(six_n, 'FLOP'):>14}"
+          f"{format_si(palm, 'FLOP'):>14}{(palm - six_n) / palm:>17.1%}")
+
+# %%
+fig, ax = plt.subplots(figsize=(6.5, 3.8))
+seqs = [2**k for k in range(9, 18)]
+for name in ("gpt2-small", "llama2-7b", "gpt3-175b"):
+    shape = estimate.ModelShape.preset(name)
+    six_n = 6 * shape.num_params()
+    share = [12 * shape.n_layers * shape.d_model * t / (six_n + 12 * shape.n_layers * shape.d_model * t)
+             for t in seqs]  # H x Q = d_model
+    ax.semilogx(seqs, [100 * x for x in share], "o-", base=2, label=name)
+ax.set_xlabel("sequence length T (tokens)")
+ax.set_ylabel("attention share of FLOPs per token (%)")
+ax.set_title("What 6N leaves out grows with the context")
+ax.legend()
+ax.grid(alpha=0.3)
+plt.show()
+
+# %% [markdown]
+# **What you should see:** at their training contexts the attention term is a few percent for
+# large models and more for small ones (it grows with T and shrinks with N / (L h)). At long
+# contexts it stops being a correction: 6N then underestimates the work, and an MFU computed with
+# 6N looks worse than the run really is.
+#
+# ## 2. nanoGPT's GPT-2 124M, worked through
+#
+# nanoGPT's `estimate_mfu` (model.py) uses PaLM's formula with N = `get_num_params()`, which leaves
+# out the position table (the tied token table stays in: it is also the output matmul). Its
+# `config/train_gpt2.py` trains with 12 sequences x 1024 tokens x 5 accumulation steps x 8 GPUs
+# per iteration for 600,000 iterations, and the README reports about **4 days on 8 A100 40GB**.
+# nanoGPT divides by the A100's bf16 peak, 312 TFLOP/s.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+gpt2 = estimate.ModelShape.preset("gpt2-small")
+n_nano = gpt2.num_params() - gpt2.position_params()
+per_token = estimate.flops_per_token(gpt2, formula="palm", params="no-position")
+tokens_per_iter = 12 * 1024 * 5 * 8
+iters, days, gpus = 600_000, 4, 8
+a100 = estimate.accelerator("a100-sxm4-40gb")
+per_iter = per_token * tokens_per_iter
+seconds_per_iter = days * 86_400 / iters
+nano_mfu = estimate.mfu(tokens_per_iter / seconds_per_iter, per_token, n_devices=gpus,
+                        peak_flops_per_device=a100.peak_flops("bf16"))
+print(f"N without the position table   {n_nano:,}")
+print(f"FLOPs per token, 6N + 12LHQT   {per_token:,.0f}  ({format_si(per_token, 'FLOP')})")
+print(f"tokens per iteration           {tokens_per_iter:,}")
+print(f"FLOPs per iteration            {format_si(per_iter, 'FLOP')}")
+print(f"total tokens                   {tokens_per_iter * iters / 1e9:.0f} B")
+print(f"{days} days / {iters:,} iterations  = {seconds_per_iter:.3f} s per iteration")
+print(f"implied MFU on {gpus} x A100 bf16  {nano_mfu:.1%}")
+check(abs(per_token - 855_166_464) < 1, "6N + 12LHQT for GPT-2 124M should be 855,166,464 FLOPs per token")
+
+# %% [markdown]
+# **What you should see:** about 0.86 GFLOP per token, and an implied MFU near 30%: the
+# four-day run kept its A100s less than a third busy with model arithmetic (GPT-2 small's
+# matrices are small for a GPU). Read it backwards too: a *measured* iteration time gives MFU, and an MFU you believe
+# gives the training time.
+#
+# ## 3. This CPU's peak
+#
+# MFU needs a peak to divide by. A GPU has a datasheet number; for this CPU we **measure** it:
+# the best time of a large fp32 matrix multiply (`measure.cpu_matmul_peak_flops`), on the same
+# threads the training uses. It is the best the chip can do on the friendliest possible workload.
+
+# %%
+sizes = [256, 512] if SMOKE else [256, 512, 1024, 2048]
+peaks = {n: measure.cpu_matmul_peak_flops(n, repeats=3) for n in sizes}
+print(f"{torch.get_num_threads()} threads, fp32")
+for n, p in peaks.items():
+    print(f"  {n:>5} x {n:<5} matmul: {format_si(p.flops_per_second, 'FLOP/s')}")
+
+# %% [markdown]
+# **What you should see:** throughput rising with the matrix size (more arithmetic per byte
+# moved), then flattening: that plateau is the peak. A laptop core does a few tens of GFLOP/s in
+# fp32; an H100 does about 67 TFLOP/s in fp32 and 990 in bf16 on its tensor cores.
+#
+# ## 4. MFU of a training run on this CPU
+#
+# A TinyGPT on a synthetic Markov-chain task, AdamW, fp32. Other programs share this machine, so we
+# time in **rounds**: each round measures the matmul peak and then times a few steps, and MFU is
+# computed per round against that round's peak, so a busy moment slows numerator and denominator
+# together.
+
+# %%
+cfg = ModelConfig.preset("tiny", d_model=D_MODEL, n_layers=N_LAYERS, n_heads=N_HEADS, block_size=SEQ)
+torch.manual_seed(0)
+model = TinyGPT(cfg)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+stream = data.BatchStream(data.MarkovTask(vocab_size=cfg.vocab_size, seq_len=SEQ, seed=0), BATCH)
+shape = measure.tinygpt_shape(cfg)
+check(shape.num_params() == model.num_params(), "the estimator's shape should count TinyGPT's parameters")
+flops_per_token = {"6N": estimate.flops_per_token(shape),
+                   "6N + 12LHQT": estimate.flops_per_token(shape, formula="palm"),
+                   "matmul count": estimate.model_flops_per_iteration(shape, batch=1) / SEQ}
+losses = []
+
+
+def train_step():
+    x, y = next(stream)
+    _, loss = model(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+
+
+train_step()  # warm-up: allocates Adam's state, fills caches
+rounds = []
+for _ in range(ROUNDS):
+    peak = measure.cpu_matmul_peak_flops(1024 if not SMOKE else 512, repeats=3).flops_per_second
+    run = measure.time_steps(train_step, STEPS_PER_ROUND, warmup=0, tokens_per_step=BATCH * SEQ)
+    rounds.append((peak, run.tokens_per_second,
+                   estimate.mfu(run.tokens_per_second, flops_per_token["matmul count"], n_devices=1,
+                                peak_flops_per_device=peak)))
+cpu_peak, tokens_per_s, mfu_cpu = sorted(rounds, key=lambda r: r[2])[len(rounds) // 2]  # the median round
+print(f"TinyGPT: {model.num_params():,} parameters, {N_LAYERS} layers, d_model {D_MODEL}, "
+      f"batch {BATCH} x {SEQ} tokens; loss {losses[0]:.2f} -> {losses[-1]:.2f} nats")
+print("FLOPs per token: " + ", ".join(f"{k} {format_si(v, 'FLOP')}" for k, v in flops_per_token.items()))
+print(f"\n{'round':<7}{'CPU peak':>16}{'tokens/s':>11}{'MFU':>8}")
+for i, (peak, tps, m) in enumerate(rounds):
+    print(f"{i:<7}{format_si(peak, 'FLOP/s'):>16}{tps:>11,.0f}{m:>8.1%}")
+print(f"\nmedian round: MFU {mfu_cpu:.1%}, {tokens_per_s:,.0f} tokens/s, peak {format_si(cpu_peak, 'FLOP/s')}")
+check(0 < mfu_cpu < 1, "MFU must lie between 0 and 1; above 1 means the peak was measured while the "
+      "machine was busier than during the steps: run the cell again")
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
+ax1.plot(losses, ".-")
+ax1.set_xlabel("step")
+ax1.set_ylabel("loss (nats per token)")
+ax1.set_title("the run we timed")
+ax2.bar(range(len(rounds)), [100 * r[2] for r in rounds], color="#4C72B0")
+ax2.axhline(100 * mfu_cpu, color="black", linestyle="--", label=f"median {mfu_cpu:.1%}")
+ax2.set_xticks(range(len(rounds)))
+ax2.set_ylim(0, 130 * max(r[2] for r in rounds))
+ax2.set_xlabel("round")
+ax2.set_ylabel("MFU against this CPU's peak (%)")
+ax2.set_title("model FLOP/s / measured matmul peak")
+ax2.legend()
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# **What you should see:** a falling loss, and an MFU well below 100% even on a CPU: the model's
+# matrices are small (each matmul is far from the friendly square case that set the peak), and
+# softmax, norms, the optimizer step and Python overhead do work that is not counted as model
+# FLOPs at all. The three FLOP counts differ by a few percent here; we used the exact matmul count.
+#
+# ## 5. The same run on an A100 or H100
+#
+# MFU is portable, FLOP/s are not. If the same run reached the same MFU on a GPU, its throughput
+# would be MFU x peak / FLOPs per token, and its speed-up over this CPU the ratio of the peaks.
+# Each precision has its own peak (dense, from the datasheets in `estimate.ACCELERATORS`):
+
+# %%
+rows = []
+for key in ("a100-sxm4-80gb", "h100-sxm5-80gb"):
+    acc = estimate.accelerator(key)
+    for dtype in ("fp32", "tf32", "bf16"):
+        peak = acc.peak_flops(dtype)
+        tps = mfu_cpu * peak / flops_per_token["matmul count"]
+        rows.append((acc.name, dtype, peak, tps))
+print(f"at the measured MFU of {mfu_cpu:.1%}:")
+print(f"{'device':<24}{'dtype':<6}{'peak':>16}{'tokens/s':>16}{'x this CPU':>12}")
+for name, dtype, peak, tps in rows:
+    print(f"{name:<24}{dtype:<6}{format_si(peak, 'FLOP/s'):>16}{tps:>16,.0f}{peak / cpu_peak:>12,.0f}")
+
+# %% [markdown]
+# **What you should see:** thousands of times this CPU's throughput, and bf16 several times fp32:
+# tensor cores only reach their peak in reduced precision (lab 03). Take these numbers as an upper
+# bound for *this* model: a model this small cannot keep a GPU busy (kernel launches and memory
+# traffic dominate), so its real GPU MFU would be far lower; large models keep a GPU far busier.
+#
+# ## 6. Days to train GPT-3
+#
+# Time = k x N x tokens / (devices x achieved FLOP/s per device), k = 6 without recomputation and
+# 8 with full activation recomputation (one more forward). Narayanan et al. 2021 (Sec. 5.1) train
+# GPT-3 175B on 300B tokens with 1024 A100s sustaining 140 TFLOP/s each, with recomputation, and
+# estimate **34 days**.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+gpt3 = estimate.ModelShape.preset("gpt3-175b")
+h100 = estimate.accelerator("h100-sxm5-80gb")
+scenarios = [
+    ("Narayanan: 1024 A100, 140 TFLOP/s, recompute (8N)", 1024, 140e12, 8),
+    ("same, no recomputation (6N)", 1024, 140e12, 6),
+    ("1024 A100 at 40% MFU bf16 (6N)", 1024, 0.40 * a100.peak_flops("bf16"), 6),
+    ("1024 H100 at 40% MFU bf16 (6N)", 1024, 0.40 * h100.peak_flops("bf16"), 6),
+    ("4096 H100 at 40% MFU bf16 (6N)", 4096, 0.40 * h100.peak_flops("bf16"), 6),
+]
+print(f"GPT-3: N = {gpt3.num_params():,}, 300B tokens")
+print(f"{'cluster':<52}{'per device':>16}{'days':>8}")
+day_rows = []
+for label, n_dev, achieved, k in scenarios:
+    d = estimate.training_days(300e9, gpt3.num_params(), n_devices=n_dev, achieved_flops_per_device=achieved,
+                               flops_per_param_per_token=k)
+    day_rows.append((label, d))
+    print(f"{label:<52}{format_si(achieved, 'FLOP/s'):>16}{d:>8.1f}")
+check(round(day_rows[0][1]) == 34, "Narayanan et al.'s setting should give their 34 days")
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 3.2))
+ax.barh([label for label, _ in day_rows][::-1], [d for _, d in day_rows][::-1], color="#55A868")
+for y, (_, d) in enumerate(day_rows[::-1]):
+    ax.annotate(f"{d:.1f} d", (d, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+ax.set_xlabel("days to train GPT-3 175B on 300B tokens")
+ax.set_xlim(0, 1.15 * max(d for _, d in day_rows))
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# **What you should see:** Narayanan's 34 days reproduced, a quarter less without recomputation,
+# and a few days on a large H100 cluster. Every line is the same formula: the levers are the
+# device count, the precision's peak, and the MFU your software reaches. A learner's MFU on this
+# CPU and a cluster's on H100s are the same kind of number.
+#
+# ## Where next
+#
+# * **Lab 03**: mixed precision, which is where the bf16 peak comes from.
+# * **`course estimate --model gpt3-175b ...`**: FLOPs per token and per step for any shape.
