@@ -1,0 +1,214 @@
+"""Second checkpoint tier: copy verified checkpoints in the background to any fsspec URL.
+
+The course texts' "local NVMe, then async copy to shared storage" and "cloud storage as secondary
+backup": a lost node or disk must not lose the run. Works with any fsspec filesystem - ``file://``
+(NFS, a second disk), ``s3://`` (with ``s3fs``; tested against a real S3 server on loopback),
+``gs://``, ``memory://``...
+
+Object stores have no atomic directory rename, so the commit point is the manifest: data files are
+uploaded first, read back and compared with the local sha256s, and only then ``manifest.json`` is
+written. A remote directory without a manifest (an interrupted upload) is never used and is deleted
+by the next prune. Deleting goes the other way round: manifest first.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from .checkpoint_io import (MANIFEST, NAME_RE, CheckpointError, read_manifest, safe_file_name, sha256_hex,
+                            write_checkpoint_dir)
+
+
+class CheckpointMirror:
+    """Mirror of a local checkpoint root at ``url`` (fsspec URL; ``storage_options`` go to the
+    filesystem, e.g. ``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}``).
+
+    ``retries``: extra attempts per upload after a failure (>= 0); ``backoff_s``: first wait between
+    attempts in seconds, doubled each time; ``on_failure(attempt, exc)``: called after each failed
+    attempt (logging, labs). An upload that still fails is recorded in ``failures`` and warned
+    about; training goes on, since the local tier still holds the checkpoint.
+
+    ``skip_superseded``: when uploads are slower than saves, a queued upload is skipped (listed in
+    ``skipped``) once a newer checkpoint is queued behind it, so the mirror never falls ever further
+    behind. Names queued or uploading are in :meth:`busy`; the manager does not prune those."""
+
+    def __init__(self, url: str, *, retries: int = 3, backoff_s: float = 0.5,
+                 storage_options: dict | None = None, skip_superseded: bool = True,
+                 on_failure: Callable[[int, BaseException], None] | None = None):
+        import fsspec
+        if not isinstance(url, str) or not url:
+            raise ValueError(f"url must be a non-empty fsspec URL like 'file:///mnt/ckpt' or 's3://bucket/run', got {url!r}")
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries must be an int >= 0, got {retries!r}")
+        if not isinstance(backoff_s, (int, float)) or backoff_s < 0:
+            raise ValueError(f"backoff_s must be a number >= 0 (seconds), got {backoff_s!r}")
+        self.url = url.rstrip("/")
+        self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.root = root.rstrip("/")
+        self.retries, self.backoff_s, self.on_failure = retries, float(backoff_s), on_failure
+        self.skip_superseded = bool(skip_superseded)
+        self.failures: list[tuple[str, str]] = []  # (checkpoint name, last error)
+        self.uploaded: list[str] = []
+        self.skipped: list[str] = []
+        self._pending: list[str] = []  # submitted, not finished; guarded by _lock
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def _p(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    # ------------------------------------------------------------------ upload
+    def submit(self, local_dir: str | Path, keep: Iterable[str] | None = None) -> None:
+        """Upload ``local_dir`` in the background (after any earlier upload finishes, so uploads
+        land in order), then delete remote checkpoints whose names are not in ``keep``."""
+        prev, keep, name = self._thread, (None if keep is None else set(keep)), Path(local_dir).name
+        with self._lock:
+            self._pending.append(name)
+
+        def job() -> None:
+            try:
+                if prev is not None:
+                    prev.join()
+                with self._lock:
+                    superseded = self.skip_superseded and self._pending[-1] != name
+                if superseded:
+                    self.skipped.append(name)
+                else:
+                    self.upload(local_dir, keep)
+            finally:
+                with self._lock:
+                    self._pending.remove(name)
+
+        # Not a daemon: the interpreter waits for an upload in progress at exit.
+        self._thread = threading.Thread(target=job, name=f"ckpt-mirror-{Path(local_dir).name}")
+        self._thread.start()
+
+    def upload(self, local_dir: str | Path, keep: Iterable[str] | None = None) -> bool:
+        """Upload one verified local checkpoint now, with retries; then prune to ``keep``.
+        Returns True on success; on final failure records it, warns and returns False."""
+        local_dir = Path(local_dir)
+        for attempt in range(self.retries + 1):
+            try:
+                self._upload_once(local_dir)
+                break
+            except Exception as e:  # network, permissions, checksum mismatch: all worth a retry
+                if self.on_failure is not None:
+                    self.on_failure(attempt, e)
+                if attempt == self.retries:
+                    self.failures.append((local_dir.name, repr(e)))
+                    warnings.warn(f"mirror upload of {local_dir.name} to {self.url} failed after "
+                                  f"{attempt + 1} attempts: {e!r}; the local copy is still there", RuntimeWarning)
+                    return False
+                time.sleep(self.backoff_s * 2 ** attempt)
+        self.uploaded.append(local_dir.name)
+        if keep is not None:
+            try:
+                self.prune(set(keep) | {local_dir.name})
+            except Exception as e:  # a failed prune costs space, never data
+                warnings.warn(f"mirror prune at {self.url} failed: {e!r}", RuntimeWarning)
+        return True
+
+    def _upload_once(self, local_dir: Path) -> None:
+        manifest_bytes = (local_dir / MANIFEST).read_bytes()
+        manifest = read_manifest(local_dir, expected_format=None)
+        remote = self._p(local_dir.name)
+        if self.fs.exists(self._p(local_dir.name, MANIFEST)):
+            self.fs.rm_file(self._p(local_dir.name, MANIFEST))  # a mixed old/new dir must not look complete
+        self.fs.makedirs(remote, exist_ok=True)
+        for fname, meta in manifest["files"].items():
+            self.fs.put_file(str(local_dir / fname), f"{remote}/{fname}")
+            back = self.fs.cat_file(f"{remote}/{fname}")  # compare what the remote really holds
+            if len(back) != meta["bytes"] or sha256_hex(back) != meta["sha256"]:
+                raise CheckpointError(f"mirror copy {remote}/{fname} does not match its local checksum")
+        self.fs.pipe_file(f"{remote}/{MANIFEST}", manifest_bytes)  # the commit point
+        if self.fs.cat_file(f"{remote}/{MANIFEST}") != manifest_bytes:
+            raise CheckpointError(f"mirror manifest {remote}/{MANIFEST} did not read back identical")
+
+    # ------------------------------------------------------------------ read side
+    def _names(self) -> list[str]:
+        self.fs.invalidate_cache()
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        return [n for n in (e.rstrip("/").rsplit("/", 1)[-1] for e in entries) if NAME_RE.match(n)]
+
+    def list(self) -> dict[str, dict]:
+        """``{name: manifest}`` of remote checkpoints that have a parseable manifest (complete
+        uploads). Checksums are checked on :meth:`download`."""
+        out = {}
+        for name in self._names():
+            try:
+                manifest = json.loads(self.fs.cat_file(self._p(name, MANIFEST)))
+            except (FileNotFoundError, ValueError, OSError):
+                continue
+            if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict):
+                out[name] = manifest
+        return out
+
+    def download(self, name: str, dest_root: str | Path) -> Path:
+        """Fetch remote checkpoint ``name``, check every file against the remote manifest and
+        write it atomically as ``dest_root/name``. Raises CheckpointError on any mismatch."""
+        if not NAME_RE.match(name):
+            raise ValueError(f"name must be a checkpoint name like 'step_000000100', got {name!r}")
+        try:
+            manifest = json.loads(self.fs.cat_file(self._p(name, MANIFEST)))
+        except (FileNotFoundError, ValueError, OSError) as e:
+            raise CheckpointError(f"mirror {self.url}/{name}: no usable manifest ({e})") from None
+        files = {}
+        for fname, meta in manifest["files"].items():
+            if not safe_file_name(fname):
+                raise CheckpointError(f"mirror {self.url}/{name}: unsafe file name {fname!r} in manifest")
+            try:
+                blob = self.fs.cat_file(self._p(name, fname))
+            except (FileNotFoundError, OSError) as e:
+                raise CheckpointError(f"mirror {self.url}/{name}: cannot read {fname} ({e})") from None
+            if len(blob) != meta["bytes"] or sha256_hex(blob) != meta["sha256"]:
+                raise CheckpointError(f"mirror {self.url}/{name}: {fname} does not match its checksum")
+            files[fname] = blob
+        dest_root = Path(dest_root)
+        dest_root.mkdir(parents=True, exist_ok=True)
+        meta = {k: v for k, v in manifest.items() if k not in ("files", "format")}
+        return write_checkpoint_dir(dest_root, name, files, meta)
+
+    def prune(self, keep: set[str]) -> list[str]:
+        """Delete remote checkpoints (and interrupted uploads) whose names are not in ``keep``."""
+        removed = []
+        for name in self._names():
+            if name in keep:
+                continue
+            if self.fs.exists(self._p(name, MANIFEST)):
+                self.fs.rm_file(self._p(name, MANIFEST))  # first: never a half-deleted "complete" one
+            self.fs.rm(self._p(name), recursive=True)
+            removed.append(name)
+        return removed
+
+    def busy(self) -> set[str]:
+        """Names of local checkpoints queued or being uploaded (must not be deleted yet)."""
+        with self._lock:
+            return set(self._pending)
+
+    def wait(self) -> None:
+        """Block until every submitted upload has finished (successfully or not)."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def close(self) -> None:
+        """Wait for the uploads in flight."""
+        self.wait()
+
+    def __repr__(self) -> str:
+        return f"CheckpointMirror({self.url!r})"
+
+
+def as_mirror(mirror: Any) -> CheckpointMirror | None:
+    """Accept None, a URL string or a :class:`CheckpointMirror`."""
+    if mirror is None or isinstance(mirror, CheckpointMirror):
+        return mirror
+    if isinstance(mirror, str):
+        return CheckpointMirror(mirror)
+    raise TypeError(f"mirror must be None, an fsspec URL or a CheckpointMirror, got {type(mirror).__name__}")

@@ -1,0 +1,94 @@
+"""Gradient monitor: per-parameter and per-layer gradient norms with one device synchronization.
+
+The seed text calls ``.item()`` per parameter, which stalls a GPU once per tensor (hundreds of
+times a step). Here every norm is computed on the device with ``torch._foreach_norm`` (one fused
+kernel per device and dtype), the norms and the loss are stacked, and a single ``tolist()`` brings
+them to the host; the global norm and the per-layer norms are then host arithmetic.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class GradStats:
+    """One step's numbers, on the host: ``loss`` (None if not given), ``total_norm`` (global L2 norm
+    of all gradients, before clipping), ``param_norms`` and ``layer_norms`` (L2, by name),
+    ``finite`` (loss and every gradient finite)."""
+
+    loss: float | None
+    total_norm: float
+    param_norms: dict[str, float]
+    layer_norms: dict[str, float]
+    finite: bool
+    grads: list[torch.Tensor] = field(default_factory=list, repr=False)  # the measured gradients
+
+
+class GradientMonitor:
+    """Per-parameter and per-layer gradient L2 norms with exactly one device-to-host transfer.
+
+    ``layer_depth``: None groups each parameter under its owning module (``blocks.0.attn.qkv``);
+    an int keeps that many leading name components (``2`` -> ``blocks.0``).
+
+    The (name, parameter, layer) list of a model is built once and reused: walking
+    ``named_parameters()`` every step costs as much as the norms on a small model. Call
+    :meth:`refresh` after replacing parameters of the same model object (re-tying, re-wrapping)."""
+
+    def __init__(self, layer_depth: int | None = None):
+        if layer_depth is not None and (not isinstance(layer_depth, int) or layer_depth < 1):
+            raise ValueError(f"layer_depth must be None or an int >= 1 (name components), got {layer_depth!r}")
+        self.layer_depth = layer_depth
+        self.sync_count = 0
+        self._cache: tuple[weakref.ref, list[tuple[str, nn.Parameter, str]]] | None = None
+
+    def refresh(self) -> None:
+        """Forget the cached parameter list (rebuilt at the next :meth:`measure`)."""
+        self._cache = None
+
+    def _params(self, model: nn.Module) -> list[tuple[str, nn.Parameter, str]]:
+        if self._cache is None or self._cache[0]() is not model:
+            self._cache = (weakref.ref(model), [(n, p, self.layer_of(n)) for n, p in model.named_parameters()])
+        return self._cache[1]
+
+    def layer_of(self, name: str) -> str:
+        """The layer a parameter name belongs to under this monitor's grouping."""
+        parts = name.split(".")
+        if self.layer_depth is None:
+            return ".".join(parts[:-1]) or name
+        return ".".join(parts[: self.layer_depth])
+
+    def measure(self, model: nn.Module, loss: torch.Tensor | None = None) -> GradStats:
+        """Norms of the current gradients of ``model`` (and the value of ``loss``), one sync."""
+        named = [(n, p.grad, layer) for n, p, layer in self._params(model) if p.grad is not None]
+        if not named:
+            raise ValueError("the model has no gradients; call after backward()")
+        grads = [g for _, g, _ in named]
+        if any(g.is_sparse for g in grads):
+            raise TypeError("sparse gradients are not supported by GradientMonitor")
+        with torch.no_grad():
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # fp32 so fp16 norms cannot overflow
+            # FSDP2/DTensor gradients: the norm of a shard is partial; full_tensor() all-reduces
+            # on the device (a collective, not a host sync).
+            norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+            device = norms[0].device
+            parts = [n if n.device == device else n.to(device) for n in norms]
+            if loss is not None:
+                lv = loss.detach().float().reshape(())
+                parts.insert(0, lv if lv.device == device else lv.to(device))
+            values = torch.stack(parts).tolist()  # the one device synchronization of the step
+        self.sync_count += 1
+        loss_value = values.pop(0) if loss is not None else None
+        param_norms = {}
+        sq: dict[str, float] = {}
+        for (name, _, layer), v in zip(named, values):
+            param_norms[name] = v
+            sq[layer] = sq.get(layer, 0.0) + v * v
+        layer_norms = {k: math.sqrt(v) for k, v in sq.items()}
+        total = math.sqrt(sum(v * v for v in values))
+        finite = math.isfinite(total) and (loss_value is None or math.isfinite(loss_value))
+        return GradStats(loss_value, total, param_norms, layer_norms, finite, grads)

@@ -1,0 +1,206 @@
+"""Second checkpoint tier: a file:// directory and a real S3 server (moto, on loopback)."""
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from course_lib import _tiny_loop
+from course_lib import checkpoint_io as cio
+from course_lib.checkpoint import CheckpointManager
+from course_lib.checkpoint_mirror import CheckpointMirror
+
+BUCKET = "ckpt"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A real S3-compatible server on 127.0.0.1 (moto's server mode), a bucket, and the fsspec
+    storage options that reach it. Nothing leaves the machine."""
+    pytest.importorskip("s3fs", reason="s3fs is needed for the S3 mirror tests (dev extras)")
+    server_mod = pytest.importorskip("moto.server", reason="moto[server] is needed for the S3 mirror tests")
+    import boto3
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    creds = dict(aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1")
+    boto3.client("s3", endpoint_url=endpoint, **creds).create_bucket(Bucket=BUCKET)
+    options = {"key": "testing", "secret": "testing",
+               "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    yield options
+    server.stop()
+
+
+def mirror_for(kind, tmp_path, s3_options=None, **kw):
+    if kind == "file":
+        return CheckpointMirror(f"file://{tmp_path}/remote", backoff_s=0.01, **kw)
+    return CheckpointMirror(f"s3://{BUCKET}/{tmp_path.name}", storage_options=s3_options, backoff_s=0.01, **kw)
+
+
+def model_at(step):
+    torch.manual_seed(step)
+    return nn.Linear(16, 16)
+
+
+@pytest.fixture(params=["file", "s3"])
+def kind(request):
+    return request.param
+
+
+@pytest.fixture
+def options(kind, request):
+    return request.getfixturevalue("s3") if kind == "s3" else None
+
+
+def test_verified_copies_land_on_the_mirror_and_follow_retention(tmp_path, kind, options):
+    mirror = mirror_for(kind, tmp_path, options, skip_superseded=False)
+    mgr = CheckpointManager(tmp_path / "local", keep_last=2, mirror=mirror)
+    for step in range(1, 5):
+        mgr.save(step, model=model_at(step))
+    mgr.close()
+    remote = mirror.list()
+    assert sorted(remote) == ["step_000000003", "step_000000004"] == [n for n, _ in mgr.checkpoints()]
+    for name, manifest in remote.items():
+        for fname, meta in manifest["files"].items():
+            blob = mirror.fs.cat_file(f"{mirror.root}/{name}/{fname}")
+            assert cio.sha256_hex(blob) == meta["sha256"] == cio.sha256_hex((tmp_path / "local" / name / fname).read_bytes())
+    assert mirror.failures == [] and mirror.uploaded == [f"step_00000000{i}" for i in range(1, 5)]
+
+
+def test_a_slow_mirror_skips_superseded_uploads_and_blocks_no_pruning(tmp_path):
+    delays = []
+
+    class SlowMirror(CheckpointMirror):  # a real file:// mirror behind a slow link
+        def _upload_once(self, local_dir):
+            delays.append(local_dir.name)
+            time.sleep(0.3)
+            super()._upload_once(local_dir)
+
+    mirror = SlowMirror(f"file://{tmp_path}/remote", backoff_s=0.01)
+    mgr = CheckpointManager(tmp_path / "local", keep_last=1, mirror=mirror)
+    for step in range(1, 6):
+        mgr.save(step, model=model_at(step))
+        mgr.wait(mirror=False)
+    mgr.close()
+    assert mirror.failures == [] and mirror.uploaded[-1] == "step_000000005"
+    assert set(mirror.skipped) | set(mirror.uploaded) == {f"step_00000000{i}" for i in range(1, 6)}
+    assert mirror.skipped, "saves every few ms against a 0.3 s upload must coalesce"
+    assert list(mirror.list()) == ["step_000000005"]
+    mgr.save(6, model=model_at(6))  # the next save prunes what uploads were still reading
+    mgr.close()
+    assert [n for n, _ in mgr.checkpoints()] == ["step_000000006"]
+
+
+def test_newest_valid_checkpoint_on_either_tier(tmp_path, kind, options):
+    mirror = mirror_for(kind, tmp_path, options, skip_superseded=False)
+    mgr = CheckpointManager(tmp_path / "local", keep_last=3, mirror=mirror)
+    for step in range(1, 4):
+        mgr.save(step, model=model_at(step))
+    mgr.close()
+    shutil.rmtree(tmp_path / "local" / "step_000000003")  # newest exists only on the mirror now
+    m = nn.Linear(16, 16)
+    res = CheckpointManager(tmp_path / "local", keep_last=3, mirror=mirror).load(m)
+    assert (res.step, res.source) == (3, "mirror") and torch.equal(m.weight, model_at(3).weight)
+    assert (tmp_path / "local" / "step_000000003" / "manifest.json").exists()  # downloaded atomically
+    # corrupt the mirror's newest copy and lose the local disk: fall back to the previous one
+    shutil.rmtree(tmp_path / "local")
+    path = f"{mirror.root}/step_000000003/model.safetensors"
+    blob = bytearray(mirror.fs.cat_file(path))
+    blob[len(blob) // 2] ^= 0xFF
+    mirror.fs.pipe_file(path, bytes(blob))
+    with pytest.warns(RuntimeWarning, match="step_000000003 \\(mirror\\).*checksum"):
+        res = CheckpointManager(tmp_path / "local", mirror=mirror).load(m)
+    assert (res.step, res.source) == (2, "mirror") and torch.equal(m.weight, model_at(2).weight)
+
+
+def test_lost_local_disk_resumes_from_the_mirror_bit_exact(tmp_path, kind, options):
+    steps, width = 400, 256
+    ref = tmp_path / "ref"
+    _tiny_loop.run(ref, steps, save_every=None, width=width)
+    mirror = mirror_for(kind, tmp_path, options)
+    run = tmp_path / "run"
+    args = ["--dir", run, "--steps", steps, "--save-every", 10, "--width", width, "--mirror", mirror.url]
+    if options:
+        args += ["--storage-options", json.dumps(options)]
+    proc = subprocess.Popen([sys.executable, "-m", "course_lib._tiny_loop", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline and not mirror.list():
+        time.sleep(0.05)  # mid-run, as soon as the mirror holds a complete checkpoint...
+    proc.send_signal(signal.SIGKILL)  # ...the node dies
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before the mirror had a checkpoint: {err}"
+    shutil.rmtree(run / "ckpt")  # and its disk is gone
+    summary = _tiny_loop.run(run, steps, save_every=10, width=width, mirror=mirror.url, storage_options=options)
+    assert summary["resumed_from"]["source"] == "mirror" and summary["resumed_from"]["step"] >= 10
+    got = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in got] == list(range(steps)) and [r["loss"] for r in got] == [r["loss"] for r in want]
+    a, b = load_file(run / "final.safetensors"), load_file(ref / "final.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_upload_retries_until_the_target_recovers(tmp_path):
+    blocker = tmp_path / "remote"
+    blocker.write_text("a file where the mirror directory should be")  # every upload fails for now
+    attempts = []
+
+    def repair(attempt, exc):
+        attempts.append((attempt, type(exc).__name__))
+        if attempt == 1:
+            blocker.unlink()  # the storage comes back before the third attempt
+
+    mirror = CheckpointMirror(f"file://{blocker}", retries=3, backoff_s=0.01, on_failure=repair)
+    mgr = CheckpointManager(tmp_path / "local", mirror=mirror)
+    mgr.save(1, model=model_at(1))
+    mgr.close()
+    assert [a for a, _ in attempts] == [0, 1] and mirror.failures == []
+    assert list(mirror.list()) == ["step_000000001"]
+
+
+def test_upload_that_keeps_failing_warns_and_training_goes_on(tmp_path):
+    blocker = tmp_path / "remote"
+    blocker.write_text("not a directory")
+    mirror = CheckpointMirror(f"file://{blocker}", retries=1, backoff_s=0.0)
+    mgr = CheckpointManager(tmp_path / "local", mirror=mirror)
+    with pytest.warns(RuntimeWarning, match="mirror upload of step_000000001 .* failed after 2 attempts"):
+        mgr.save(1, model=model_at(1))
+        mgr.close()
+    assert [n for n, _ in mirror.failures] == ["step_000000001"]
+    assert [n for n, _ in mgr.checkpoints()] == ["step_000000001"]  # the local tier is intact
+
+
+def test_interrupted_upload_is_never_used_and_is_pruned(tmp_path):
+    mirror = mirror_for("file", tmp_path)
+    partial = tmp_path / "remote" / "step_000000099"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"half")  # no manifest: the upload never committed
+    assert mirror.list() == {}
+    m = nn.Linear(16, 16)
+    assert CheckpointManager(tmp_path / "local", mirror=mirror).load(m) is None
+    mgr = CheckpointManager(tmp_path / "local", mirror=mirror)
+    mgr.save(1, model=model_at(1))
+    mgr.close()
+    assert not partial.exists() and list(mirror.list()) == ["step_000000001"]
+
+
+@pytest.mark.parametrize("kwargs, err, needle", [
+    (dict(url=""), ValueError, "url"), (dict(url="file:///tmp/x", retries=-1), ValueError, "retries"),
+    (dict(url="file:///tmp/x", backoff_s=-1), ValueError, "backoff_s")])
+def test_mirror_validates_arguments(kwargs, err, needle):
+    with pytest.raises(err, match=needle):
+        CheckpointMirror(**kwargs)
+    with pytest.raises(TypeError, match="mirror"):
+        CheckpointManager("/tmp/unused-ckpt-root", mirror=42, writer=False)
