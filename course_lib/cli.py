@@ -148,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write the executed (full-size) outputs back into labs/*.ipynb")
     run.set_defaults(func=cmd_labs_run)
 
+    from course_lib import train as train_mod
+
+    p = sub.add_parser("train", help="train TinyGPT from a TOML config (same as python -m course_lib.train)")
+    train_mod.build_parser(p)
+    p.set_defaults(func=train_mod.run_cli)
+
     from course_lib.estimate import cli as estimate_cli  # torch-free, cheap to import
 
     p = sub.add_parser("estimate", help="memory / FLOPs per rank for a model and a parallel layout")

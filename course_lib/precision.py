@@ -84,6 +84,14 @@ class PrecisionPolicy:
         self._last_scale = new_scale
         return applied
 
+    def skip(self, optimizer: torch.optim.Optimizer) -> None:
+        """Leave this step out after :meth:`unscale_` was called (a spike or a non-finite loss
+        the stabilizer caught). fp16: closes the scaler's step with ``update()`` so the next
+        ``unscale_`` is allowed; the scale itself only changes if the gradients held inf/nan."""
+        if self.scaler is not None:
+            self.scaler.update()
+            self._last_scale = self.scaler.get_scale()
+
     @property
     def loss_scale(self) -> float:
         """Current loss scale (1.0 when there is no scaler). Reads a device value: syncs on CUDA."""

@@ -45,3 +45,11 @@ def say_hello(rank, world_size):
 
 def unpicklable_result(rank, world_size):
     return threading.Lock()
+
+
+def train_rank(rank, world_size, cfg, out_dir):
+    """One rank of a DDP training run (tests/test_train.py)."""
+    from course_lib.train import train
+
+    result = train(cfg, out_dir)
+    return {"steps": result.steps, "final_loss": result.final_loss}

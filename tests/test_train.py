@@ -1,0 +1,200 @@
+"""The trainer: accumulation equals the big batch, determinism, config errors before any file,
+resume after SIGKILL, faults caught, DDP equal to one process."""
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import rank_fns
+from course_lib import train_config
+from course_lib.metrics import read_rows
+from course_lib.parallel import run_ranks
+from course_lib.train import main, train
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "labs" / "configs" / "tiny-cpu.toml"
+
+
+def cfg(**sets):
+    """tiny-cpu.toml with `section__key=value` overrides and no progress bar."""
+    overrides = ["train.progress=false", "train.max_steps=12", "schedule.warmup_steps=3"]
+    overrides += [f"{k.replace('__', '.')}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
+                  for k, v in sets.items()]
+    return train_config.load(TINY, overrides)
+
+
+def losses(out):
+    return [r["loss"] for r in read_rows(Path(out) / "metrics.jsonl")]
+
+
+def final_weights(out):
+    from safetensors.torch import load_file
+
+    newest = sorted((Path(out) / "checkpoints").glob("step_*"))[-1]
+    files = list(newest.glob("*.safetensors"))
+    assert files, f"no safetensors in {newest}"
+    return load_file(str(files[0]))
+
+
+def test_accumulation_equals_one_big_batch(tmp_path):
+    big = train(cfg(train__micro_batch=32, train__grad_accum=1), tmp_path / "big")
+    acc = train(cfg(train__micro_batch=8, train__grad_accum=4), tmp_path / "acc")
+    assert big.steps == acc.steps == 12
+    # the logged loss is the mean over the 4 micro-batches, not the last one
+    assert losses(tmp_path / "acc") == pytest.approx(losses(tmp_path / "big"), rel=1e-5)
+    wb, wa = final_weights(tmp_path / "big"), final_weights(tmp_path / "acc")
+    # Summation order differs (4 partial sums vs one), so gradients differ by rounding (~1e-9).
+    # Adam divides by sqrt(v): for an element whose true gradient is ~0 (a key bias: softmax
+    # ignores it) that rounding becomes a step-sized update. 1e-5 is 0.3% of one lr=3e-3 step.
+    for name in wb:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_same_seed_same_losses_and_another_seed_differs(tmp_path):
+    a = losses(train(cfg(), tmp_path / "a").out_dir)
+    b = losses(train(cfg(), tmp_path / "b").out_dir)
+    c = losses(train(cfg(train__seed=1), tmp_path / "c").out_dir)
+    assert a == b
+    assert a != c
+
+
+def test_metrics_rows_have_the_contract_fields_and_loss_falls(tmp_path):
+    train(cfg(train__max_steps=60, schedule__warmup_steps=5), tmp_path)
+    rows = read_rows(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 61))
+    for key in ("step", "loss", "lr", "grad_norm", "skipped", "tokens_per_s", "mfu"):
+        assert key in rows[0], key
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0  # the synthetic task is learnable
+    assert rows[0]["lr"] < rows[4]["lr"]  # warmup
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["max_steps"] == 60
+
+
+def test_bf16_autocast_trains_within_a_band_of_fp32(tmp_path):
+    fp32 = train(cfg(train__max_steps=30), tmp_path / "fp32").final_loss
+    bf16 = train(cfg(train__max_steps=30, train__precision="bf16"), tmp_path / "bf16").final_loss
+    assert abs(bf16 - fp32) < 0.1, (fp32, bf16)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--set", "train.max_step=5"], "unknown config key train.max_step (did you mean 'max_steps'?)"),
+    (["--set", "trian.seed=1"], "unknown config section [trian]"),
+    (["--set", "train.micro_batch=2.5"], "train.micro_batch must be int, got float"),
+    (["--set", "optim.lr=-1"], "optim.lr must be >= 0.0"),
+    (["--set", "train.precision=fp8"], "train.precision must be one of fp32, bf16, fp16"),
+    (["--set", "schedule.warmup_steps=500"], "schedule.warmup_steps (500) must be <= train.max_steps"),
+    (["--set", "model.n_heads=5"], "[model]"),
+    (["--set", "model.flavour=1"], "unknown model config key"),
+    (["--inject-fault", "gradscale@5"], "--inject-fault"),
+    (["--max-steps", "0"], "train.max_steps must be >= 1"),
+])
+def test_bad_config_is_refused_before_any_file(tmp_path, capsys, args, words):
+    out = tmp_path / "run"
+    assert main(["--config", str(TINY), "--out", str(out), *args]) == 2
+    assert words in capsys.readouterr().err
+    assert not out.exists()
+
+
+def _cmd(out, *extra):
+    return [sys.executable, "-m", "course_lib.train", "--config", str(TINY), "--out", str(out),
+            "--no-progress", "--set", "schedule.warmup_steps=3", *extra]
+
+
+def test_resume_after_sigkill_is_bit_exact(tmp_path):
+    steps = ["--max-steps", "40", "--save-every", "5"]
+    clean = subprocess.run(_cmd(tmp_path / "clean", *steps), capture_output=True, text=True, timeout=300)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    victim = subprocess.Popen(_cmd(tmp_path / "victim", *steps), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(read_rows(tmp_path / "victim" / "metrics.jsonl")) < 23:
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    killed_at = len(read_rows(tmp_path / "victim" / "metrics.jsonl"))
+    assert 23 <= killed_at < 40, "the run was not killed mid-way"
+    with open(tmp_path / "victim" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 99, "loss": 1.')  # a torn line, as a kill mid-write leaves it
+    resumed = subprocess.run(_cmd(tmp_path / "victim", *steps, "--resume", "auto"),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from 20" in resumed.stdout or "resumed from 15" in resumed.stdout, resumed.stdout
+    lines = (tmp_path / "victim" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]  # every line is valid JSON
+    assert [r["step"] for r in rows] == list(range(1, 41))  # no gap, no duplicate
+    assert [r["loss"] for r in rows] == losses(tmp_path / "clean")  # bit-exact, not approx
+    wc, wv = final_weights(tmp_path / "clean"), final_weights(tmp_path / "victim")
+    assert all(torch.equal(wc[k], wv[k]) for k in wc)
+
+
+@pytest.mark.parametrize("fault, field", [
+    ("grad_scale@25=10", "spike"),  # after the detector's 16-step warm-up window
+    ("nan_loss@25", "nonfinite"),
+    ("inf_grad@25", "nonfinite"),
+])
+def test_injected_faults_are_caught_and_the_run_recovers(tmp_path, fault, field):
+    clean = train(cfg(train__max_steps=40), tmp_path / "clean")
+    hit = train(cfg(train__max_steps=40), tmp_path / "hit", faults=[fault])
+    rows = read_rows(tmp_path / "hit" / "metrics.jsonl")
+    bad = rows[25]  # the fault hits the 26th optimizer step (steps count from 0 inside the loop)
+    assert bad["skipped"] is True and bad[field] is True, bad
+    assert sum(r["skipped"] for r in rows) == 1
+    # the step was skipped, so nothing was corrupted: the run ends in the clean run's band
+    assert hit.final_loss == pytest.approx(clean.final_loss, abs=0.1)
+
+
+def test_ddp_on_two_ranks_matches_one_process_with_the_global_batch(tmp_path):
+    single = train(cfg(train__micro_batch=16), tmp_path / "single")
+    ddp_cfg = cfg(train__micro_batch=8, train__strategy="ddp")
+    results = run_ranks(rank_fns.train_rank, 2, ddp_cfg, str(tmp_path / "ddp"))
+    assert [r["steps"] for r in results] == [12, 12]
+    assert results[0]["final_loss"] == results[1]["final_loss"]  # both ranks saw the same mean
+    assert losses(tmp_path / "ddp") == pytest.approx(losses(tmp_path / "single"), rel=1e-5)
+
+
+def test_single_strategy_under_several_ranks_is_refused(tmp_path):
+    with pytest.raises(Exception, match="train.strategy = 'ddp'"):
+        run_ranks(rank_fns.train_rank, 2, cfg(), str(tmp_path / "x"))
+
+
+def test_at_most_one_host_read_of_device_values_per_step(tmp_path, monkeypatch):
+    """Every way our code reads a tensor's value into Python is counted; on a GPU each is a
+    device sync. Runs of N and 2N steps differ by the per-step count (set-up and the final save
+    cancel out). Reads made inside torch itself are not counted: AdamW reads its step counters
+    with .item(), but those live on the host even when the model is on a GPU."""
+    import sys as _sys
+
+    counts = {"n": 0}
+    for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _orig=original, **k):
+            caller = _sys._getframe(1).f_code.co_filename
+            if "course_lib" in caller:
+                counts["n"] += 1
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    monkeypatch.setattr("course_lib.train._peak_flops", lambda cfg, device: 1e12)
+
+    def reads(steps):
+        counts["n"] = 0
+        train(cfg(train__max_steps=steps, checkpoint__async_save=False), tmp_path / f"r{steps}")
+        return counts["n"]
+    per_step = (reads(20) - reads(10)) / 10
+    assert per_step <= 1, f"{per_step} host reads per optimizer step"
+
+
+def test_rollback_policy_restores_the_last_checkpoint_and_skips_the_bad_data(tmp_path):
+    clean = train(cfg(train__max_steps=40), tmp_path / "clean")
+    out = tmp_path / "rb"
+    hit = train(cfg(train__max_steps=40, checkpoint__save_every=10, stability__spike_policy="rollback",
+                    checkpoint__async_save=False), out, faults=["grad_scale@25=10"])
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["rolled_back_to"]) for e in events] == [("rollback", 20)]
+    rows = read_rows(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 41))  # rows after step 20 were rewritten
+    assert hit.steps == 40 and hit.final_loss == pytest.approx(clean.final_loss, abs=0.1)
