@@ -22,17 +22,11 @@ from pathlib import Path
 
 import torch
 
+from course_lib.validate import check_int as _check_int
+
 IGNORE_INDEX = -100  # targets with this value are not scored (matches TinyGPT's loss)
 DEFAULT_TEXT = Path(__file__).parent / "data_files" / "training_notes.txt"
 _MASK64 = (1 << 64) - 1
-
-
-def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {rng}, got {value}")
 
 
 def mix_seed(*parts: int) -> int:

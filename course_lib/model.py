@@ -34,6 +34,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.model_layers import Block, RMSNorm, init_linear_, make_norm, rope_tables
+from course_lib.validate import check_choice as _check_choice
+from course_lib.validate import check_int as _check_int
+from course_lib.validate import check_number as _check_float
 
 INIT_SCHEMES = ("normal", "scaled_residual", "zero_out_proj", "kaiming", "xavier", "small")
 CHECKPOINTING = ("none", "full", "selective")
@@ -57,28 +60,6 @@ PRESETS: dict[str, dict] = {
         norm="rmsnorm", mlp="swiglu", position="rope", bias=False, tie_embeddings=False, norm_eps=1e-5,
     ),
 }
-
-
-def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {rng}, got {value}")
-
-
-def _check_float(name: str, value, lo: float, hi: float | None = None, *, lo_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    bad_lo = value <= lo if lo_open else value < lo
-    if bad_lo or (hi is not None and value > hi) or math.isnan(value):
-        rng = f"{'>' if lo_open else '>='} {lo}" + ("" if hi is None else f" and <= {hi}")
-        raise ValueError(f"{name} must be {rng}, got {value}")
-
-
-def _check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
 
 
 @dataclass(frozen=True)

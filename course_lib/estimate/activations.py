@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ._checks import check_bool, check_choice, check_divides, check_int, check_number
+from course_lib.validate import check_bool, check_choice, check_divides, check_int, check_number
 from .shapes import default_d_ff
 
 RECOMPUTE = ("none", "selective", "full")

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ._checks import check_bool, check_choice, check_count, check_int, check_number
+from course_lib.validate import check_bool, check_choice, check_count, check_int, check_number
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")

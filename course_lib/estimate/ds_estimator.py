@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._checks import check_bool, check_count, check_int, check_number
+from course_lib.validate import check_bool, check_count, check_int, check_number
 
 
 class DeepSpeedEstimate(NamedTuple):

@@ -15,7 +15,7 @@ All FLOP counts are floating-point operations (a multiply-add is 2), not FLOP/s,
 
 from __future__ import annotations
 
-from ._checks import check_choice, check_count, check_int, check_number
+from course_lib.validate import check_choice, check_count, check_int, check_number
 from .shapes import ModelShape
 
 FORMULAS = ("6n", "palm", "narayanan")

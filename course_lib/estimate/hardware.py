@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._checks import check_choice
+from course_lib.validate import check_choice
 
 DTYPES = ("bf16", "fp16", "tf32", "fp32")
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._checks import check_choice, check_count, check_int, check_number
+from course_lib.validate import check_choice, check_count, check_int, check_number
 from .units import format_bytes
 
 

@@ -15,7 +15,7 @@ GPipe and 1F1B have the same bubble; 1F1B's gain is memory (see activations.py).
 
 from __future__ import annotations
 
-from ._checks import check_choice, check_int
+from course_lib.validate import check_choice, check_int
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RELATIVE_TO = ("ideal", "total")

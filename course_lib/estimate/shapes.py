@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ._checks import check_bool, check_choice, check_divides, check_int
+from course_lib.validate import check_bool, check_choice, check_divides, check_int
 
 MLPS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")

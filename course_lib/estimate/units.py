@@ -9,7 +9,7 @@ only a unit. Every formatted number here therefore carries its unit symbol.
 
 from __future__ import annotations
 
-from ._checks import check_choice, check_int, check_number
+from course_lib.validate import check_choice, check_int, check_number
 
 #: Bytes per unit. Decimal units (SI) are powers of 1000, binary units (IEC) powers of 1024.
 BYTE_UNITS: dict[str, int] = {

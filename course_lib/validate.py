@@ -1,4 +1,4 @@
-"""Argument validation shared by the estimators.
+"""Argument validation shared by the whole library (torch-free: the estimators use it too).
 
 Every public estimator validates its arguments *before* doing any arithmetic, so a wrong input
 fails with a message that names the argument and the accepted range instead of producing a
