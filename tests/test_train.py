@@ -198,3 +198,10 @@ def test_rollback_policy_restores_the_last_checkpoint_and_skips_the_bad_data(tmp
     rows = read_rows(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 41))  # rows after step 20 were rewritten
     assert hit.steps == 40 and hit.final_loss == pytest.approx(clean.final_loss, abs=0.1)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "labs" / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    config = train_config.load(path)
+    assert config["train"]["max_steps"] >= 1
+    train_config.build_model_config(config)
