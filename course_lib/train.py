@@ -141,9 +141,11 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     bar = _progress(t, start, info.is_main)
     last_loss, skipped = None, 0
     step = start
+    # A step's time runs from the end of the previous row to the end of its own, so logging and
+    # checkpoint policy are inside it: the tokens/s logged is what an outside stopwatch sees.
+    t_last = time.perf_counter()
     try:
         while step < t["max_steps"]:
-            t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
             for micro in range(t["grad_accum"]):
                 x, y = next(stream)
@@ -182,7 +184,8 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             step += 1
-            seconds = time.perf_counter() - t0
+            now = time.perf_counter()
+            seconds, t_last = now - t_last, now
             tokens_per_s = tokens_per_step / seconds
             row = {**decision.log_row(), "step": step, "lr": lr, "tokens_per_s": tokens_per_s,
                    "mfu": tokens_per_s * flops_per_token / peak if peak else None,
