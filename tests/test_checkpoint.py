@@ -1,5 +1,5 @@
 """CheckpointManager: full resume state, atomicity under SIGKILL, corruption fallback, retention,
-async saves. The loop under test is course_lib._tiny_loop (the full trainer composes the same parts)."""
+async saves. The loop under test is tests/tiny_loop.py (the full trainer composes the same parts)."""
 import copy
 import json
 import os
@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from course_lib import _tiny_loop
+import tiny_loop
 from course_lib import checkpoint_io as cio
 from course_lib.checkpoint import CheckpointError, CheckpointManager
 
@@ -349,7 +349,7 @@ def rows(path):
 
 
 def child(args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "course_lib._tiny_loop", *map(str, args)],
+    return subprocess.Popen([sys.executable, str(Path(__file__).parent / "tiny_loop.py"), *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"), **kw)
 
@@ -357,7 +357,7 @@ def child(args, **kw):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    _tiny_loop.run(out, 80, save_every=None)
+    tiny_loop.run(out, 80, save_every=None)
     return rows(out / "metrics.jsonl"), load_file(out / "final.safetensors")
 
 
@@ -368,7 +368,7 @@ def test_resume_is_bit_exact_after_sigkill(tmp_path, reference):
     assert proc.returncode == -signal.SIGKILL
     killed_rows = rows(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in killed_rows] == list(range(57))
-    summary = _tiny_loop.run(tmp_path, 80, save_every=10)
+    summary = tiny_loop.run(tmp_path, 80, save_every=10)
     assert summary["resumed_from"]["step"] in (40, 50)  # 50 unless its async write was still in flight
     got = rows(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(80))  # rows 50..56 written again, once
@@ -379,7 +379,7 @@ def test_resume_is_bit_exact_after_sigkill(tmp_path, reference):
 
 def test_rollback_policy_restores_the_last_checkpoint(tmp_path, reference):
     ref_rows, _ = reference
-    summary = _tiny_loop.run(tmp_path, 80, save_every=10, spike_policy="rollback", faults=["grad_scale@45=10"])
+    summary = tiny_loop.run(tmp_path, 80, save_every=10, spike_policy="rollback", faults=["grad_scale@45=10"])
     assert summary["rollbacks"] == 1
     got = rows(tmp_path / "metrics.jsonl")
     back = [r for r in got if r.get("rolled_back_to") is not None]
@@ -393,7 +393,7 @@ def test_sigkill_at_random_moments_during_saves(tmp_path, cycles):
     ref = tmp_path / "ref"
     steps = 10 * cycles
     cfg = ["--steps", steps, "--save-every", 1, "--width", 384, "--depth", 3]
-    _tiny_loop.run(ref, steps, save_every=None, width=384, depth=3)
+    tiny_loop.run(ref, steps, save_every=None, width=384, depth=3)
     run = tmp_path / "run"
     rng = random.Random(1234 + cycles)
     last_step, hit_mid_save = -1, 0
@@ -418,7 +418,7 @@ def test_sigkill_at_random_moments_during_saves(tmp_path, cycles):
         hit_mid_save += bool(leftovers)
         mgr = CheckpointManager(run / "ckpt")  # "restart": cleans up, then finds a valid checkpoint
         assert set(leftovers) <= set(mgr.cleaned)
-        res = mgr.load(_tiny_loop.make_model(width=384, depth=3))
+        res = mgr.load(tiny_loop.make_model(width=384, depth=3))
         assert res is not None and res.step >= last_step
         assert not any(p.name.startswith(".tmp-") for p in (run / "ckpt").iterdir())
         last_step = res.step

@@ -7,13 +7,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from course_lib import _tiny_loop
+import tiny_loop
 from course_lib import checkpoint_io as cio
 from course_lib.checkpoint import CheckpointManager
 from course_lib.checkpoint_mirror import CheckpointMirror
@@ -127,13 +128,13 @@ def test_newest_valid_checkpoint_on_either_tier(tmp_path, kind, options):
 def test_lost_local_disk_resumes_from_the_mirror_bit_exact(tmp_path, kind, options):
     steps, width = 400, 256
     ref = tmp_path / "ref"
-    _tiny_loop.run(ref, steps, save_every=None, width=width)
+    tiny_loop.run(ref, steps, save_every=None, width=width)
     mirror = mirror_for(kind, tmp_path, options)
     run = tmp_path / "run"
     args = ["--dir", run, "--steps", steps, "--save-every", 10, "--width", width, "--mirror", mirror.url]
     if options:
         args += ["--storage-options", json.dumps(options)]
-    proc = subprocess.Popen([sys.executable, "-m", "course_lib._tiny_loop", *map(str, args)],
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "tiny_loop.py"), *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     deadline = time.monotonic() + 120
@@ -143,7 +144,7 @@ def test_lost_local_disk_resumes_from_the_mirror_bit_exact(tmp_path, kind, optio
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL, f"the run ended before the mirror had a checkpoint: {err}"
     shutil.rmtree(run / "ckpt")  # and its disk is gone
-    summary = _tiny_loop.run(run, steps, save_every=10, width=width, mirror=mirror.url, storage_options=options)
+    summary = tiny_loop.run(run, steps, save_every=10, width=width, mirror=mirror.url, storage_options=options)
     assert summary["resumed_from"]["source"] == "mirror" and summary["resumed_from"]["step"] >= 10
     got = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     want = [json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines()]

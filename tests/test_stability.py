@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from course_lib import _tiny_loop
+import tiny_loop
 from course_lib.faults import FaultInjector, FaultSpec, parse_fault, parse_faults
 from course_lib.spikes import SpikeDetector, SpikePolicy, decide
 from course_lib.stability import (ClipController, GradientMonitor, NonFiniteError, NonFiniteGuard,
@@ -423,10 +423,10 @@ def test_stabilizer_validates_arguments():
 # ------------------------------------------------------------------ the loop, end to end
 
 def test_clean_run_has_no_false_alarms_and_faulted_run_recovers(tmp_path):
-    clean = _tiny_loop.run(tmp_path / "clean", 200, save_every=None)
+    clean = tiny_loop.run(tmp_path / "clean", 200, save_every=None)
     assert clean["spikes"] == {"loss": 0, "grad_norm": 0} and clean["bad_steps"] == []
     assert clean["syncs"] == 200  # one device sync per step, over a whole run
-    faulty = _tiny_loop.run(tmp_path / "faulty", 200, save_every=None,
+    faulty = tiny_loop.run(tmp_path / "faulty", 200, save_every=None,
                             faults=["grad_scale@120=10", "nan_loss@130", "inf_grad@140=3.weight"])
     assert [s for s, _ in faulty["faults_fired"]] == [120, 130, 140]
     rows_c = [json.loads(line) for line in (tmp_path / "clean" / "metrics.jsonl").read_text().splitlines()]

@@ -1,8 +1,9 @@
-"""A tiny, fully deterministic training loop wired to the Stabilizer and the CheckpointManager.
+"""Test helper: a tiny, fully deterministic training loop wired to the Stabilizer and the
+CheckpointManager (a regression toy, not part of the library; the real loop is ``course_lib.train``).
 
-The fault-tolerance tests kill it with SIGKILL, corrupt its checkpoints and delete its disk; labs
-use it to show the same things in seconds. The full trainer (``course_lib.train``) composes the
-same pieces the same way. Run ``python -m course_lib._tiny_loop --help``.
+The fault-tolerance tests kill it with SIGKILL, corrupt its checkpoints and delete its disk: a
+step takes about a millisecond, so a test can run hundreds of steps and many kills in seconds.
+It composes the same pieces the way ``course_lib.train`` does. Run ``python tests/tiny_loop.py --help``.
 
 Determinism: one CPU thread, a data stream driven by its own ``torch.Generator`` (its state is the
 data position), dropout driven by the global RNG (restored from the checkpoint). So a run killed
@@ -22,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointManager
-from .stability import Stabilizer, scaled_lr
+from course_lib.checkpoint import CheckpointManager
+from course_lib.stability import Stabilizer, scaled_lr
 
 
 class SyntheticRegression:
@@ -100,7 +101,7 @@ def run(out_dir: str | os.PathLike, steps: int = 60, *, save_every: int | None =
                       diag_dir=out / "diagnostics", max_consecutive_bad=3)
     stab.faults.validate(model)
     if mirror is not None and storage_options is not None:
-        from .checkpoint_mirror import CheckpointMirror
+        from course_lib.checkpoint_mirror import CheckpointMirror
         mirror = CheckpointMirror(mirror, storage_options=storage_options, backoff_s=0.05)
     mgr = CheckpointManager(out / "ckpt", every_steps=save_every, keep_last=keep_last, async_save=async_save,
                             mirror=mirror)
@@ -163,7 +164,7 @@ def run(out_dir: str | os.PathLike, steps: int = 60, *, save_every: int | None =
 def main(argv: list[str] | None = None) -> int:
     """CLI: the flags the trainer of issue 4 has for this (``--save-every``, ``--resume auto``,
     ``--inject-fault KIND@STEP[=VALUE]``) plus test hooks (``--die-at-step``, ``--mirror``)."""
-    p = argparse.ArgumentParser(prog="python -m course_lib._tiny_loop", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python tests/tiny_loop.py", description=__doc__.splitlines()[0])
     p.add_argument("--dir", required=True, help="output directory (checkpoints, metrics.jsonl)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--save-every", type=int, default=10)

@@ -1,0 +1,688 @@
+# %% [markdown]
+# # Lab 05 — Training stability
+#
+# A long training run fails in a handful of ways: the loss **spikes** and does not come back,
+# a **NaN** appears and spreads to every weight, or the run never gets going because its first
+# steps wrecked the initial weights. This lab measures each failure on TinyGPT and the guard
+# against it:
+#
+# 1. **gradient clipping**, and the **clip rate** that tells you when clipping is hiding a problem;
+# 2. **warmup**: the same high learning rate with and without it;
+# 3. **NaN and Inf**: caught, the step skipped, a diagnostic bundle written, the run aborted when
+#    it keeps happening;
+# 4. **spike detection**: the course text's detector next to ours, on a curve with planted spikes;
+# 5. **initialisation**: six init schemes, layer by layer and in training;
+# 6. **bounded embeddings**;
+# 7. **the chapter-17 exercise**: gradients x10 at step 500, caught and recovered, next to an
+#    unprotected run.
+#
+# Every training run here is the kit's trainer, `course_lib.train.train(cfg, out_dir, faults=...)`,
+# the same as `python -m course_lib.train --config labs/configs/tiny-cpu.toml --inject-fault ...`
+# on the command line. The guards live in `course_lib.stability` (the `Stabilizer`, which the
+# trainer calls once per step).
+
+# %% tags=["parameters"]
+SMOKE = False  # True: small sizes, so the automated tests finish quickly
+SEED = 0
+BASE_STEPS = 100  # the config's own run (sections 1, 3, 6)
+HIGH_LR, WARMUP_RUN_STEPS, WARMUP = 3e-2, 150, 30  # section 2: 10x the config's LR
+INIT_STEPS, INIT_LAYERS = 150, 6  # section 5: training curves per init scheme
+FAULT_STEP, FAULT_RUN_STEPS, SAVE_EVERY = 500, 560, 40  # section 7 (SAVE_EVERY: for the rollback run)
+EMBED_BOUND = 0.5  # section 6
+
+# %%
+import json
+import math
+import random
+import statistics
+import tempfile
+import warnings
+from collections import deque
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+import course_lib
+from course_lib import plots, train_config
+from course_lib.checkpoint import CheckpointManager
+from course_lib.checks import check, check_close
+from course_lib.data import BatchStream, MarkovTask
+from course_lib.metrics import read_rows
+from course_lib.model import INIT_SCHEMES, ModelConfig, TinyGPT
+from course_lib.nonfinite import NonFiniteError
+from course_lib.spikes import SpikeDetector
+from course_lib.stability import ClipController, GradientMonitor
+from course_lib.train import train
+
+SMOKE = course_lib.smoke(SMOKE)
+if SMOKE:
+    BASE_STEPS, WARMUP_RUN_STEPS, INIT_STEPS, INIT_LAYERS = 40, 45, 16, 4  # WARMUP stays: the first steps match
+    FAULT_STEP, FAULT_RUN_STEPS, SAVE_EVERY = 30, 50, 12
+torch.set_num_threads(1)  # a tiny model: one thread is as fast, and every run repeats exactly
+CONFIG = Path(course_lib.__file__).resolve().parent.parent / "labs" / "configs" / "tiny-cpu.toml"
+RUNS = Path(tempfile.mkdtemp(prefix="lab05-"))  # scratch: metrics, checkpoints, diagnostics
+
+
+def run(name, steps, *sets, faults=()):
+    """Train with the kit's trainer: tiny-cpu.toml plus `section.key=value` overrides, injected
+    `faults`. Returns the run's metrics.jsonl rows (row i is optimizer step i, 0-based, and has
+    "step": i + 1)."""
+    overrides = [f"train.max_steps={steps}", f"train.seed={SEED}", "train.progress=false",
+                 "train.peak_flops=1e12",  # MFU is not shown here: skip measuring this CPU's peak
+                 *sets]
+    with warnings.catch_warnings(record=True) as caught:  # one line per run instead of a stderr block
+        warnings.simplefilter("always", RuntimeWarning)
+        train(train_config.load(CONFIG, overrides), RUNS / name, faults=list(faults))
+    for message in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)):
+        print(f"[{name}] the trainer warned: {message}")
+    return read_rows(RUNS / name / "metrics.jsonl")
+
+
+cfg0 = train_config.load(CONFIG)
+print(f"config: {cfg0['data']['task']} task, vocab {cfg0['data']['vocab_size']}, seq {cfg0['data']['seq_len']}, "
+      f"batch {cfg0['train']['micro_batch']}, lr {cfg0['optim']['lr']}, warmup {cfg0['schedule']['warmup_steps']}, "
+      f"max_grad_norm {cfg0['stability']['max_grad_norm']}, spike policy {cfg0['stability']['spike_policy']!r}")
+
+# %% [markdown]
+# ## 1. Gradient clipping and the clip rate
+#
+# Clipping measures the **global** norm of all gradients together (one long vector) and, when it
+# exceeds `max_norm`, multiplies every gradient by `max_norm / norm`: the step keeps its direction,
+# its length is capped. `ClipController` does that and also counts how often it fires. First, one
+# batch, compared with PyTorch's `clip_grad_norm_`:
+
+# %%
+task = MarkovTask(vocab_size=cfg0["data"]["vocab_size"], seq_len=cfg0["data"]["seq_len"], seed=SEED)
+x0, y0 = next(BatchStream(task, cfg0["train"]["micro_batch"], seed=SEED))
+
+
+def fresh_grads(seed=SEED):
+    torch.manual_seed(seed)
+    net = TinyGPT(ModelConfig.preset("tiny", vocab_size=task.vocab_size, block_size=task.seq_len))
+    net(x0, y0)[1].backward()
+    return net
+
+
+print(f"{'max_norm':>9} {'norm before':>12} {'coefficient':>12} {'norm after':>11} {'torch norm after':>17}")
+for max_norm in (0.1, 0.5, 1.0, 2.0):
+    ours, ref = fresh_grads(), fresh_grads()
+    stats = GradientMonitor().measure(ours)
+    clipped, coef = ClipController(max_norm).clip_(stats.grads, stats.total_norm)
+    torch_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm))
+    after = GradientMonitor().measure(ours).total_norm
+    print(f"{max_norm:>9} {stats.total_norm:>12.4f} {coef:>12.4f} {after:>11.4f} "
+          f"{GradientMonitor().measure(ref).total_norm:>17.4f}")
+    check_close(stats.total_norm, torch_norm, what=f"global norm (max_norm {max_norm})", rtol=1e-5)
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        check_close(p.grad, q.grad, what=f"clipped gradient of {name} (max_norm {max_norm})", rtol=1e-5, atol=1e-10)
+
+# %% [markdown]
+# **What you should see:** the same norm and the same clipped gradients as PyTorch; below the
+# norm the gradients come out with norm exactly `max_norm`, above it they are untouched.
+#
+# How often does clipping fire in a real run? The trainer logs, per step, the global norm
+# *before* clipping and whether it clipped. We train with the config (`max_grad_norm = 1.0`) and
+# replay the logged norms through `ClipController`s with other thresholds and a 20-step window,
+# which warns when more than half the recent steps were clipped.
+
+# %%
+base = run("base", BASE_STEPS)
+norms = [r["grad_norm"] for r in base]
+replay = {}
+for max_norm in (0.5, 0.7, 1.0, 2.0):
+    ctl = ClipController(max_norm, window=20, warn_rate=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flags = [ctl.clip_([torch.zeros(1)], n)[0] for n in norms]
+    replay[max_norm] = (flags, ctl.total_clipped / len(norms), len(caught), caught[0].message if caught else None)
+logged_rate = sum(r["clipped"] for r in base) / len(base)
+print(f"{'max_norm':>9} {'clip rate':>10} {'in the last 20%':>16} {'warnings':>9}")
+for max_norm, (flags, rate, n_warn, _) in replay.items():
+    tail = flags[-len(flags) // 5:]
+    print(f"{max_norm:>9} {rate:>10.0%} {sum(tail) / len(tail):>16.0%} {n_warn:>9}")
+print(f"\nthe trainer itself (max_norm 1.0) clipped {logged_rate:.0%} of its {len(base)} steps")
+first_warning = next((w for *_, w in replay.values() if w is not None), None)
+print("a warning:", first_warning)
+check(replay[1.0][0] == [r["clipped"] for r in base],
+      "replaying the logged norms at max_norm 1.0 should clip exactly the steps the trainer clipped")
+check(all(replay[a][1] >= replay[b][1] for a, b in zip(list(replay), list(replay)[1:])),
+      "a tighter threshold can only clip more often")
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.8), layout="constrained")
+plots.plot_curves(ax1, {"global grad norm (before clipping)": norms}, ylabel="norm", title="gradient norm, config run",
+                  refs={f"max_norm {m}": m for m in (0.5, 1.0)})
+plots.plot_curves(ax2, {f"max_norm {m}": [float(f) for f in flags] for m, (flags, *_rest) in replay.items()},
+                  smooth=20, raw_alpha=0.0, ylabel="fraction clipped", title="clip rate over the last 20 steps")
+plt.show()
+
+# %% [markdown]
+# **What you should see:** the gradient norm is largest in the first steps and settles lower as
+# the loss falls, so clipping at 1.0 fires mostly early (the table's "last 20%" column) and then
+# rarely: it is catching outliers, which is its job. A threshold below the settled norm clips
+# nearly every step; the controller warns, because clipping has become a silent learning-rate cut
+# that hides the real problem (an LR too high, a missing warmup, a bad init). Pick `max_norm` a
+# little above the norm of a healthy run.
+#
+# ## 2. Warmup
+#
+# Adam's first steps move every weight by about the learning rate, whatever the gradient's size
+# (it divides by its running gradient size, which starts at this step's). At a high LR that is
+# far more than the initial weights (std 0.02) can take. Warmup ramps the LR up from near zero.
+# Same LR, 10x the config's, three runs: no warmup; no warmup but clipping; warmup.
+
+# %%
+warm_runs = {
+    "no warmup, no clipping": ("schedule.warmup_steps=0", "stability.max_grad_norm=0"),
+    "no warmup, clip 1.0": ("schedule.warmup_steps=0", "stability.max_grad_norm=1.0"),
+    f"warmup {WARMUP}, no clipping": (f"schedule.warmup_steps={WARMUP}", "stability.max_grad_norm=0"),
+}
+warm = {name: run(f"warm{i}", WARMUP_RUN_STEPS, f"optim.lr={HIGH_LR}", f"optim.min_lr={HIGH_LR / 10}",
+                  "stability.spike_policy=warn", *sets)
+        for i, (name, sets) in enumerate(warm_runs.items())}
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), layout="constrained")
+plots.plot_curves(ax1, {n: [r["loss"] for r in rows] for n, rows in warm.items()}, smooth=5,
+                  title=f"loss at lr {HIGH_LR:g}", refs={"uniform guess ln(vocab)": math.log(task.vocab_size)})
+plots.plot_curves(ax2, {n: [r["lr"] for r in rows] for n, rows in warm.items()}, ylabel="learning rate",
+                  title="learning rate")
+plt.show()
+
+# %%
+k = WARMUP
+print(f"{'run':<26} {'first loss':>10} {'max of first ' + str(k):>16} {'loss at step ' + str(k):>15} "
+      f"{'mean of last 10':>16}")
+summary = {}
+for name, rows in warm.items():
+    ls = [r["loss"] for r in rows]
+    summary[name] = (max(ls[:k]), ls[k - 1], statistics.fmean(ls[-10:]))
+    print(f"{name:<26} {ls[0]:>10.3f} {summary[name][0]:>16.3f} {summary[name][1]:>15.3f} {summary[name][2]:>16.3f}")
+no_w, warm_name = "no warmup, no clipping", f"warmup {WARMUP}, no clipping"
+check(summary[warm_name][2] < summary[no_w][2] - 0.3,
+      "with warmup the high-LR run should end well below (0.3 nats) the run without it")
+check(summary[warm_name][1] < summary[no_w][1] - 0.3,
+      f"after {k} steps the warmed-up run should already be well ahead")
+print(f"warmup ended {summary[no_w][2] - summary[warm_name][2]:.2f} nats lower than no warmup; clipping alone "
+      f"recovered {summary[no_w][2] - summary['no warmup, clip 1.0'][2]:.2f} nats of that")
+
+# %% [markdown]
+# **What you should see:** without warmup the loss barely moves for the first tens of steps (it
+# can even rise above the uniform guess): the first full-size Adam steps scrambled the initial
+# weights, and the run spends its budget climbing out. Clipping recovers part of the gap (the
+# line under the table): it caps the gradient, but Adam's step size hardly depends on the
+# gradient's size. With warmup the same peak LR is reached gently and the run is ahead at every
+# step. Warmup is a stability device, not a
+# detail of the schedule.
+#
+# ## 3. NaN and Inf
+#
+# A single NaN in a gradient, applied by the optimizer, turns every weight it touches into NaN,
+# and the run is dead. The `NonFiniteGuard` inside the stabilizer checks the loss and every
+# gradient norm (in the same one device read per step that the monitor makes): a non-finite step
+# is **skipped**, a **diagnostic bundle** is written (step, loss, LR, per-tensor NaN/Inf counts,
+# the batch) and the run aborts after `max_consecutive_bad` bad steps in a row. We inject a NaN
+# loss at one step and an Inf into one weight's gradient a few steps later.
+
+# %%
+NAN_AT, INF_AT = BASE_STEPS // 2, BASE_STEPS // 2 + 5
+INF_PARAM = "blocks.0.attn.out_proj.weight"
+hit = run("faults", BASE_STEPS, faults=[f"nan_loss@{NAN_AT}", f"inf_grad@{INF_AT}={INF_PARAM}"])
+print(f"{'step':>5} {'loss':>8} {'grad_norm':>10} {'skipped':>8} {'nonfinite':>10}")
+for r in hit[NAN_AT - 2:INF_AT + 3]:
+    loss = "NaN" if r["loss"] is None else f"{r['loss']:.4f}"
+    norm = "inf/nan" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
+    print(f"{r['step'] - 1:>5} {loss:>8} {norm:>10} {str(r['skipped']):>8} {str(r['nonfinite']):>10}")
+
+# %%
+bundles = sorted((RUNS / "faults" / "diagnostics").glob("nonfinite_step*.json"))
+bundle = json.loads(bundles[-1].read_text())
+bad = {name: s for name, s in bundle["grads"].items() if s["nan"] or s["inf"]}
+print(f"{len(bundles)} bundles: {[b.name for b in bundles]}")
+print(f"bundle of step {bundle['step']}: loss {bundle['loss']}, lr {bundle['lr']}, scaler {bundle['scaler']}")
+print(f"tensors with NaN/Inf: {bad}")
+print(f"batch: { {k: (v['shape'], v['dtype'], v['sha256'][:12]) for k, v in bundle['batch'].items()} }, "
+      f"saved as {bundle.get('batch_file')}")
+skipped = [r["step"] - 1 for r in hit if r["skipped"]]
+check(skipped == [NAN_AT, INF_AT], f"exactly the two broken steps should be skipped, got {skipped}")
+check([r["loss"] for r in hit[:NAN_AT]] == [r["loss"] for r in base[:NAN_AT]],
+      "before the first fault the run must be identical to the clean one (same seed, same batches)")
+check(all(r["loss"] is not None and math.isfinite(r["loss"]) for r in hit[NAN_AT + 1:]),
+      "after a skipped NaN step every later loss must be finite: the NaN never reached the weights")
+check(list(bad) == [INF_PARAM] and bad[INF_PARAM]["inf"] == 1,
+      f"the Inf bundle should name exactly the tensor we broke ({INF_PARAM}), with one Inf element")
+tail = max(5, BASE_STEPS // 10)
+end_hit = statistics.fmean(r["loss"] for r in hit[-tail:])
+gap = end_hit - statistics.fmean(r["loss"] for r in base[-tail:])
+gap2 = end_hit - statistics.fmean(r["loss"] for r in base[-tail - 2:-2])  # the clean run, two updates fewer
+check(abs(gap2) < 0.05, f"two skipped updates should leave the run where the clean run was two steps earlier "
+      f"(within 0.05 nats), got {gap2:+.3f}")
+print(f"two skipped updates: the run ends {gap:+.4f} nats from the clean run's end, {gap2:+.4f} from where the "
+      "clean run was two steps earlier")
+
+# %% [markdown]
+# **What you should see:** the two broken steps are logged with `skipped` and `nonfinite` and
+# a NaN/None loss or gradient norm, and the run goes on as if they had not happened, two updates
+# short (while the loss still falls fast that is visible: it ends where the clean run was two
+# steps earlier). The Inf bundle names the one tensor we broke: in a real run that is where you
+# start looking, and the saved batch lets you replay the step. The course text's handler wrote a diagnostic and *applied the step anyway*.
+#
+# A run that produces only NaNs is burning money; after `max_consecutive_bad` (3 in the config)
+# non-finite steps in a row the trainer stops and says what to look at:
+
+# %%
+try:
+    run("dead", BASE_STEPS, faults=[f"nan_loss@{s}" for s in range(10, 14)])
+    aborted = None
+except NonFiniteError as exc:
+    aborted = str(exc)
+print(aborted)
+dead_rows = read_rows(RUNS / "dead" / "metrics.jsonl")
+check(aborted is not None and "3 consecutive non-finite steps (10..12)" in aborted,
+      "three NaN steps in a row should abort the run with NonFiniteError naming steps 10..12")
+check(len(dead_rows) == 12, f"the run should stop at the third bad step, after 12 logged steps, got {len(dead_rows)}")
+
+# %% [markdown]
+# ## 4. Spike detection: the course text's detector and ours
+#
+# A spike detector compares each step's loss (or gradient norm) with the recent past. The course
+# text keeps a rolling window of the last values and flags a value above `mean + k x std`; a
+# flagged value is not added to the window. That last rule is the bug: after the loss *shifts*
+# (a new data mix, an LR change, the aftermath of a real spike) every value is above the old
+# bound, none enters the window, and **the window stops updating**: every later step is a "spike".
+# With a skip policy, training silently stops. The obvious patch, adding every value, fails the
+# other way: one large spike inflates the standard deviation and hides the next one.
+#
+# Ours (`course_lib.spikes.SpikeDetector`) uses the median and the median absolute deviation, a
+# spike enters the window clipped to the bound (the window always advances), and a level that
+# persists `patience` (8) steps is accepted as the new normal. All three get the same window (64)
+# and threshold (6), on a synthetic noisy loss curve with planted spikes and one level shift.
+
+# %%
+WINDOW, THRESHOLD, MIN_SAMPLES = 64, 6.0, 16
+
+
+class SeedTextDetector:
+    """The course text's detector: rolling mean/std; a flagged value never enters the window."""
+
+    def __init__(self):
+        self.values = deque(maxlen=WINDOW)
+        self.window_updates = []  # steps whose value entered the window
+
+    def update(self, step, x):
+        bound = math.inf
+        if len(self.values) >= MIN_SAMPLES:
+            bound = statistics.fmean(self.values) + THRESHOLD * statistics.pstdev(self.values)
+            if x > bound:
+                return True, bound  # the bug: returns before the window is updated
+        self.values.append(x)
+        self.window_updates.append(step)
+        return False, bound
+
+
+class AppendEveryValue(SeedTextDetector):
+    """The obvious patch: every value enters the window, spikes included."""
+
+    def update(self, step, x):
+        bound = math.inf
+        if len(self.values) >= MIN_SAMPLES:
+            bound = statistics.fmean(self.values) + THRESHOLD * statistics.pstdev(self.values)
+        self.values.append(x)
+        self.window_updates.append(step)
+        return x > bound, bound
+
+
+class Ours:
+    def __init__(self):
+        self.det = SpikeDetector(window=WINDOW, threshold=THRESHOLD, min_samples=MIN_SAMPLES, min_ratio=1.05)
+        self.window_updates = []
+
+    def update(self, step, x):
+        c = self.det.update(x)
+        self.window_updates.append(step)  # ours advances on every value (a spike enters clipped)
+        return c.is_spike, c.bound
+
+
+rng = random.Random(SEED)
+N_CURVE, SHIFT_AT, SHIFT = 1200, 700, 0.25
+curve = [2.0 * math.exp(-i / 300) + 0.3 + (SHIFT if i >= SHIFT_AT else 0.0) + rng.gauss(0, 0.02)
+         for i in range(N_CURVE)]
+PLANTED = {150: 3.0, 300: 1.6, 320: 2.0, 500: 5.0, 530: 1.5, 900: 2.0, 1000: 1.6}
+for i, factor in PLANTED.items():
+    curve[i] *= factor
+detectors = {"course text (mean/std, spikes kept out)": SeedTextDetector(),
+             "mean/std, every value appended": AppendEveryValue(), "ours (median/MAD, clipped, patience)": Ours()}
+flags, bounds = {}, {}
+for name, det in detectors.items():
+    out = [det.update(i, v) for i, v in enumerate(curve)]
+    flags[name] = [i for i, (f, _) in enumerate(out) if f]
+    bounds[name] = [b for _, b in out]
+
+# %%
+# NBVAL_CHECK_OUTPUT
+after_shift = range(SHIFT_AT, SHIFT_AT + 8)
+print(f"{len(PLANTED)} planted spikes at {sorted(PLANTED)}; level +{SHIFT} from step {SHIFT_AT}")
+print(f"{'detector':<40} {'found':>6} {'missed':>12} {'false alarms':>13} {'longest run':>12} {'window frozen':>14}")
+table = {}
+for name, det in detectors.items():
+    found = [i for i in PLANTED if i in flags[name]]
+    missed = [i for i in PLANTED if i not in flags[name]]
+    false = [i for i in flags[name] if i not in PLANTED]
+    longest = run_len = 0
+    for i in range(N_CURVE):
+        run_len = run_len + 1 if i in set(flags[name]) else 0
+        longest = max(longest, run_len)
+    updates = det.window_updates
+    frozen = max(b - a - 1 for a, b in zip(updates, updates[1:] + [N_CURVE]))
+    table[name] = dict(found=found, missed=missed, false=false, longest=longest, frozen=frozen)
+    print(f"{name:<40} {len(found):>3}/{len(PLANTED)} {str(missed):>12} {len(false):>13} {longest:>12} "
+          f"{frozen:>9} steps")
+
+# %%
+fig, axes = plt.subplots(3, 1, figsize=(12, 7), sharex=True, layout="constrained")
+for ax, name in zip(axes, detectors):
+    ax.plot(curve, color="gray", linewidth=0.7, label="loss (synthetic)")
+    ax.plot([b if math.isfinite(b) else float("nan") for b in bounds[name]], color="tab:blue", linewidth=0.8,
+            label="detection bound")
+    ax.plot(list(PLANTED), [curve[i] for i in PLANTED], "o", mfc="none", color="tab:green", markersize=9,
+            label="planted spike")
+    ax.plot(flags[name], [curve[i] for i in flags[name]], "x", color="tab:red", markersize=4, label="flagged")
+    ax.set_title(name, fontsize=10)
+    ax.set_ylim(0, 3.5)
+    ax.grid(alpha=0.3)
+axes[0].legend(fontsize=8, ncol=4)
+axes[-1].set_xlabel("step")
+plt.show()
+
+# %%
+seed_name, append_name, ours_name = detectors
+check(len(table[seed_name]["false"]) > 50 and table[seed_name]["frozen"] > 50,
+      "the course text's detector should freeze after the level shift and flag every step for a long time")
+check(table[append_name]["missed"] != [], "appending every value should let an earlier spike mask a later one")
+check(table[ours_name]["missed"] == [], "our detector should find every planted spike")
+check(set(table[ours_name]["false"]) <= set(after_shift),
+      "our detector may flag only the first steps after the level shift (before `patience` accepts it)")
+check(table[ours_name]["frozen"] == 0, "our window should take a value at every step")
+
+# %% [markdown]
+# **What you should see:** the course text's detector finds the planted spikes, but after the
+# level shift its bound stays where it was (flat blue line), the window stops taking values, and
+# it flags step after step (under a skip policy, every one of those steps is thrown away) until
+# the falling curve happens to come back under the stale bound. Appending every value fixes the
+# freeze but the x5 spike inflates the standard deviation for the next 64 steps, and the x1.5
+# spike 30 steps later goes unseen. Ours flags every planted spike, raises the alarm for the first
+# 7 steps of the shift, then accepts it as the new level (the "level shift" the trainer logs) and
+# finds the later spikes at the new level.
+#
+# ## 5. Initialisation
+#
+# At step 0 nothing has been learned yet; the init decides how large the activations and the
+# gradients are, layer by layer. TinyGPT has six schemes (`ModelConfig.init`): `normal` (every
+# matrix N(0, 0.02), GPT-2's base), `scaled_residual` (GPT-2: the two projections that write into
+# the residual stream get 0.02 / sqrt(2 x layers)), `zero_out_proj` (those projections start at
+# zero: every block starts as the identity), and the course text's `kaiming` (He-normal),
+# `xavier` (Glorot-uniform) and `small` (N(0, sqrt(2 / 5d))). One forward and backward pass
+# through an 8-block model with each:
+
+# %%
+ANALYSIS_LAYERS = 8
+layer_stats = {}
+for scheme in INIT_SCHEMES:
+    torch.manual_seed(SEED)
+    net = TinyGPT(ModelConfig.preset("tiny", vocab_size=task.vocab_size, block_size=task.seq_len,
+                                     n_layers=ANALYSIS_LAYERS, init=scheme))
+    acts = []
+    hooks = [b.register_forward_hook(lambda mod, inp, out: acts.append(float(out.detach().std())))
+             for b in net.blocks]
+    _, loss = net(x0, y0)
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    g = GradientMonitor(layer_depth=2).measure(net, loss)
+    layer_stats[scheme] = dict(loss=g.loss, acts=acts, grads=[g.layer_norms[f"blocks.{i}"] for i in range(ANALYSIS_LAYERS)])
+print(f"uniform guess: ln({task.vocab_size}) = {math.log(task.vocab_size):.3f} nats")
+print(f"{'init':<16} {'loss at step 0':>15} {'residual std, block 1 -> ' + str(ANALYSIS_LAYERS):>28} "
+      f"{'grad norm, block 1 -> ' + str(ANALYSIS_LAYERS):>26}")
+for scheme, s in layer_stats.items():
+    print(f"{scheme:<16} {s['loss']:>15.3f} {s['acts'][0]:>13.3f} -> {s['acts'][-1]:<10.3f} "
+          f"{s['grads'][0]:>12.3g} -> {s['grads'][-1]:<10.3g}")
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), layout="constrained")
+blocks = list(range(1, ANALYSIS_LAYERS + 1))
+for i, (scheme, s) in enumerate(layer_stats.items()):
+    ax1.semilogy(blocks, s["acts"], "o-", color=plots.COLORS[i], label=scheme)
+    ax2.semilogy(blocks, s["grads"], "o-", color=plots.COLORS[i], label=scheme)
+ax1.set(xlabel="block", ylabel="std of the residual stream after the block", title="activations at init")
+ax2.set(xlabel="block", ylabel="gradient norm of the block's weights", title="gradients at init")
+for ax in (ax1, ax2):
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+plt.show()
+
+# %%
+growth = {s: v["acts"][-1] / v["acts"][0] for s, v in layer_stats.items()}
+check(abs(growth["zero_out_proj"] - 1) < 1e-6, "with zero output projections every block is the identity at init: "
+      "the residual stream should not change from block to block")
+check(growth["scaled_residual"] < growth["normal"],
+      "scaling the residual projections by 1/sqrt(2 x layers) should slow the growth of the residual stream")
+check(growth["kaiming"] > 2 and layer_stats["kaiming"]["acts"][-1] > 20 * layer_stats["normal"]["acts"][-1],
+      "He init (made for ReLU nets without normalisation) should make the residual stream grow large with depth")
+print("residual-stream growth over the blocks: " + ", ".join(f"{s} x{g:.2f}" for s, g in growth.items()))
+
+# %% [markdown]
+# **What you should see:** every scheme starts near the uniform-guess loss (the final LayerNorm and
+# the small tied embedding keep the logits small). Inside the model they differ a lot. With the
+# texts' `kaiming` and `xavier` the residual stream is tens of times larger and grows block by
+# block, since each block *adds* its output to the stream; the pre-norm blocks then divide by that
+# size, so their gradients are an order of magnitude smaller. `normal` grows slowly with depth;
+# `scaled_residual` and `zero_out_proj` keep the stream flat, which is why GPT-2 uses the scaling.
+# Now train each for a few steps (an `INIT_LAYERS`-block model, the config otherwise):
+
+# %%
+init_runs = {s: run(f"init-{s}", INIT_STEPS, f"model.n_layers={INIT_LAYERS}", f'model.init="{s}"')
+             for s in INIT_SCHEMES}
+fig, ax = plt.subplots(figsize=(8, 4))
+plots.plot_curves(ax, {s: [r["loss"] for r in rows] for s, rows in init_runs.items()}, smooth=5,
+                  title=f"{INIT_LAYERS}-block TinyGPT, by init scheme", refs={"entropy rate (best possible)": task.entropy_rate()})
+plt.show()
+q = max(5, INIT_STEPS // 5)
+print(f"{'init':<16} {'mean loss, steps ' + f'1-{q}':>20} {'mean of last ' + str(q):>15} {'clip rate':>10}")
+init_tail = {}
+for s, rows in init_runs.items():
+    init_tail[s] = statistics.fmean(r["loss"] for r in rows[-q:])
+    print(f"{s:<16} {statistics.fmean(r['loss'] for r in rows[:q]):>20.3f} {init_tail[s]:>15.3f} "
+          f"{sum(r['clipped'] for r in rows) / len(rows):>10.0%}")
+init_mean = {s: statistics.fmean(r["loss"] for r in rows) for s, rows in init_runs.items()}
+check(all(math.isfinite(v) and v < math.log(task.vocab_size) for v in init_tail.values()),
+      "every scheme should at least start to learn (loss below the uniform guess)")
+check(min(init_mean["kaiming"], init_mean["xavier"]) > init_mean["scaled_residual"] + 0.05,
+      "the texts' kaiming and xavier inits should learn visibly slower than GPT-2's scaled residual init")
+print("mean loss over the run: " + ", ".join(f"{s} {v:.3f}" for s, v in sorted(init_mean.items(), key=lambda kv: kv[1])))
+
+# %% [markdown]
+# **What you should see:** the three GPT-style inits (`normal`, `scaled_residual`,
+# `zero_out_proj`) learn at about the same speed here. The texts' `kaiming` and `xavier` are far
+# behind from the first steps and barely clip (their gradients are an order of magnitude smaller,
+# as the layer plot showed): their large residual stream has to be worn down before the blocks'
+# contributions count. The texts' `small` does as well as the GPT-style inits or a little better
+# on this shallow model (its larger embeddings give the first steps more to work with), but its
+# residual stream grew 3.5x over 8 blocks in the plot above. At 4-6 blocks the residual scaling
+# makes little difference to the speed; it is what keeps the stream flat in a 48- or 96-block
+# model, where that growth compounds.
+#
+# ## 6. Bounded embeddings
+#
+# An embedding row is updated only when its token appears. A rare token's row can take a few large
+# Adam steps and grow far beyond the others; every time that token appears, its huge vector floods
+# the residual stream. `ModelConfig.embedding_bound = b` passes the token embedding through
+# `b x tanh(e / b)` (or a hard clamp): the identity for small values, never more than `b`.
+
+# %%
+e = torch.linspace(-3, 3, 301)
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.plot(e, e, ":", color="gray", label="no bound")
+ax.plot(e, EMBED_BOUND * torch.tanh(e / EMBED_BOUND), label=f"tanh, b = {EMBED_BOUND}")
+ax.plot(e, e.clamp(-EMBED_BOUND, EMBED_BOUND), "--", label=f"clamp, b = {EMBED_BOUND}")
+ax.set(xlabel="embedding value e", ylabel="what the model sees", title="bounded embedding")
+ax.grid(alpha=0.3)
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# Does the bound cost anything in a healthy run? We train the config with `b = EMBED_BOUND` and
+# compare with the config run of section 1. Then we break a trained model on purpose: one
+# token's embedding row multiplied by 30, as if it had grown out of control, and measure the loss
+# at the positions where that token is the input, with several bounds put on the same weights.
+
+# %%
+bounded = run("bounded", BASE_STEPS, f"model.embedding_bound={EMBED_BOUND}")
+gap_b = statistics.fmean(r["loss"] for r in bounded[-10:]) - statistics.fmean(r["loss"] for r in base[-10:])
+print(f"training with embedding_bound={EMBED_BOUND} ended {gap_b:+.4f} nats from the run without it")
+
+
+def trained_model(bound):
+    """The config run's final weights in a model with embedding bound `bound`, output layer untied."""
+    overrides = [f"model.embedding_bound={bound}"] if bound else []
+    net = TinyGPT(train_config.build_model_config(train_config.load(CONFIG, overrides)))
+    CheckpointManager(RUNS / "base" / "checkpoints", writer=False).load(model=net, restore_rng=False)
+    net.lm_head.weight = torch.nn.Parameter(net.tok_emb.weight.detach().clone())  # untie (see below)
+    return net.eval()
+
+
+def per_token_loss(net, x, y):
+    logits, _ = net(x, y)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+
+
+x1, y1 = next(BatchStream(task, 64, seed=SEED + 1))
+victim = int(torch.bincount(x1.flatten()).argmax())  # the most frequent input token of this batch
+at = x1 == victim
+largest = float(trained_model(None).tok_emb.weight.detach().abs().max())
+print(f"token {victim} is the input at {int(at.sum())} of {at.numel()} positions; the largest trained "
+      f"embedding value is {largest:.3f}")
+print(f"{'bound':>6} {'max |input| of the row':>23} {'loss where it is the input':>27} {'loss elsewhere':>16}")
+bound_rows = {}
+for bound in (None, 1.0, EMBED_BOUND, EMBED_BOUND / 2):
+    net = trained_model(bound)
+    with torch.no_grad():
+        clean = per_token_loss(net, x1, y1)
+        net.tok_emb.weight[victim] *= 30
+        row = net.tok_emb.weight[victim]
+        seen = float((row if bound is None else bound * torch.tanh(row / bound)).abs().max())
+        broken = per_token_loss(net, x1, y1)
+    bound_rows[bound] = dict(clean_at=float(clean[at].mean()), broken_at=float(broken[at].mean()),
+                             clean_else=float(clean[~at].mean()), broken_else=float(broken[~at].mean()))
+    b = bound_rows[bound]
+    print(f"{str(bound):>6} {seen:>23.3f} {b['clean_at']:>12.3f} -> {b['broken_at']:<10.3f} "
+          f"{b['clean_else']:>7.3f} -> {b['broken_else']:<7.3f}")
+
+# %%
+bounds = list(bound_rows)
+check(abs(gap_b) < 0.05, "a bound above the embeddings' values should not change training (within 0.05 nats)")
+check(all(abs(bound_rows[b]["clean_at"] - bound_rows[None]["clean_at"]) < 0.01 for b in bounds),
+      "on healthy weights every bound here should be (nearly) the identity: same loss within 0.01")
+check(all(bound_rows[a]["broken_at"] > bound_rows[b]["broken_at"] for a, b in zip(bounds, bounds[1:])),
+      "the tighter the bound, the less the blown-up row should hurt the positions where its token is the input")
+check(all(abs(r["broken_else"] - r["clean_else"]) < 0.05 for r in bound_rows.values()),
+      "the damage should stay at the blown-up token's positions")
+
+# %% [markdown]
+# **What you should see:** training with the bound lands where training without it did, and on
+# healthy weights the bound changes nothing: it only acts on values that are already abnormal.
+# Blown up, the row wrecks the predictions made from its token (the loss there is several times
+# its normal value; the other positions do not notice) and the tighter bounds cut that damage: a
+# saturated row is `b` in every coordinate, so the closer `b` is to the healthy values, the less a
+# runaway row can do; too close and it would distort healthy rows too. A few times the healthy
+# maximum (the line above the table) is the usual choice.
+# One caveat, which is why we untied the output layer: with **tied** embeddings (GPT-2, and
+# TinyGPT by default) the same matrix is also the output layer, and a bound on the embedding
+# *output* does nothing for the logits. Untied models (Llama) are where this guard applies as
+# shown.
+#
+# ## 7. The chapter-17 exercise: gradients x10 at step 500
+#
+# The course text's exercise: inject a gradient explosion (every gradient x10) at step 500 and
+# check that the safety net catches it and the run recovers **without losing its earlier
+# progress**. Four runs, identical except for the fault and the spike policy:
+#
+# * `clean`: no fault;
+# * `warn`: the fault; the detector only logs it and the step is applied: **unprotected**;
+# * `skip`: the fault; the flagged step is left out;
+# * `rollback`: the fault; the trainer reloads the last checkpoint (saved every `SAVE_EVERY`
+#   steps) and carries on with the *next* batches.
+#
+# Clipping is off in all four, so that what you see is the detector alone (clipping at 1.0 would
+# cut the x10 gradient back to norm 1, section 1), and the LR is constant, so the fault hits at
+# full strength as it would in the middle of a long run.
+
+# %%
+fault = f"grad_scale@{FAULT_STEP}=10"
+common = ("stability.max_grad_norm=0", 'schedule.kind="constant"', "checkpoint.async_save=false")
+ch17 = {"clean": run("clean", FAULT_RUN_STEPS, "stability.spike_policy=warn", *common)}
+for policy in ("warn", "skip", "rollback"):
+    extra = (f"checkpoint.save_every={SAVE_EVERY}",) if policy == "rollback" else ()
+    ch17[policy] = run(policy, FAULT_RUN_STEPS, f"stability.spike_policy={policy}", *common, *extra, faults=[fault])
+events = [json.loads(line) for line in (RUNS / "rollback" / "events.jsonl").read_text().splitlines()]
+print(f"fault {fault}: gradient norm {ch17['warn'][FAULT_STEP]['grad_norm']:.3f} against "
+      f"{ch17['clean'][FAULT_STEP]['grad_norm']:.3f} in the clean run")
+for policy in ("warn", "skip"):
+    r = ch17[policy][FAULT_STEP]
+    print(f"{policy:>8}: step {r['step'] - 1} spike={r['spike']} skipped={r['skipped']}")
+print(f"rollback: {[(e['event'], e['step'], e['rolled_back_to']) for e in events]} (event, step, back to)")
+
+# %%
+W = 30
+window = range(FAULT_STEP, min(FAULT_STEP + W, FAULT_RUN_STEPS))
+excess = {p: [ch17[p][i]["loss"] - ch17["clean"][i]["loss"] for i in window] for p in ("warn", "skip", "rollback")}
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.2), layout="constrained")
+plots.plot_curves(ax1, {p: [r["loss"] for r in rows] for p, rows in ch17.items()}, smooth=10, raw_alpha=0.1,
+                  title="the whole run (mean of 10 steps)")
+ax1.axvline(FAULT_STEP, color="tab:red", linewidth=0.8)
+zoom = range(FAULT_STEP - 10, min(FAULT_STEP + W, FAULT_RUN_STEPS))
+plots.plot_curves(ax2, {p: (list(zoom), [ch17[p][i]["loss"] - ch17["clean"][i]["loss"] for i in zoom])
+                        for p in ("warn", "skip", "rollback")},
+                  refs={"clean run": 0.0}, ylabel="loss minus the clean run's", xlabel="optimizer step",
+                  title=f"around the fault (x10 gradients at step {FAULT_STEP})")
+ax2.axvline(FAULT_STEP, color="tab:red", linewidth=0.8)
+plt.show()
+
+# %%
+print(f"over the {len(window)} steps from the fault on, loss minus the clean run's:")
+print(f"{'policy':>9} {'mean':>8} {'max':>8} {'final (mean of last 10)':>25}")
+for p in ("warn", "skip", "rollback"):
+    final = statistics.fmean(r["loss"] for r in ch17[p][-10:]) - statistics.fmean(r["loss"] for r in ch17["clean"][-10:])
+    print(f"{p:>9} {statistics.fmean(excess[p]):>+8.4f} {max(excess[p]):>+8.4f} {final:>+25.4f}")
+check(all(ch17[p][FAULT_STEP]["spike"] for p in ("warn", "skip")), "the detector should flag the x10 step")
+check(ch17["skip"][FAULT_STEP]["skipped"] and not ch17["warn"][FAULT_STEP]["skipped"],
+      "skip should leave the step out; warn should apply it")
+check([r["loss"] for r in ch17["skip"][:FAULT_STEP + 1]] == [r["loss"] for r in ch17["clean"][:FAULT_STEP + 1]],
+      "up to the fault the protected run must be identical to the clean one: no earlier progress lost")
+check(len(events) == 1 and events[0]["step"] == FAULT_STEP
+      and events[0]["rolled_back_to"] == FAULT_STEP // SAVE_EVERY * SAVE_EVERY,
+      "rollback should fire once, at the fault, back to the last checkpoint before it")
+check([r["step"] for r in ch17["rollback"]] == list(range(1, FAULT_RUN_STEPS + 1)),
+      "after the rollback the metrics must hold every step exactly once")
+check(max(excess["warn"]) > 0.05 and statistics.fmean(excess["warn"]) > 2 * abs(statistics.fmean(excess["skip"])),
+      "unprotected, the x10 step should visibly push the loss above the clean run; skipped, it should not")
+check(abs(statistics.fmean(excess["rollback"])) < 0.05, "after the rollback the run should be back in the clean run's band")
+
+# %% [markdown]
+# **What you should see:** on the left the four curves lie on top of each other (a single x10
+# step does not wreck a model trained with AdamW, which divides each step by its running gradient
+# size). The right panel subtracts the clean run: `skip` is exactly the clean run up to the fault
+# and within a hair of it after (one batch fewer); `warn` jumps a tenth of a nat a few steps after
+# the fault, and takes a few tens of steps to work it off: that is progress the unprotected run
+# lost. `rollback` went back to the last checkpoint and trained on *new* batches from there (the
+# batches that caused the spike are not replayed), so its difference is batch noise around zero:
+# it paid with the steps since the checkpoint, and kept everything before.
+#
+# Which policy when? `skip` is cheap and right for one bad batch. `lower_lr` (not shown) keeps
+# the step but shrinks it for a while: for a run that is drifting rather than spiking. `rollback`
+# is for damage already done (a spike the detector saw too late, a loss that will not come back):
+# it needs checkpoints, which is lab 07.
+#
+# ## Where next
+#
+# * **Exercise 05**: write the clipping arithmetic and your own gradient-explosion policy.
+# * **Lab 06**: learning-rate schedules, warmup's big sibling.
+# * **Lab 07**: the checkpoints that `rollback` and every crash recovery depend on.

@@ -1,0 +1,340 @@
+# %% [markdown]
+# # Exercise 07 — An atomic checkpoint writer with safe retention
+#
+# The course texts save a checkpoint with `torch.save(state, path)` and keep the last few by
+# deleting the oldest *before* saving the new one. Both are wrong:
+#
+# * `torch.save` truncates `path` and then writes; a process killed in between (`kill -9`, the
+#   out-of-memory killer, a lost node) leaves a torn file, and the previous checkpoint is gone;
+# * deleting first means a crash during the save leaves one checkpoint fewer than promised.
+#
+# You will write `atomic_save` (a crash at any instant leaves the old file or the new file, never
+# a torn one) and `save_checkpoint` (atomic save, verify, and only then delete old ones). The
+# checks break your code on purpose, and the grader kills it mid-save, many times.
+
+# %% tags=["parameters"]
+SMOKE = False  # True: the tests run this notebook at small sizes
+KILLS = 8  # SIGKILLs in the visible crash test
+
+# %%
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import torch
+
+import course_lib
+from course_lib.checks import check
+
+SMOKE = course_lib.smoke(SMOKE)
+if SMOKE:
+    KILLS = 4
+SCRATCH = Path(tempfile.mkdtemp(prefix="ex07-"))
+
+# %% [markdown]
+# ## Part 1: your checkpoint module
+#
+# The grader runs your code in another process and kills that process, so the next cell *writes
+# your code to a file* (`ex07_checkpoint.py`, next to this notebook) rather than defining it here.
+# Edit the functions inside the cell, run it, then run the checks below.
+#
+# **`atomic_save(state, path)`**:
+#
+# 1. write with `torch.save` into a **temporary file in the same folder** as `path` (a rename is
+#    atomic only within one file system; give it a name that does not look like a checkpoint,
+#    e.g. starting with a dot);
+# 2. `flush()` and `os.fsync()` it, so its bytes are on disk before its name is;
+# 3. `os.replace(temporary, path)`: the commit point, atomic on POSIX and Windows;
+# 4. fsync the folder, so the rename itself survives a power cut;
+# 5. if anything fails before the rename, remove the temporary file and re-raise.
+#
+# **`save_checkpoint(state, folder, step, keep_last)`**: `atomic_save` to
+# `checkpoint_path(folder, step)`; load it back with `torch.load(..., weights_only=True)` (if that
+# fails: delete the new file, leave every older checkpoint alone, raise `RuntimeError`); only then
+# delete the oldest checkpoints so that the newest `keep_last` remain. Return the new path.
+
+# %%
+# %%writefile ex07_checkpoint.py
+"""Atomic checkpoints with retention (exercise 07)."""
+import os
+from pathlib import Path
+
+import torch
+
+
+def checkpoint_path(folder, step: int) -> Path:
+    """Where checkpoint `step` lives: folder/step_00000042.pt."""
+    return Path(folder) / f"step_{step:08d}.pt"
+
+
+def list_checkpoints(folder) -> list:
+    """Checkpoint files in `folder`, oldest (smallest step) first. Names that do not match
+    step_*.pt (your temporary files) are never counted."""
+    return sorted(Path(folder).glob("step_*.pt"))
+
+
+def atomic_save(state: dict, path) -> None:
+    """torch.save `state` so that `path` always holds either its old or its new complete contents."""
+    path = Path(path)
+    ### BEGIN SOLUTION a temporary file in path.parent (name starting with "."); torch.save into it; f.flush(); os.fsync(f.fileno()); os.replace(tmp, path); fsync the folder (os.open(folder, os.O_RDONLY)); on an exception unlink the temporary file and re-raise
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    ### END SOLUTION
+
+
+def save_checkpoint(state: dict, folder, step: int, keep_last: int = 2) -> Path:
+    """Save checkpoint `step` atomically, verify it loads, then keep only the newest `keep_last`."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    path = checkpoint_path(folder, step)
+    ### BEGIN SOLUTION atomic_save(state, path); try torch.load(path, weights_only=True) and on failure path.unlink() and raise RuntimeError; then unlink every file of list_checkpoints(folder)[:-keep_last]
+    atomic_save(state, path)
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        path.unlink(missing_ok=True)
+        raise RuntimeError(f"checkpoint {path} does not load back ({exc}); older checkpoints kept") from exc
+    for old in list_checkpoints(folder)[:-keep_last]:
+        old.unlink()
+    return path
+    ### END SOLUTION
+
+# %% [markdown]
+# ## Part 2: `atomic_save`, checked
+#
+# The check watches which file operations your function makes (it wraps `os.replace`,
+# `os.rename` and `os.fsync` while your code runs), saves twice to the same path, and makes one
+# save fail halfway: a state holding an object that refuses to be pickled, as a full disk would
+# make `write` fail.
+
+# %%
+import ex07_checkpoint
+
+importlib.reload(ex07_checkpoint)  # pick up your latest edit
+from ex07_checkpoint import atomic_save, list_checkpoints, save_checkpoint  # noqa: E402
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise OSError("No space left on device (simulated)")
+
+
+def watched(fn, *args):
+    """Run fn(*args) and record its os.replace / os.rename / os.fsync calls."""
+    calls, saved = [], {n: getattr(os, n) for n in ("replace", "rename", "fsync")}
+
+    def spy(name):
+        def call(*a, **k):
+            calls.append((name, a))
+            return saved[name](*a, **k)
+        return call
+    for n in saved:
+        setattr(os, n, spy(n))
+    try:
+        return fn(*args), calls
+    finally:
+        for n, f in saved.items():
+            setattr(os, n, f)
+
+
+folder = SCRATCH / "part2"
+folder.mkdir()
+target = folder / "model.pt"
+_, calls = watched(atomic_save, {"step": 1, "w": torch.ones(3)}, target)
+check(target.exists() and torch.load(target, weights_only=True)["step"] == 1,
+      "after atomic_save the file should exist and load back with what was saved")
+renames = [a for name, a in calls if name in ("replace", "rename")]
+check(len(renames) == 1, f"atomic_save should call os.replace (or os.rename) exactly once, saw {len(renames)}: "
+      "write a temporary file, then rename it over the target")
+src, dst = (Path(p) for p in renames[0][:2])
+check(Path(dst).resolve() == target.resolve(), f"the rename should land on the target path, not {dst}")
+check(src.parent.resolve() == target.parent.resolve(),
+      f"the temporary file {src} must be in the target's folder: a rename across file systems is not atomic")
+check(any(name == "fsync" for name, _ in calls), "call os.fsync on the temporary file before renaming it: "
+      "otherwise a power cut can leave the new name pointing at data that never reached the disk")
+atomic_save({"step": 2, "w": torch.full((3,), 2.0)}, target)
+check(torch.load(target, weights_only=True)["step"] == 2, "a second save to the same path should replace the first")
+try:
+    atomic_save({"step": 3, "bad": Unpicklable()}, target)
+    raised = False
+except OSError:
+    raised = True
+check(raised, "a save that fails halfway must raise (here: the OSError from pickling), not swallow the error")
+check(torch.load(target, weights_only=True)["step"] == 2,
+      "after a failed save the old file must be intact: it is only replaced once the new one is complete")
+check(sorted(p.name for p in folder.iterdir()) == ["model.pt"],
+      f"a failed save should remove its temporary file; the folder holds {sorted(p.name for p in folder.iterdir())}")
+print("atomic_save: temporary file in the same folder, fsync, one rename; a failed save changes nothing")
+
+# %% [markdown]
+# ## Part 3: retention that never deletes first
+#
+# Five saves with `keep_last=2` leave steps 4 and 5. Then a save whose file cannot be loaded back
+# with `weights_only=True` (it holds a custom Python object: writing works, safe loading refuses),
+# which must raise and leave both older checkpoints in place.
+
+# %%
+class Custom:  # torch.save pickles it; torch.load(weights_only=True) refuses to unpickle it
+    pass
+
+
+ckpts = SCRATCH / "part3"
+ckpts.mkdir()
+for step in range(1, 6):
+    path = save_checkpoint({"step": step, "w": torch.full((4,), float(step))}, ckpts, step, keep_last=2)
+    check(path.exists(), f"save_checkpoint should return the path it wrote, got {path}")
+names = [p.name for p in list_checkpoints(ckpts)]
+check(names == ["step_00000004.pt", "step_00000005.pt"], f"keep_last=2 after steps 1..5 should keep 4 and 5, got {names}")
+try:
+    save_checkpoint({"step": 6, "w": Custom()}, ckpts, 6, keep_last=2)
+    raised = None
+except RuntimeError as exc:
+    raised = exc
+check(raised is not None, "a checkpoint that does not load back with weights_only=True must raise RuntimeError")
+left = sorted(p.name for p in ckpts.iterdir())
+check(left == ["step_00000004.pt", "step_00000005.pt"],
+      f"after a failed save the older checkpoints must all be there and the bad file gone; the folder holds {left}. "
+      "Verify the new file *before* deleting anything")
+save_checkpoint({"step": 7}, ckpts, 7, keep_last=1)
+check([p.name for p in list_checkpoints(ckpts)] == ["step_00000007.pt"], "keep_last=1 keeps only the newest")
+print("retention: verified before pruning; a bad save deletes nothing")
+
+# %% [markdown]
+# ## Part 4: kill it
+#
+# The real test. A driver process imports your module and forks a writer that saves checkpoints
+# in a loop (`keep_last=2`, about 8 MB each, every tensor filled with its step number). The driver
+# kills the writer with `SIGKILL` (no handler, no `finally`) at random moments, alternately while a
+# write is certainly in progress. After each kill, the newest checkpoint must load and hold its
+# own step, exactly what a restarted training run would do.
+
+# %%
+DRIVER = r'''
+import json, os, random, signal, sys, time
+from pathlib import Path
+
+module_dir, root, kills, seed, numel = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+sys.path.insert(0, module_dir)
+import torch
+import ex07_checkpoint as ck  # your code
+
+rng = random.Random(seed)
+report = []
+for cycle in range(kills):
+    folder = root / f"kill{cycle:02d}"
+    folder.mkdir(parents=True)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the writer
+        os.close(r)
+        try:
+            torch.set_num_threads(1)
+            for step in range(1, 10**6):
+                ck.save_checkpoint({"step": step, "w": torch.full((numel,), float(step))}, folder, step, keep_last=2)
+                os.write(w, b".")
+        finally:
+            os._exit(1)
+    os.close(w)
+    t0 = time.monotonic()
+    got = os.read(r, 1)
+    period = time.monotonic() - t0
+    if cycle % 2:  # wait for a temporary file (or any non-checkpoint) to appear: mid-write
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(not n.startswith("step_") or not n.endswith(".pt")
+                                                      for n in os.listdir(folder)):
+            time.sleep(0.0002)
+    else:
+        time.sleep(rng.uniform(0, period))
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(r)
+    report.append({"cycle": cycle, "first_save_ok": got == b".", "period_s": period})
+print(json.dumps(report))
+'''
+
+
+def kill_test(kills, seed, numel, name):
+    """Run the driver; return one row per kill: (newest step or None, its file loads and holds that step,
+    how many checkpoints are on disk, leftover non-checkpoint files)."""
+    root = SCRATCH / name
+    script = SCRATCH / "driver.py"
+    script.write_text(DRIVER)
+    out = subprocess.run([sys.executable, str(script), str(Path(ex07_checkpoint.__file__).parent), str(root),
+                          str(kills), str(seed), str(numel)], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    check(out.returncode == 0, f"the crash driver failed:\n{out.stderr[-3000:]}")
+    report = json.loads(out.stdout.splitlines()[-1])
+    check(all(r["first_save_ok"] for r in report), "your save_checkpoint failed before it could be killed; "
+          "run it once by hand to see the error")
+    rows = []
+    for cycle in range(kills):
+        folder = root / f"kill{cycle:02d}"
+        files = sorted(folder.glob("step_*.pt"))
+        newest_ok = None
+        if files:
+            try:
+                state = torch.load(files[-1], weights_only=True)
+                newest_ok = state["step"] == int(files[-1].stem.split("_")[1]) and bool(
+                    (state["w"] == state["step"]).all())
+            except Exception:
+                newest_ok = False
+        rows.append((files[-1].name if files else None, newest_ok, len(files),
+                     sorted(p.name for p in folder.iterdir() if p not in files)))
+    return rows
+
+
+rows = kill_test(KILLS, seed=0, numel=2_000_000, name="visible")
+print(f"{'kill':>4} {'newest checkpoint':>20} {'loads':>6} {'on disk':>8}  leftovers (a kill mid-write)")
+for i, (newest, ok, n, leftovers) in enumerate(rows):
+    print(f"{i:>4} {str(newest):>20} {str(ok):>6} {n:>8}  {leftovers}")
+for i, (newest, ok, n, leftovers) in enumerate(rows):
+    check(newest is not None, f"kill {i}: no checkpoint left on disk at all")
+    check(ok, f"kill {i}: the newest checkpoint {newest} does not load (or holds another step): it was given "
+          "its final name before it was complete. Write a temporary file, then os.replace it")
+
+# %% [markdown]
+# **What you should see:** every row's newest checkpoint loads. The odd rows were killed while a
+# write was in progress: their leftover column shows your temporary file (a restarted run would
+# delete it; it never has a checkpoint's name, so nothing ever loads it). With the course text's
+# `torch.save(state, path)` those rows would show a newest file that does not load.
+
+# %%
+### BEGIN HIDDEN TESTS
+hidden = kill_test(10, seed=123, numel=3_000_000, name="hidden")
+for i, (newest, ok, n, leftovers) in enumerate(hidden):
+    check(newest is not None and ok, f"hidden kill {i}: newest checkpoint {newest} unusable")
+    check(1 <= n <= 3, f"hidden kill {i}: {n} checkpoints on disk with keep_last=2 (at most one extra during a save)")
+check(any(leftovers for *_, leftovers in hidden), "hidden: no kill landed mid-write")
+# atomic_save into a folder given as a str, and a nested state
+other = SCRATCH / "hidden-misc"
+other.mkdir()
+atomic_save({"a": {"b": [torch.arange(5)]}}, str(other / "x.pt"))
+check(torch.equal(torch.load(other / "x.pt", weights_only=True)["a"]["b"][0], torch.arange(5)), "nested state")
+check(sorted(p.name for p in other.iterdir()) == ["x.pt"], "no temporary file left after a good save")
+# keep_last larger than the number of checkpoints keeps them all; steps sort numerically
+(other / "k").mkdir()
+for s in (9, 10, 11):
+    save_checkpoint({"s": s}, other / "k", s, keep_last=5)
+check([p.name for p in list_checkpoints(other / "k")] == ["step_00000009.pt", "step_00000010.pt", "step_00000011.pt"],
+      "keep_last=5 with three checkpoints keeps all three")
+save_checkpoint({"s": 12}, other / "k", 12, keep_last=2)
+check([p.name for p in list_checkpoints(other / "k")] == ["step_00000011.pt", "step_00000012.pt"], "then prune to 2")
+### END HIDDEN TESTS
