@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from course_lib.checkpoint import CheckpointManager
-from course_lib.checkpoint_io import fsync_dir, write_durable
+from course_lib.checkpoint.io import fsync_dir, write_durable
 
 
 def build(params_m: float) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -83,7 +83,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     from course_lib.precision import make_policy
     from course_lib.schedules import Schedule, make_scheduler
     from course_lib.stability import Stabilizer, scaled_lr
-    from course_lib.strategies import make_strategy
+    from course_lib.parallel.strategy import make_strategy
 
     t, d, o, s, st, ck = (cfg[k] for k in ("train", "data", "optim", "schedule", "stability", "checkpoint"))
     info = info or init_distributed()
@@ -262,7 +262,7 @@ def run_cli(args: argparse.Namespace) -> int:
         overrides.append("train.progress=false")
     try:
         cfg = train_config.load(args.config, overrides)
-        from course_lib.faults import parse_faults
+        from course_lib.stability import parse_faults
 
         parse_faults(args.inject_fault)  # a malformed fault is a config error, before any file
         result = train(cfg, args.out, resume=args.resume == "auto", faults=args.inject_fault)

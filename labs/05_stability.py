@@ -50,8 +50,8 @@ from course_lib.checks import check, check_close
 from course_lib.data import BatchStream, MarkovTask
 from course_lib.metrics import read_rows
 from course_lib.model import INIT_SCHEMES, ModelConfig, TinyGPT
-from course_lib.nonfinite import NonFiniteError
-from course_lib.spikes import SpikeDetector
+from course_lib.stability import NonFiniteError
+from course_lib.stability import SpikeDetector
 from course_lib.stability import ClipController, GradientMonitor
 from course_lib.train import train
 
@@ -292,7 +292,7 @@ check(len(dead_rows) == 12, f"the run should stop at the third bad step, after 1
 # With a skip policy, training silently stops. The obvious patch, adding every value, fails the
 # other way: one large spike inflates the standard deviation and hides the next one.
 #
-# Ours (`course_lib.spikes.SpikeDetector`) uses the median and the median absolute deviation, a
+# Ours (`course_lib.stability.SpikeDetector`) uses the median and the median absolute deviation, a
 # spike enters the window clipped to the bound (the window always advances), and a level that
 # persists `patience` (8) steps is accepted as the new normal. All three get the same window (64)
 # and threshold (6), on a synthetic noisy loss curve with planted spikes and one level shift.

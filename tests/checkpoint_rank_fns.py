@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.checkpoint_dcp import load_sharded, save_sharded
+from course_lib.checkpoint.dcp import load_sharded, save_sharded
 
 
 class Position:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import tiny_loop
-from course_lib import checkpoint_io as cio
+from course_lib.checkpoint import io as cio
 from course_lib.checkpoint import CheckpointError, CheckpointManager
 
 
@@ -258,7 +258,7 @@ def test_never_fewer_than_one_valid_checkpoint(tmp_path):
 
 def test_save_policies(tmp_path, monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr("course_lib.checkpoint.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("course_lib.checkpoint.manager.time.monotonic", lambda: clock[0])
     mgr = CheckpointManager(tmp_path, every_steps=5, every_seconds=60)
     assert [s for s in range(12) if mgr.should_save(s)] == [5, 10]
     clock[0] += 61

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 import tiny_loop
-from course_lib import checkpoint_io as cio
+from course_lib.checkpoint import io as cio
 from course_lib.checkpoint import CheckpointManager
-from course_lib.checkpoint_mirror import CheckpointMirror
+from course_lib.checkpoint.mirror import CheckpointMirror
 
 BUCKET = "ckpt"
 

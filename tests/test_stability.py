@@ -13,8 +13,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import tiny_loop
-from course_lib.faults import FaultInjector, FaultSpec, parse_fault, parse_faults
-from course_lib.spikes import SpikeDetector, SpikePolicy, decide
+from course_lib.stability import FaultInjector, FaultSpec, parse_fault, parse_faults
+from course_lib.stability import SpikeDetector, SpikePolicy, decide
 from course_lib.stability import (ClipController, GradientMonitor, NonFiniteError, NonFiniteGuard,
                                   Stabilizer, scaled_lr)
 

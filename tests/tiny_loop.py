@@ -101,7 +101,7 @@ def run(out_dir: str | os.PathLike, steps: int = 60, *, save_every: int | None =
                       diag_dir=out / "diagnostics", max_consecutive_bad=3)
     stab.faults.validate(model)
     if mirror is not None and storage_options is not None:
-        from course_lib.checkpoint_mirror import CheckpointMirror
+        from course_lib.checkpoint.mirror import CheckpointMirror
         mirror = CheckpointMirror(mirror, storage_options=storage_options, backoff_s=0.05)
     mgr = CheckpointManager(out / "ckpt", every_steps=save_every, keep_last=keep_last, async_save=async_save,
                             mirror=mirror)

@@ -80,7 +80,7 @@ def split_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
                             f"safetensors stores tensors only")
         if type(t) is not torch.Tensor and hasattr(t, "full_tensor"):
             raise TypeError(f"model state entry {name!r} is a DTensor: use the sharded path "
-                            f"(course_lib.checkpoint_dcp.save_sharded) for FSDP/TP models")
+                            f"(course_lib.checkpoint.dcp.save_sharded) for FSDP/TP models")
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         if t.numel() and key in seen:
             aliases[name] = seen[key]

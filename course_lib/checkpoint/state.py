@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checkpoint_io import CheckpointError
+from .io import CheckpointError
 
 
 @dataclass

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import checkpoint_io as cio
-from .checkpoint_state import LoadResult, capture_rng, restore_rng_state
+from . import io as cio
+from .state import LoadResult, capture_rng, restore_rng_state
 
 DCP_FORMAT = "course_lib.checkpoint.dcp/1"
 

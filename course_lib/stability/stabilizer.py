@@ -32,16 +32,11 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .faults import FaultInjector, FaultSpec, parse_fault, parse_faults
-from .grad_monitor import GradientMonitor, GradStats
-from .nonfinite import NonFiniteError, NonFiniteGuard
-from .spikes import SpikeAction, SpikeCheck, SpikeDetector, SpikePolicy, decide
+from .faults import FaultInjector
+from .grad_monitor import GradientMonitor
+from .nonfinite import NonFiniteGuard
+from .spikes import SpikeAction, SpikeDetector, SpikePolicy, decide
 
-__all__ = [  # the stability API in one import; the parts live in the modules above
-    "Stabilizer", "StepDecision", "ClipController", "scaled_lr", "GradientMonitor", "GradStats",
-    "NonFiniteGuard", "NonFiniteError", "SpikeDetector", "SpikeCheck", "SpikePolicy", "SpikeAction", "decide",
-    "FaultInjector", "FaultSpec", "parse_fault", "parse_faults",
-]
 
 
 class ClipController:
@@ -169,7 +164,7 @@ class Stabilizer:
     ``spike_policy``: a :class:`SpikePolicy`; ``detect_loss_spikes``/``detect_grad_spikes``: turn a
     detector off (False) or pass your own configured :class:`SpikeDetector`; ``lr_factor``/
     ``lr_steps``: the LOWER_LR cut; ``max_consecutive_bad``/``diag_dir``: the non-finite guard;
-    ``faults``: ``KIND@STEP[=VALUE]`` strings or :class:`FaultSpec` (see :mod:`course_lib.faults`)."""
+    ``faults``: ``KIND@STEP[=VALUE]`` strings or :class:`FaultSpec` (see :mod:`course_lib.stability.faults`)."""
 
     def __init__(self, *, max_grad_norm: float | None = 1.0, spike_policy: SpikePolicy | str = SpikePolicy.SKIP,
                  detect_loss_spikes: bool | SpikeDetector = True, detect_grad_spikes: bool | SpikeDetector = True,

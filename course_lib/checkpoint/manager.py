@@ -4,12 +4,12 @@ What the seed texts get wrong and this fixes: ``torch.save`` straight to the fin
 leaves a torn "latest"); retention that deletes old files *before* the new one is known good;
 ``torch.load`` that unpickles whatever is on disk; no way back from a corrupt file.
 
-Here (format and atomic write in :mod:`course_lib.checkpoint_io`):
+Here (format and atomic write in :mod:`course_lib.checkpoint.io`):
 
 * ``save`` copies the whole resume state to CPU on the training path (the only stall of an async
   save), then a background thread serializes it, writes it atomically, re-reads it and checks the
   checksums and that it deserializes, and only then prunes older checkpoints and hands it to the
-  mirror (:mod:`course_lib.checkpoint_mirror`);
+  mirror (:mod:`course_lib.checkpoint.mirror`);
 * retention keeps the last ``keep_last`` (by save order) plus the ``keep_best`` best by a metric;
 * ``load`` takes the newest checkpoint of either tier that verifies; a corrupt one is moved aside
   (``.corrupt-*``) with a warning and the previous one is used.
@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from . import checkpoint_io as cio
-from .checkpoint_io import CheckpointError  # noqa: F401  (re-exported)
-from .checkpoint_mirror import CheckpointMirror, as_mirror
-from .checkpoint_state import LoadResult, apply_state, gather_train_state, to_cpu_copy
+from . import io as cio
+from .io import CheckpointError  # noqa: F401  (re-exported)
+from .mirror import CheckpointMirror, as_mirror
+from .state import LoadResult, apply_state, gather_train_state, to_cpu_copy
 
 
 class CheckpointManager:

@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .checkpoint_io import (MANIFEST, NAME_RE, CheckpointError, read_manifest, safe_file_name, sha256_hex,
+from .io import (MANIFEST, NAME_RE, CheckpointError, read_manifest, safe_file_name, sha256_hex,
                             write_checkpoint_dir)
 
 
