@@ -22,7 +22,9 @@ from pathlib import Path
 
 import torch
 
+from course_lib.validate import check_choice as _check_choice
 from course_lib.validate import check_int as _check_int
+from course_lib.validate import check_number as _check_number
 
 IGNORE_INDEX = -100  # targets with this value are not scored (matches TinyGPT's loss)
 DEFAULT_TEXT = Path(__file__).parent / "data_files" / "training_notes.txt"
@@ -76,8 +78,7 @@ class MarkovTask:
         _check_int("branching", branching, 1, vocab_size)
         if vocab_size ** (order + 1) > 2**24:
             raise ValueError(f"vocab_size ** (order + 1) must be <= 2**24 (dense table), got {vocab_size}**{order + 1}")
-        if not (isinstance(smoothing, (int, float)) and 0.0 < smoothing <= 1.0):
-            raise ValueError(f"smoothing must be in (0, 1], got {smoothing!r}")
+        _check_number("smoothing", smoothing, 0.0, 1.0, lo_open=True)
         self.vocab_size, self.seq_len, self.seed, self.order = vocab_size, seq_len, seed, order
         self.num_examples = None  # infinite: example i is generated from (seed, i)
         g = _generator(seed, 0x4D41524B)  # the chain itself depends only on the seed
@@ -149,8 +150,7 @@ class SequenceTask:
 
     def __init__(self, kind: str = "sort", n_items: int = 8, vocab_size: int = 16, seed: int = 0,
                  *, score_prompt: bool = False):
-        if kind not in self.KINDS:
-            raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
+        _check_choice("kind", kind, self.KINDS)
         _check_int("n_items", n_items, 1)
         _check_int("vocab_size", vocab_size, 3)
         _check_int("seed", seed, 0)

@@ -28,6 +28,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from course_lib.validate import check_int, check_number
+
 
 def _storage_key(t: torch.Tensor) -> tuple:
     s = t.untyped_storage()
@@ -251,12 +253,9 @@ def cpu_matmul_peak_flops(n: int = 1024, *, dtype: torch.dtype = torch.float32, 
     count (`torch.get_num_threads()`). This is the denominator for MFU *on this CPU*; a datasheet
     peak (estimate.ACCELERATORS) is the denominator on a GPU. Returns MatmulPeak (FLOP/s).
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 16:
-        raise ValueError(f"n must be an int >= 16, got {n!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    if not min_seconds > 0:
-        raise ValueError(f"min_seconds must be > 0, got {min_seconds!r}")
+    check_int("n", n, 16)  # smaller matmuls time thread start-up, not arithmetic
+    check_int("repeats", repeats, 1)
+    check_number("min_seconds", min_seconds, 0, lo_open=True)
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
     out = torch.empty(n, n, dtype=dtype)
@@ -310,11 +309,9 @@ class StepTimer:
     """
 
     def __init__(self, *, tokens_per_step: int | None = None, warmup: int = 1, device=None):
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
-        if tokens_per_step is not None and (isinstance(tokens_per_step, bool)
-                                            or not isinstance(tokens_per_step, int) or tokens_per_step < 1):
-            raise ValueError(f"tokens_per_step must be an int >= 1 or None, got {tokens_per_step!r}")
+        check_int("warmup", warmup, 0)
+        if tokens_per_step is not None:
+            check_int("tokens_per_step", tokens_per_step, 1)
         self.tokens_per_step, self.warmup = tokens_per_step, warmup
         self.cuda = device is not None and torch.device(device).type == "cuda"
         self.all_seconds: list[float] = []
@@ -341,8 +338,7 @@ class StepTimer:
 def time_steps(step_fn: Callable[[], object], n_steps: int, *, warmup: int = 1,
                tokens_per_step: int | None = None, device=None) -> Throughput:
     """Call `step_fn()` `warmup + n_steps` times; time the last `n_steps`. Returns Throughput."""
-    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
-        raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
+    check_int("n_steps", n_steps, 1)
     timer = StepTimer(tokens_per_step=tokens_per_step, warmup=warmup, device=device)
     for _ in range(warmup + n_steps):
         with timer:

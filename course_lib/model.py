@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.model_layers import Block, RMSNorm, init_linear_, make_norm, rope_tables
+from course_lib.validate import check_bool as _check_bool
 from course_lib.validate import check_choice as _check_choice
 from course_lib.validate import check_int as _check_int
 from course_lib.validate import check_number as _check_float
@@ -118,8 +119,7 @@ class ModelConfig:
         if self.position == "rope" and (self.d_model // self.n_heads) % 2:
             raise ValueError(f"position='rope' needs an even head dimension, got {self.d_model // self.n_heads}")
         for name in ("bias", "tie_embeddings", "offload_activations"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            _check_bool(name, getattr(self, name))
         _check_float("dropout", self.dropout, 0.0, 1.0)
         if self.dropout >= 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")

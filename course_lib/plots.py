@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from course_lib.validate import check_int
+
 # One colour per series, stable across plots: "fp32" is the same colour in every figure of a lab.
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
           "tab:gray", "tab:olive", "tab:cyan")
@@ -26,8 +28,7 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
 
     Trailing, not centred: the smoothed value at step s uses only steps <= s, so a smoothed curve
     never shows a drop before it happened."""
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    check_int("window", window, 1)
     out, total = [], 0.0
     vals = [float(v) for v in values]
     for i, v in enumerate(vals):

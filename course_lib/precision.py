@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from course_lib.validate import check_choice, check_int, check_number
+
 POLICIES = ("fp32", "bf16", "fp16")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
@@ -50,7 +52,7 @@ class PrecisionPolicy:
     device_type: str
     compute_dtype: torch.dtype | None
     scaler: torch.amp.GradScaler | None = None
-    _last_scale: float = field(default=0.0, repr=False)
+    _last_scale: float | None = field(default=0.0, repr=False)
 
     def autocast(self):
         """Context manager for the forward pass (and loss); a no-op for fp32."""
@@ -68,15 +70,27 @@ class PrecisionPolicy:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer, found_inf: bool | None = None) -> bool:
         """optimizer.step(), or for fp16 scaler.step + scaler.update. Returns whether the step was
         applied (False: fp16 found inf/nan gradients, skipped the step and halved the scale).
 
-        fp32/bf16: no host-device synchronization. fp16: one (it reads the new scale).
-        """
+        ``found_inf``: whether the (unscaled) gradients hold inf/nan, when the caller already read
+        that on the host (the trainer's stabilizer does, in its one transfer per step). With it,
+        fp16 makes no host read at all: the optimizer step is applied or not on that knowledge and
+        ``update()`` adjusts the scale on the device from what ``unscale_`` recorded. Without it,
+        ``GradScaler.step`` reads its inf flag and this method reads the new scale: two syncs.
+        fp32/bf16: no host-device synchronization either way."""
         if self.scaler is None:
             optimizer.step()
             return True
+        if found_inf is not None:
+            if not found_inf:
+                optimizer.step()
+            self.scaler.update()
+            self._last_scale = None
+            return not found_inf
+        if self._last_scale is None:  # unknown after skip(): read it once, before the step
+            self._last_scale = self.scaler.get_scale()
         self.scaler.step(optimizer)
         self.scaler.update()
         new_scale = self.scaler.get_scale()
@@ -84,13 +98,22 @@ class PrecisionPolicy:
         self._last_scale = new_scale
         return applied
 
+    def scale_tensor(self) -> torch.Tensor | None:
+        """The current loss scale as a one-element device tensor (None without a scaler): pass it
+        to a read the step makes anyway, instead of :attr:`loss_scale`, which syncs on CUDA."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return None
+        if self.scaler._scale is None:  # lazily created by the first scale() call
+            return torch.full((), self.scaler.get_scale())
+        return self.scaler._scale
+
     def skip(self, optimizer: torch.optim.Optimizer) -> None:
         """Leave this step out after :meth:`unscale_` was called (a spike or a non-finite loss
         the stabilizer caught). fp16: closes the scaler's step with ``update()`` so the next
         ``unscale_`` is allowed; the scale itself only changes if the gradients held inf/nan."""
         if self.scaler is not None:
-            self.scaler.update()
-            self._last_scale = self.scaler.get_scale()
+            self.scaler.update()  # no host read: the scale stays on the device
+            self._last_scale = None  # step() without found_inf reads it again when it needs it
 
     @property
     def loss_scale(self) -> float:
@@ -119,17 +142,12 @@ def make_policy(name: str, device: torch.device | str = "cpu", *, init_scale: fl
     "allow" (runs silently) or "error" (ValueError). bf16 on a CUDA device without bf16 support is
     a ValueError. Arguments are checked before anything is built.
     """
-    if name not in POLICIES:
-        raise ValueError(f"precision must be one of {', '.join(POLICIES)}; got {name!r}")
+    check_choice("precision", name, POLICIES)
     device = torch.device(device)
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be a cpu or cuda device, got {device}")
-    if not (isinstance(init_scale, (int, float)) and not isinstance(init_scale, bool) and init_scale > 0):
-        raise ValueError(f"init_scale must be a positive number, got {init_scale!r}")
-    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-        raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
-    if cpu_fp16 not in ("warn", "allow", "error"):
-        raise ValueError(f"cpu_fp16 must be 'warn', 'allow' or 'error'; got {cpu_fp16!r}")
+    check_choice("device", device.type, ("cpu", "cuda"))
+    check_number("init_scale", init_scale, 0, lo_open=True)
+    check_int("growth_interval", growth_interval, 1)
+    check_choice("cpu_fp16", cpu_fp16, ("warn", "allow", "error"))
 
     if name == "fp32":
         return PrecisionPolicy("fp32", device.type, None)
@@ -207,8 +225,7 @@ def ulp(value: float, dtype: torch.dtype) -> float:
 def log_uniform_values(n: int, low: float = 1e-12, high: float = 1e-1, seed: int = 0) -> torch.Tensor:
     """n float32 values with magnitudes log-uniform in [low, high] and random signs: a stand-in
     for a gradient tensor whose entries span many orders of magnitude."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    check_int("n", n, 1)
     if not (0 < low < high):
         raise ValueError(f"need 0 < low < high, got low={low}, high={high}")
     g = torch.Generator().manual_seed(seed)
@@ -227,8 +244,7 @@ def cast_report(values: torch.Tensor, dtype: torch.dtype = torch.float16, scale:
     """
     if not isinstance(values, torch.Tensor) or not values.is_floating_point():
         raise TypeError("values must be a floating-point tensor")
-    if not (isinstance(scale, (int, float)) and scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    check_number("scale", scale, 0, lo_open=True)
     ref = values.detach().double().flatten()
     ref = ref[(ref != 0) & torch.isfinite(ref)]
     stored = (ref * scale).to(dtype)

@@ -40,27 +40,23 @@ from dataclasses import dataclass
 
 import torch
 
+from course_lib.validate import check_choice, check_int, check_number
+
 KINDS = ("linear", "cosine", "constant", "wsd")
 WARMUP_CONVENTIONS = ("(it+1)/W", "it/W", "(it+1)/(W+1)")
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 WSD_DEFAULT_DECAY_FRACTION = 0.2  # of total_steps; ~20% cooldown matches cosine (Hagele et al. 2024)
 
 
-def _as_int(name: str, value) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool {value!r}")
-    try:
-        return operator.index(value)  # accepts numpy / torch integer scalars, rejects floats
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-
-
-def _as_float(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return float(value)
+def _as_int(name: str, value, lo: int | None = None, hi: int | None = None, hi_name: str | None = None) -> int:
+    """:func:`check_int` that first turns numpy / torch integer scalars into an int (floats stay
+    floats, and bools bools, so check_int refuses them)."""
+    if not isinstance(value, bool):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            pass
+    return check_int(name, value, lo, hi, hi_name)
 
 
 @dataclass(frozen=True)
@@ -82,22 +78,14 @@ class Schedule:
     decay_shape: str | None = None  # wsd only; None: "linear"
 
     def __post_init__(self) -> None:
-        max_lr = _as_float("max_lr", self.max_lr)
-        min_lr = _as_float("min_lr", self.min_lr)
-        total = _as_int("total_steps", self.total_steps)
-        warmup = _as_int("warmup_steps", self.warmup_steps)
-        if max_lr <= 0:
-            raise ValueError(f"max_lr must be > 0, got {max_lr}")
-        if not 0 <= min_lr <= max_lr:
+        max_lr = float(check_number("max_lr", self.max_lr, 0, lo_open=True))
+        min_lr = float(check_number("min_lr", self.min_lr))
+        if not 0 <= min_lr <= max_lr:  # a range set by another argument: say which
             raise ValueError(f"min_lr must be in [0, max_lr={max_lr}], got {min_lr}")
-        if total < 1:
-            raise ValueError(f"total_steps must be >= 1, got {total}")
-        if not 0 <= warmup <= total:
-            raise ValueError(f"warmup_steps must be in [0, total_steps={total}], got {warmup}")
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {self.kind!r}")
-        if self.warmup_convention not in WARMUP_CONVENTIONS:
-            raise ValueError(f"warmup_convention must be one of {', '.join(WARMUP_CONVENTIONS)}; got {self.warmup_convention!r}")
+        total = _as_int("total_steps", self.total_steps, 1)
+        warmup = _as_int("warmup_steps", self.warmup_steps, 0, total, hi_name="total_steps")
+        check_choice("kind", self.kind, KINDS)
+        check_choice("warmup_convention", self.warmup_convention, WARMUP_CONVENTIONS)
         if self.kind != "wsd":
             for name in ("decay_steps", "decay_shape"):
                 if getattr(self, name) is not None:
@@ -107,12 +95,10 @@ class Schedule:
             if self.decay_steps is None:
                 decay = min(total - warmup, round(WSD_DEFAULT_DECAY_FRACTION * total))
             else:
-                decay = _as_int("decay_steps", self.decay_steps)
-                if not 0 <= decay <= total - warmup:
-                    raise ValueError(f"decay_steps must be in [0, total_steps - warmup_steps = {total - warmup}], got {decay}")
+                decay = _as_int("decay_steps", self.decay_steps, 0, total - warmup,
+                                hi_name="total_steps - warmup_steps")
             shape = "linear" if self.decay_shape is None else self.decay_shape
-            if shape not in DECAY_SHAPES:
-                raise ValueError(f"decay_shape must be one of {', '.join(DECAY_SHAPES)}; got {shape!r}")
+            check_choice("decay_shape", shape, DECAY_SHAPES)
         # Store normalised values (frozen dataclass: object.__setattr__ is the sanctioned way).
         for name, value in (("max_lr", max_lr), ("min_lr", min_lr), ("total_steps", total),
                             ("warmup_steps", warmup), ("decay_steps", decay), ("decay_shape", shape)):
@@ -120,9 +106,7 @@ class Schedule:
 
     def __call__(self, step: int) -> float:
         """The learning rate for 0-based optimizer step `step` (>= 0; beyond total_steps it holds)."""
-        step = _as_int("step", step)
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+        step = _as_int("step", step, 0)
         W, T = self.warmup_steps, self.total_steps
         if step < W:
             num, den = {"(it+1)/W": (step + 1, W), "it/W": (step, W), "(it+1)/(W+1)": (step + 1, W + 1)}[
@@ -148,9 +132,7 @@ class Schedule:
 
     def values(self, steps: int | None = None) -> list[float]:
         """[lr(0), ..., lr(steps-1)] (default: total_steps values), for plots and tables."""
-        n = self.total_steps if steps is None else _as_int("steps", steps)
-        if n < 0:
-            raise ValueError(f"steps must be >= 0, got {n}")
+        n = self.total_steps if steps is None else _as_int("steps", steps, 0)
         return [self(s) for s in range(n)]
 
     def to_dict(self) -> dict:

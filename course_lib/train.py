@@ -5,19 +5,23 @@ schedule, checkpoints, metrics. Read it top to bottom.
     torchrun --nproc-per-node 2 -m course_lib.train --config ... --set train.strategy=ddp
     course train --config ... --save-every 20 --resume auto --inject-fault grad_scale@50=10
 
-Each optimizer step makes exactly one device-to-host transfer (the stabilizer reads the loss and
-every gradient norm at once); the learning rate, timings and metrics are host values.
+How the step spreads over ranks is the strategy's business (:mod:`course_lib.parallel.strategy`):
+this loop reads the same whatever the strategy. Each optimizer step makes exactly one
+device-to-host transfer (the stabilizer reads the loss, every gradient norm and the fp16 loss
+scale at once); the learning rate, timings and metrics are host values.
 ``DIR/metrics.jsonl`` gets one row per optimizer step; checkpoints go to ``DIR/checkpoints/``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,22 +32,56 @@ from course_lib.train_config import ConfigError
 @dataclass
 class TrainResult:
     """What a run did: optimizer steps completed, the step it resumed from (0 = fresh), the last
-    logged loss (nats/token), skipped steps, and where its files are."""
+    finite logged loss (nats/token; None if there was none), skipped steps, roll-backs, where its
+    files are, and the trained ``model`` (this rank's plain module, for inspection)."""
 
     steps: int
     resumed_from: int
     final_loss: float | None
     skipped_steps: int
     out_dir: Path
+    rollbacks: int = 0
+    model: Any = field(default=None, repr=False)
 
 
-def _device(cfg: dict, info) -> torch.device:
+def choose_device(wanted: str, local_rank: int = 0, local_world_size: int = 1) -> torch.device:
+    """Where this rank computes: ``wanted`` is ``train.device`` ("auto", "cpu" or "cuda").
+    "cpu" always wins; "cuda" needs a GPU for every local rank and takes ``cuda:LOCAL_RANK``;
+    "auto" does the same when the node has a GPU per local rank, else every rank uses the CPU
+    (never a mix of devices in one job, never every rank on cuda:0)."""
+    if wanted == "cpu":
+        return torch.device("cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    enough = count >= max(local_world_size, local_rank + 1)
+    if wanted == "cuda" and not enough:
+        raise ConfigError(f"train.device = 'cuda' needs a GPU per local rank: {local_world_size} ranks "
+                          f"on this node, {count} GPUs visible; use 'auto' or 'cpu', or start fewer ranks "
+                          f"per node")
+    return torch.device("cuda", local_rank) if enough else torch.device("cpu")
+
+
+def _distributed(cfg: dict, info):
+    """Join (or read) the process group so that the device follows ``train.device`` and the
+    local rank: a CPU run uses gloo even on a GPU node, a GPU run uses cuda:LOCAL_RANK."""
+    from course_lib.parallel.launch import init_distributed
+
     wanted = cfg["train"]["device"]
-    if wanted == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device = 'cuda' but CUDA is not available; use 'auto' or 'cpu'")
-    if info.device.type == "cuda" or (wanted != "cpu" and torch.cuda.is_available()):
-        return info.device if info.device.type == "cuda" else torch.device("cuda", 0)
-    return torch.device("cpu")
+    if info is None:
+        info = init_distributed(backend="gloo" if wanted == "cpu" and not os.environ.get("COURSE_BACKEND")
+                                else None)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    device = choose_device(wanted, info.local_rank, local_world)
+    if info.backend == "nccl" and device.type != "cuda":
+        raise ConfigError("train.device = 'cpu' cannot use the nccl backend (unset COURSE_BACKEND or "
+                          "set it to gloo)")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return info, device
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of ``rank``'s random stream after the (shared) weight initialisation."""
+    return (seed * 1_000_003 + 7919 * (rank + 1)) % (2**63 - 1)
 
 
 def _peak_flops(cfg: dict, device: torch.device) -> float:
@@ -67,121 +105,141 @@ def _peak_flops(cfg: dict, device: torch.device) -> float:
     return cpu_matmul_peak_flops(1024, dtype=dtype, repeats=3).flops_per_second
 
 
+def _stabilizer(cfg: dict, faults, out_dir: Path, rank: int, model):
+    """The stabilizer from ``[stability]``; faults checked against the model and the run length
+    now (a typo in a parameter name must fail at start-up, not at step 500)."""
+    from course_lib.stability import Stabilizer
+
+    st, max_steps = cfg["stability"], cfg["train"]["max_steps"]
+    try:
+        stab = Stabilizer(max_grad_norm=st["max_grad_norm"] or None, spike_policy=st["spike_policy"],
+                          detect_loss_spikes=st["detect_spikes"], detect_grad_spikes=st["detect_spikes"],
+                          lr_factor=st["lr_factor"], lr_steps=st["lr_steps"],
+                          max_consecutive_bad=st["max_consecutive_bad"], max_rollbacks=st["max_rollbacks"],
+                          rollback_limit=st["rollback_limit"], diag_dir=out_dir / "diagnostics",
+                          faults=list(faults), rank=rank)
+        stab.faults.validate(model)
+    except ValueError as exc:
+        raise ConfigError(f"--inject-fault: {exc}") from None
+    late = [str(f) for f in stab.faults.faults if f.step >= max_steps]
+    if late:
+        raise ConfigError(f"--inject-fault: {', '.join(late)} is at or after train.max_steps ({max_steps}) "
+                          f"and would never fire; steps count from 0")
+    return stab
+
+
 def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[str] = (),
           info=None) -> TrainResult:
     """Run the loop described by ``cfg`` (from :func:`course_lib.train_config.load`).
 
     ``resume=True`` continues from the newest valid checkpoint under ``out_dir/checkpoints`` (a
-    fresh start when there is none). ``faults``: ``KIND@STEP[=VALUE]`` strings injected by the
-    stabilizer. ``info``: a :class:`DistInfo` (default: read from the environment)."""
+    fresh start only when there is none at all; checkpoints that exist but cannot be loaded stop
+    the run with CheckpointLoadError). ``faults``: ``KIND@STEP[=VALUE]`` strings injected by the
+    stabilizer. ``info``: a :class:`DistInfo` (default: join the group torchrun describes)."""
     from course_lib import data as data_lib
-    from course_lib.checkpoint import CheckpointManager
     from course_lib.estimate.flops import palm_flops_per_token
     from course_lib.metrics import MetricsLog
     from course_lib.model import TinyGPT
-    from course_lib.parallel.launch import init_distributed
+    from course_lib.parallel.checkpointing import TrainState
+    from course_lib.parallel.registry import make_strategy
     from course_lib.precision import make_policy
     from course_lib.schedules import Schedule, make_scheduler
-    from course_lib.stability import Stabilizer, scaled_lr
-    from course_lib.parallel.strategy import make_strategy
 
-    t, d, o, s, st, ck = (cfg[k] for k in ("train", "data", "optim", "schedule", "stability", "checkpoint"))
-    info = info or init_distributed()
+    t, d, o, s, ck = (cfg[k] for k in ("train", "data", "optim", "schedule", "checkpoint"))
+    info, device = _distributed(cfg, info)
     if info.world_size > 1 and t["strategy"] == "single":
         raise ConfigError(f"{info.world_size} ranks but train.strategy = 'single'; set "
                           "train.strategy = 'ddp' (--set train.strategy=ddp)")
-    device = _device(cfg, info)
+    out_dir = Path(out_dir)
 
     # ---- everything that can fail on bad input is built before the first file is written
     torch.manual_seed(t["seed"])  # same initial weights on every rank
     model = TinyGPT(train_config.build_model_config(cfg)).to(device)
+    # From here each rank draws its own random numbers (dropout masks): replicas that drew the
+    # same masks on different data would be correlated for no reason. Checkpoints keep each rank's
+    # generator, so a resume continues every rank's own stream.
+    torch.manual_seed(rank_seed(t["seed"], info.rank))
+    stabilizer = _stabilizer(cfg, faults, out_dir, info.rank, model)
+    strategy = make_strategy(t["strategy"], info, device)
+    strategy.setup(model, lambda m: torch.optim.AdamW(m.param_groups(o["weight_decay"]), lr=o["lr"],
+                                                      betas=(o["beta1"], o["beta2"]), eps=o["eps"]))
     options = {"vocab_size": d["vocab_size"]} if d["task"] != "text" else (
         {"path": d["path"]} if d["path"] else {})
     dataset = data_lib.make_dataset(d["task"], seq_len=d["seq_len"], seed=t["seed"], **options)
-    stream = data_lib.BatchStream(dataset, t["micro_batch"], rank=info.rank,
-                                  world_size=info.world_size, seed=t["seed"], device=device)
-    optimizer = torch.optim.AdamW(model.param_groups(o["weight_decay"]), lr=o["lr"],
-                                  betas=(o["beta1"], o["beta2"]), eps=o["eps"])
+    # TP/PP peers share a batch: the sampler follows the data-parallel coordinates, not the rank.
+    stream = data_lib.BatchStream(dataset, t["micro_batch"], rank=strategy.dp_rank,
+                                  world_size=strategy.dp_size, seed=t["seed"], device=device)
     schedule = Schedule(o["lr"], t["max_steps"], warmup_steps=s["warmup_steps"], kind=s["kind"],
                         min_lr=o["min_lr"], warmup_convention=s["warmup_convention"],
                         decay_steps=(s["decay_steps"] or None) if s["kind"] == "wsd" else None)
-    scheduler = make_scheduler(optimizer, schedule)
+    scheduler = make_scheduler(strategy.optimizer, schedule)
     policy = make_policy(t["precision"], device)
-    out_dir = Path(out_dir)
-    stabilizer = Stabilizer(max_grad_norm=st["max_grad_norm"] or None, spike_policy=st["spike_policy"],
-                            detect_loss_spikes=st["detect_spikes"], detect_grad_spikes=st["detect_spikes"],
-                            lr_factor=st["lr_factor"], lr_steps=st["lr_steps"],
-                            max_consecutive_bad=st["max_consecutive_bad"],
-                            diag_dir=out_dir / "diagnostics", faults=list(faults))
-    strategy = make_strategy(t["strategy"], device)
-    wrapped = strategy.wrap(model)
+    state = TrainState(strategy.model, strategy.optimizer, scheduler, policy, stream,
+                       {"stabilizer": stabilizer})
 
     # ---- files start here
-    ckpt = CheckpointManager(out_dir / "checkpoints", every_steps=ck["save_every"] or None,
-                             keep_last=ck["keep_last"], async_save=ck["async_save"],
-                             mirror=ck["mirror"] or None, writer=info.is_main)
-    state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=policy, data=stream,
-                 stateful={"stabilizer": stabilizer})
-    start = 0
+    checkpoints = strategy.checkpointer(out_dir / "checkpoints", every_steps=ck["save_every"] or None,
+                                        keep_last=ck["keep_last"], async_save=ck["async_save"],
+                                        mirror=ck["mirror"] or None, format=ck["format"])
+    start, last_loss = 0, None  # last_loss: the last *finite* logged loss
     if resume:
-        loaded = ckpt.load(**state)
-        start = loaded.step if loaded else 0
-    if info.is_main:
+        loaded = checkpoints.load(state)
+        if loaded is not None:
+            start, last_loss = loaded.step, loaded.metrics.get("loss")
+    if strategy.is_writer:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     log = MetricsLog(out_dir / "metrics.jsonl", resume_step=start, tensorboard=t["tensorboard"],
-                     enabled=info.is_main)
+                     enabled=strategy.is_writer)
 
     mcfg = model.cfg
-    tokens_per_step = t["micro_batch"] * t["grad_accum"] * d["seq_len"] * info.world_size
+    tokens_per_step = t["micro_batch"] * t["grad_accum"] * d["seq_len"] * strategy.dp_size
     flops_per_token = palm_flops_per_token(model.num_params(), n_layers=mcfg.n_layers,
                                            n_heads=mcfg.n_heads, head_dim=mcfg.head_dim,
                                            seq_len=d["seq_len"])
     peak = _peak_flops(cfg, device) * info.world_size
-    bar = _progress(t, start, info.is_main)
-    last_loss, skipped = None, 0
-    step = start
+    bar = _progress(t, start, strategy.is_writer)
+    skipped, rollbacks = 0, 0
+    step, saved_at = start, start
     # A step's time runs from the end of the previous row to the end of its own, so logging and
     # checkpoint policy are inside it: the tokens/s logged is what an outside stopwatch sees.
     t_last = time.perf_counter()
     try:
         while step < t["max_steps"]:
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(t["grad_accum"]):
-                x, y = next(stream)
-                last = micro == t["grad_accum"] - 1
-                with (nullcontext() if last else strategy.no_sync(wrapped)):
-                    with policy.autocast():
-                        _, loss = wrapped(x, y)
-                    loss = stabilizer.on_loss(loss, step)
-                    policy.backward(loss / t["grad_accum"])  # mean over micro-batches, not sum
-                loss_sum += loss.detach()
-            mean_loss = strategy.mean_across_ranks(loss_sum / t["grad_accum"])
-            policy.unscale_(optimizer)  # clip and measure true gradients, never scaled ones
-            decision = stabilizer.after_backward(model, mean_loss, step, optimizer=optimizer,
-                                                 scaler=policy.scaler, batch=(x, y))  # the one sync
+            batches = [next(stream) for _ in range(t["grad_accum"])]
+            local = strategy.forward_backward(batches, autocast=policy.autocast, backward=policy.backward,
+                                              on_loss=lambda loss: stabilizer.on_loss(loss, step))
+            mean_loss = strategy.global_mean(local)  # every rank decides on the same number
+            policy.unscale_(strategy.optimizer)  # clip and measure true gradients, never scaled ones
+            scale = policy.scale_tensor()
+            decision = stabilizer.after_backward(  # the one host read of the step
+                strategy.model, mean_loss, step, optimizer=strategy.optimizer, scaler=policy.scaler,
+                batch=batches[-1], extra=[scale] if scale is not None else None,
+                reduce_sq=strategy.reduce_grad_sq)
             lr = scheduler.get_last_lr()[0] * decision.lr_factor
-            if decision.rollback and ckpt.checkpoints():
-                optimizer.zero_grad(set_to_none=True)
-                policy.skip(optimizer)
+            if decision.rollback:
+                strategy.zero_grad()
+                strategy.skip_step(policy)
                 # Roll back everything but the data position: replaying the same batches would
-                # replay the same spike.
-                loaded = ckpt.load(**{**state, "data": None})
-                _append_event(out_dir, info, {**decision.log_row(), "event": "rollback",
-                                              "rolled_back_to": loaded.step, "reason": decision.reason})
-                log.close()
-                log = MetricsLog(out_dir / "metrics.jsonl", resume_step=loaded.step,
-                                 tensorboard=t["tensorboard"], enabled=info.is_main)
-                step, skipped = loaded.step, skipped + 1
-                continue
+                # replay the same spike. Rank 0 picks the checkpoint, every rank loads that one.
+                loaded = checkpoints.load(state, restore_data=False)
+                if loaded is not None:
+                    stabilizer.note_rollback(step)
+                    _append_event(out_dir, strategy, {**decision.log_row(), "event": "rollback",
+                                                      "rolled_back_to": loaded.step, "reason": decision.reason})
+                    log.close()
+                    log = MetricsLog(out_dir / "metrics.jsonl", resume_step=loaded.step,
+                                     tensorboard=t["tensorboard"], enabled=strategy.is_writer)
+                    step, saved_at, skipped, rollbacks = loaded.step, loaded.step, skipped + 1, rollbacks + 1
+                    continue
+                decision.reason += " (no checkpoint yet: step skipped instead)"
             if decision.overflow:
-                policy.step(optimizer)  # fp16: the scaler skips the step and lowers the scale
+                strategy.optimizer_step(policy, found_inf=True)  # fp16: no step, the scale halves
             elif decision.skip or decision.rollback:
-                policy.skip(optimizer)
+                strategy.skip_step(policy)
             else:
-                with scaled_lr(optimizer, decision.lr_factor):
-                    policy.step(optimizer)
-            optimizer.zero_grad(set_to_none=True)
+                strategy.optimizer_step(policy, lr_factor=decision.lr_factor, found_inf=False)
+            strategy.zero_grad()
             scheduler.step()
             step += 1
             now = time.perf_counter()
@@ -190,32 +248,44 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             row = {**decision.log_row(), "step": step, "lr": lr, "tokens_per_s": tokens_per_s,
                    "mfu": tokens_per_s * flops_per_token / peak if peak else None,
                    "step_seconds": seconds}
-            if policy.scaler is not None:
-                row["loss_scale"] = policy.loss_scale
+            if scale is not None:
+                row["loss_scale"] = decision.extra[0]  # the scale this step's backward used
+            if decision.rollbacks_accepted:
+                _append_event(out_dir, strategy, {**decision.log_row(), "event": "level_accepted",
+                                                  "after_rollbacks": decision.rollbacks_accepted})
             log.write(row)
             skipped += bool(decision.skip)
-            last_loss = decision.loss if decision.loss is not None else last_loss
-            if info.is_main:  # replicas hold identical state; rank 0 writes it for all
-                ckpt.maybe_save(step, **state, metrics={"loss": last_loss})
+            if decision.loss is not None and math.isfinite(decision.loss):
+                last_loss = decision.loss
+            if checkpoints.should_save(step):
+                log.flush()  # every row the checkpoint covers is on disk before it exists
+                checkpoints.save(step, state, _ckpt_metrics(last_loss))
+                saved_at = step
             if bar is not None:
                 bar.update(1)
                 if step % t["log_every"] == 0 or step == t["max_steps"]:
-                    bar.set_postfix(loss=f"{last_loss:.3f}" if last_loss is not None else "nan",
+                    bar.set_postfix(loss=f"{last_loss:.3f}" if last_loss is not None else "n/a",
                                     lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}",
                                     mfu=f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a")
-        if info.is_main and (not ck["save_every"] or step % ck["save_every"]):
-            ckpt.save(step, **state, metrics={"loss": last_loss})  # the end state, always
+        if saved_at != step:  # the end state, always (a finished run resumed again saves nothing)
+            log.flush()
+            checkpoints.save(step, state, _ckpt_metrics(last_loss))
     finally:
         if bar is not None:
             bar.close()
         log.close()
-        ckpt.close()  # waits for an async save: the last checkpoint is never lost
-    return TrainResult(step, start, last_loss, skipped, out_dir)
+        checkpoints.close()  # waits for an async save: the last checkpoint is never lost
+    return TrainResult(step, start, last_loss, skipped, out_dir, rollbacks, model)
 
 
-def _append_event(out_dir: Path, info, row: dict) -> None:
-    """Rare events (roll-backs) go to events.jsonl: metrics.jsonl is rewound past them."""
-    if info.is_main:
+def _ckpt_metrics(last_loss: float | None) -> dict:
+    """What a checkpoint records: the last finite loss, or nothing (never NaN, never None)."""
+    return {"loss": last_loss} if last_loss is not None else {}
+
+
+def _append_event(out_dir: Path, strategy, row: dict) -> None:
+    """Rare events (roll-backs, accepted levels) go to events.jsonl: metrics.jsonl is rewound."""
+    if strategy.is_writer:
         with open(out_dir / "events.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -244,7 +314,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--resume", choices=["auto", "never"], default="never",
                         help="auto: continue from the newest valid checkpoint in --out")
     parser.add_argument("--inject-fault", action="append", default=[], metavar="KIND@STEP[=VALUE]",
-                        help="grad_scale@500=10, nan_loss@30, inf_grad@40[=param.name]; repeatable")
+                        help="grad_scale@500=10, nan_loss@30, inf_grad@40[=param.name], loss_shift@60=3; repeatable")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config value, e.g. --set train.precision=bf16")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -252,7 +322,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Validate everything, train, print a one-line summary. Exit code 2 on a config error."""
+    """Validate everything, train, print a one-line summary. Exit codes: 2 for a config error
+    (nothing written), 3 when checkpoints exist but none can be resumed from."""
+    from course_lib.checkpoint import CheckpointLoadError
+    from course_lib.stability import parse_faults
+
     overrides = list(args.set)
     for flag, key in ((args.max_steps, "train.max_steps"), (args.seed, "train.seed"),
                       (args.save_every, "checkpoint.save_every")):
@@ -262,25 +336,27 @@ def run_cli(args: argparse.Namespace) -> int:
         overrides.append("train.progress=false")
     try:
         cfg = train_config.load(args.config, overrides)
-        from course_lib.stability import parse_faults
-
-        parse_faults(args.inject_fault)  # a malformed fault is a config error, before any file
+        try:
+            parse_faults(args.inject_fault)  # a malformed fault is a config error, before any file
+        except ValueError as exc:
+            raise ConfigError(f"--inject-fault: {exc}") from None
         result = train(cfg, args.out, resume=args.resume == "auto", faults=args.inject_fault)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    except ValueError as exc:
-        if "fault" in str(exc).lower():
-            print(f"config error: --inject-fault: {exc}", file=sys.stderr)
-            return 2
-        raise
+    except CheckpointLoadError as exc:
+        print(f"cannot resume: {exc}", file=sys.stderr)
+        return 3
     from course_lib.parallel.launch import is_main
 
     if is_main():
         loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
-        print(f"trained {result.steps - result.resumed_from} steps (resumed from {result.resumed_from}), "
-              f"final loss {loss} nats/token, {result.skipped_steps} skipped; metrics in "
-              f"{result.out_dir / 'metrics.jsonl'}", flush=True)
+        done = result.steps - result.resumed_from
+        origin = f"resumed from step {result.resumed_from}" if result.resumed_from else "from scratch"
+        what = (f"nothing to do: already at step {result.steps}" if done == 0 and result.resumed_from
+                else f"trained {done} steps ({origin})")
+        print(f"{what}, final loss {loss} nats/token, {result.skipped_steps} skipped, "
+              f"{result.rollbacks} rolled back; metrics in {result.out_dir / 'metrics.jsonl'}", flush=True)
     return 0
 
 
@@ -289,8 +365,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import os
-
     code = main()
     if "RANK" in os.environ:  # under torchrun: leave without gloo's exit-time crash
         from course_lib.parallel.launch import teardown

@@ -5,8 +5,9 @@
     [model]   preset plus any ModelConfig field (n_layers, d_model, checkpointing, ...)
     [optim]   lr, min_lr, weight_decay, beta1, beta2, eps
     [schedule] kind, warmup_steps, warmup_convention, decay_steps
-    [stability] max_grad_norm, spike_policy, lr_factor, lr_steps, max_consecutive_bad, detect_spikes
-    [checkpoint] save_every, keep_last, async_save, mirror
+    [stability] max_grad_norm, spike_policy, lr_factor, lr_steps, max_consecutive_bad, detect_spikes,
+              max_rollbacks, rollback_limit
+    [checkpoint] save_every, keep_last, async_save, mirror, format
 
 Every unknown section or key, wrong type or out-of-range value is a ``ConfigError`` naming it
 (with a "did you mean" for typos), raised before any file is written or model is built.
@@ -18,6 +19,8 @@ import difflib
 import sys
 from pathlib import Path
 from typing import Any
+
+from course_lib.parallel.registry import strategy_names
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -38,7 +41,7 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "micro_batch": (int, 16, (1, None)),       # sequences per rank per micro-batch
         "grad_accum": (int, 1, (1, None)),         # micro-batches per optimizer step
         "precision": (str, "fp32", ("fp32", "bf16", "fp16")),
-        "strategy": (str, "single", ("single", "ddp")),
+        "strategy": (str, "single", strategy_names()),  # course_lib.parallel.registry
         "device": (str, "auto", ("auto", "cpu", "cuda")),
         "log_every": (int, 10, (1, None)),         # progress-bar refresh, in steps
         "progress": (bool, True, None),
@@ -72,12 +75,15 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "lr_factor": (float, 0.1, (0.0, 1.0)),
         "lr_steps": (int, 50, (1, None)),
         "max_consecutive_bad": (int, 3, (1, None)),
+        "max_rollbacks": (int, 3, (1, None)),      # consecutive roll-backs for one spike, then...
+        "rollback_limit": (str, "accept", ("accept", "error")),  # ...take the new level, or stop
     },
     "checkpoint": {
         "save_every": (int, 0, (0, None)),         # steps; 0 = only at the end
         "keep_last": (int, 3, (1, None)),
         "async_save": (bool, True, None),
         "mirror": (str, "", None),                 # fsspec URL of a second tier; "" = none
+        "format": (str, "auto", ("auto", "full", "sharded")),  # auto = what the strategy needs
     },
     "model": {"preset": (str, "tiny", None)},      # plus any ModelConfig field, checked there
 }
@@ -148,6 +154,14 @@ def _cross_checks(cfg: dict) -> None:
         raise ConfigError("schedule.decay_steps must be <= train.max_steps - schedule.warmup_steps")
     if cfg["data"]["task"] in ("copy", "reverse", "sort") and cfg["data"]["seq_len"] % 2:
         raise ConfigError(f"data.seq_len must be even for the {cfg['data']['task']} task")
+    path = cfg["data"]["path"]
+    if path and cfg["data"]["task"] != "text":
+        raise ConfigError(f"data.path is only read by the text task; data.task is {cfg['data']['task']!r}")
+    if path and not Path(path).is_file():
+        raise ConfigError(f"data.path: no such file {path!r} (a UTF-8 text file; \"\" = the bundled notes)")
+    if cfg["checkpoint"]["format"] == "sharded" and cfg["checkpoint"]["mirror"]:
+        raise ConfigError("checkpoint.mirror works with full checkpoints only; sharded (DCP) "
+                          "checkpoints stay in the run folder")
     if cfg["stability"]["spike_policy"] == "rollback" and cfg["checkpoint"]["save_every"] == 0:
         raise ConfigError("stability.spike_policy = 'rollback' needs checkpoint.save_every > 0 "
                           "(there must be a checkpoint to roll back to)")

@@ -20,20 +20,19 @@
 # %% tags=["parameters"]
 SMOKE = False  # True: small sizes, so the automated tests finish quickly
 SEED = 0
-KILL_CYCLES = 20  # section 1: kills per saving method
+KILL_CYCLES, KILL_NUMEL = 20, 2_000_000  # section 1: kills per saving method; floats per checkpoint (8 MB)
 ASYNC_D_MODEL, ASYNC_REPEATS = 256, 3  # section 3: model width for the stall measurement
 RESUME_STEPS, SAVE_EVERY, KILL_AFTER = 60, 10, 35  # sections 4-6: steps, checkpoint interval, kill point
 
 # %%
-import json
 import os
+import re
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -46,6 +45,7 @@ from safetensors.torch import load_file
 import course_lib
 from course_lib import train_config
 from course_lib.checkpoint import CheckpointError, CheckpointManager
+from course_lib.checkpoint_kill import kill_while_saving, loaded_step
 from course_lib.checks import check
 from course_lib.metrics import read_rows
 from course_lib.model import ModelConfig, TinyGPT
@@ -71,129 +71,42 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")  # child processes: one thread each,
 # within one file system is atomic: a crash at any instant leaves either no new checkpoint or a
 # complete one.
 #
-# The experiment: a small script (written below) that starts one writer process per cycle. The
-# writer "trains" a little, saves, and repeats; every parameter holds the step it was saved at, so
-# a loaded file can be checked. The script kills the writer with `SIGKILL` (what `kill -9`, the
-# out-of-memory killer and a node failure do: no handler runs) on even cycles at a random moment
-# within one save period, on odd cycles at the moment a write is certainly in progress.
+# The experiment: `kill_while_saving` (from `course_lib.checkpoint_kill`) starts a fresh writer
+# process per cycle that saves over and over, each time a state of `KILL_NUMEL` floats that all
+# equal the step it was saved at, so a loaded file shows whether it is complete. It kills the
+# writer with `SIGKILL` (what `kill -9`, the out-of-memory killer and a node failure do: no handler
+# runs) on even cycles at a random moment within one save period, on odd cycles at a moment a
+# write is certainly in progress, and lists what each cycle left on disk. Then we restart from
+# every folder the way a training run would.
 
 # %%
-worker = RUNS / "kill_worker.py"
-worker.write_text(textwrap.dedent('''
-    """python kill_worker.py MODE ROOT CYCLES SEED: MODE naive (torch.save to one path) or atomic
-    (CheckpointManager). Imports torch once, forks one writer per cycle and SIGKILLs it. This
-    process runs no torch compute itself, so forking it is safe."""
-    import json, os, random, signal, sys, time
-    from pathlib import Path
-
-    import torch
-
-    from course_lib.checkpoint import CheckpointManager
-
-    mode, root, cycles, seed = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+WRITERS = "course_lib.checkpoint_kill:"  # the two save functions under test live there
+reports = {"naive": kill_while_saving(WRITERS + "torch_save_in_place", RUNS / "naive", cycles=KILL_CYCLES,
+                                      seed=SEED, numel=KILL_NUMEL, final="latest.pt"),
+           "atomic": kill_while_saving(WRITERS + "save_with_manager", RUNS / "atomic", cycles=KILL_CYCLES,
+                                       seed=SEED, numel=KILL_NUMEL)}
 
 
-    def writer(folder, done_fd):
-        torch.set_num_threads(1)
-        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])  # 8.4 MB
-        mgr = CheckpointManager(folder, keep_last=2, async_save=False) if mode == "atomic" else None
-        x = torch.randn(64, 512)
-        for step in range(1, 10**6):
-            x = torch.tanh(model[0](x))  # "training"
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.fill_(step)
-            if mgr is None:
-                torch.save({"step": step, "model": model.state_dict()}, folder / "latest.pt")
-            else:
-                mgr.save(step, model=model)
-            os.write(done_fd, b".")
-
-
-    def mid_write(folder, full_size):
-        if mode == "atomic":
-            return any(n.startswith(".tmp-") for n in os.listdir(folder))
-        try:
-            return os.stat(folder / "latest.pt").st_size < full_size
-        except FileNotFoundError:
-            return False
-
-
-    rng = random.Random(seed)
-    report = []
-    for cycle in range(cycles):
-        folder = root / f"run{cycle:03d}"
-        folder.mkdir(parents=True)
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(r)
-            try:
-                writer(folder, w)
-            finally:
-                os._exit(1)
-        os.close(w)
-        os.read(r, 1)
-        t1 = time.monotonic()
-        os.read(r, 1)  # two saves done: one save period measured
-        period = time.monotonic() - t1
-        size = os.stat(folder / "latest.pt").st_size if mode == "naive" else 0
-        targeted = cycle % 2 == 1
-        if targeted:  # wait until a write is in progress
-            deadline = time.monotonic() + 5
-            while not mid_write(folder, size) and time.monotonic() < deadline:
-                time.sleep(0.0005)
-        else:
-            time.sleep(rng.uniform(0, period))
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        os.close(r)
-        report.append({"cycle": cycle, "targeted": targeted, "period_s": period})
-    print(json.dumps(report))
-'''))
-
-
-def kill_test(mode):
-    """Run the worker for `mode`; return its report (one dict per cycle)."""
-    out = subprocess.run([sys.executable, str(worker), mode, str(RUNS / mode), str(KILL_CYCLES), str(SEED)],
-                         capture_output=True, text=True, timeout=600, env=ENV)
-    check(out.returncode == 0, f"the {mode} worker failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.splitlines()[-1])
-
-
-def check_naive(folder):
-    """Load latest.pt the way a restart would; None when it is unusable, else its step."""
-    try:
-        state = torch.load(folder / "latest.pt", weights_only=True)
-    except Exception:  # torn zip archive, empty file, missing file
-        return None
-    step = state["step"]
-    return step if all(bool((v == step).all()) for v in state["model"].values()) else None
-
-
-def check_atomic(folder):
-    """Restart the way the trainer does: clean up, load the newest valid checkpoint. Returns
-    (step or None, whether a kill left a temporary directory behind)."""
-    left = any(p.name.startswith(".tmp-") for p in folder.iterdir())
-    net = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+def restart_atomic(folder):
+    """Restart the way the trainer does: clean up, load the newest valid checkpoint. Returns its
+    step, or None when nothing usable is left."""
+    net = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.empty(KILL_NUMEL))})
     res = CheckpointManager(folder, keep_last=2).load(model=net, restore_rng=False)
-    ok = res is not None and all(bool((p == res.step).all()) for p in net.parameters())
-    return (res.step if ok else None), left
+    return res.step if res is not None and bool((net["w"] == res.step).all()) else None
 
 
-reports = {mode: kill_test(mode) for mode in ("naive", "atomic")}
-naive = [check_naive(RUNS / "naive" / f"run{c:03d}") for c in range(KILL_CYCLES)]
-atomic = [check_atomic(RUNS / "atomic" / f"run{c:03d}") for c in range(KILL_CYCLES)]
+naive = [loaded_step(r.folder / "latest.pt") for r in reports["naive"]]  # torch.load, as a restart would
+atomic = [restart_atomic(r.folder) for r in reports["atomic"]]
 
 # %%
 print(f"{KILL_CYCLES} kills per method (half at a random moment, half mid-write)")
 print(f"{'method':<10} {'save period':>12} {'loadable':>9} {'unusable':>9} {'kills mid-write (evidence)':>28}")
 n_bad_naive = sum(s is None for s in naive)
-n_bad_atomic = sum(s is None for s, _ in atomic)
-n_tmp = sum(left for _, left in atomic)
+n_bad_atomic = sum(s is None for s in atomic)
+n_tmp = sum(bool(r.leftovers) for r in reports["atomic"])  # temporary dirs a kill left behind
 for mode, bad, evidence in (("naive", n_bad_naive, f"{n_bad_naive} torn files"),
                             ("atomic", n_bad_atomic, f"{n_tmp} temp dirs left")):
-    period = statistics.median(r["period_s"] for r in reports[mode])
+    period = statistics.median(r.period_s for r in reports[mode])
     print(f"{mode:<10} {period * 1e3:>9.0f} ms {KILL_CYCLES - bad:>9} {bad:>9} {evidence:>28}")
 fig, ax = plt.subplots(figsize=(6, 3))
 ax.bar(["naive torch.save", "CheckpointManager"], [n_bad_naive, n_bad_atomic], color=["tab:red", "tab:green"])
@@ -202,12 +115,11 @@ ax.grid(alpha=0.3, axis="y")
 plt.show()
 
 # %%
-targeted = [r["targeted"] for r in reports["naive"]]
-check(all(s is None for s, t in zip(naive, targeted) if t),
+check(all(s is None for s, r in zip(naive, reports["naive"]) if r.targeted),
       "every naive save killed mid-write should leave an unloadable file (the old checkpoint is lost too)")
 check(n_bad_atomic == 0, "no atomic checkpoint may be unusable after a kill, wherever it landed")
 check(n_tmp >= 1, "at least one atomic save should have been killed mid-write, or the test proved nothing")
-check(all(s is not None and s >= 1 for s, _ in atomic), "every atomic run should restart from a saved step")
+check(all(s is not None and s >= 1 for s in atomic), "every atomic run should restart from a saved step")
 print(f"naive: {n_bad_naive}/{KILL_CYCLES} checkpoints destroyed; atomic: 0/{KILL_CYCLES}, "
       f"though {n_tmp} kills landed inside a write")
 
@@ -338,6 +250,12 @@ def trainer(out, *extra):
     return [sys.executable, "-m", "course_lib.train", *ARGS, "--out", str(out), *extra]
 
 
+def resumed_step(log):
+    """The step a trainer's output says it resumed from ("resumed from step N"), or None."""
+    found = re.search(r"resumed from (?:step )?(\d+)", log)
+    return int(found.group(1)) if found else None
+
+
 # The reference runs as a process of its own too, at the same time as the victim (one core
 # each): the same program in the same kind of process (a loss summed in another process's memory
 # layout can differ in its last bit).
@@ -370,7 +288,8 @@ check(resumed.returncode == 0, f"the resumed run failed:\n{resumed.stderr[-2000:
 
 # %%
 got = read_rows(victim / "metrics.jsonl")
-resumed_from = int(resumed.stdout.split("resumed from ")[1].split(")")[0])
+resumed_from = resumed_step(resumed.stdout)
+check(resumed_from is not None, f"the resumed run should say which step it resumed from:\n{resumed.stdout}")
 diff = [a["loss"] - b["loss"] for a, b in zip(got, ref_rows)]
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.8), layout="constrained")
 ax1.plot([r["step"] for r in ref_rows], [r["loss"] for r in ref_rows], label="uninterrupted", linewidth=3, alpha=0.4)
@@ -467,7 +386,7 @@ print("\n".join(line[:160] for line in interesting[:8]))
 
 # %%
 rows6 = read_rows(out6 / "metrics.jsonl")
-restart_from = int(log.split("resumed from ")[1].split(")")[0]) if "resumed from " in log else None
+restart_from = resumed_step(log)
 check(killed_pid is not None and len(workers) == 1, "there should be exactly one worker process to kill")
 check(agent.returncode == 0, f"torchrun should finish successfully after restarting the worker:\n{log[-2000:]}")
 check(restart_from is not None and 0 < restart_from <= rows_at_kill,

@@ -18,17 +18,14 @@ KILLS = 8  # SIGKILLs in the visible crash test
 
 # %%
 import importlib
-import json
 import os
-import subprocess
-import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 import torch
 
 import course_lib
+from course_lib.checkpoint_kill import kill_while_saving, loaded_step
 from course_lib.checks import check
 
 SMOKE = course_lib.smoke(SMOKE)
@@ -220,84 +217,25 @@ print("retention: verified before pruning; a bad save deletes nothing")
 # %% [markdown]
 # ## Part 4: kill it
 #
-# The real test. A driver process imports your module and forks a writer that saves checkpoints
-# in a loop (`keep_last=2`, about 8 MB each, every tensor filled with its step number). The driver
-# kills the writer with `SIGKILL` (no handler, no `finally`) at random moments, alternately while a
-# write is certainly in progress. After each kill, the newest checkpoint must load and hold its
-# own step, exactly what a restarted training run would do.
+# The real test, with the harness lab 07 uses (`course_lib.checkpoint_kill.kill_while_saving`). It
+# starts a process that imports your module and forks a writer, which calls your `save_checkpoint`
+# in a loop (`keep_last=2`, about 8 MB each, every tensor filled with its step number). The harness
+# kills the writer with `SIGKILL` (no handler, no `finally`) at random moments, alternately while
+# a write is certainly in progress, and lists what is left. After each kill, the newest checkpoint
+# must load and hold its own step, exactly what a restarted training run would do.
 
 # %%
-DRIVER = r'''
-import json, os, random, signal, sys, time
-from pathlib import Path
-
-module_dir, root, kills, seed, numel = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-sys.path.insert(0, module_dir)
-import torch
-import ex07_checkpoint as ck  # your code
-
-rng = random.Random(seed)
-report = []
-for cycle in range(kills):
-    folder = root / f"kill{cycle:02d}"
-    folder.mkdir(parents=True)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the writer
-        os.close(r)
-        try:
-            torch.set_num_threads(1)
-            for step in range(1, 10**6):
-                ck.save_checkpoint({"step": step, "w": torch.full((numel,), float(step))}, folder, step, keep_last=2)
-                os.write(w, b".")
-        finally:
-            os._exit(1)
-    os.close(w)
-    t0 = time.monotonic()
-    got = os.read(r, 1)
-    period = time.monotonic() - t0
-    if cycle % 2:  # wait for a temporary file (or any non-checkpoint) to appear: mid-write
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not any(not n.startswith("step_") or not n.endswith(".pt")
-                                                      for n in os.listdir(folder)):
-            time.sleep(0.0002)
-    else:
-        time.sleep(rng.uniform(0, period))
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    os.close(r)
-    report.append({"cycle": cycle, "first_save_ok": got == b".", "period_s": period})
-print(json.dumps(report))
-'''
-
-
 def kill_test(kills, seed, numel, name):
-    """Run the driver; return one row per kill: (newest step or None, its file loads and holds that step,
-    how many checkpoints are on disk, leftover non-checkpoint files)."""
-    root = SCRATCH / name
-    script = SCRATCH / "driver.py"
-    script.write_text(DRIVER)
-    out = subprocess.run([sys.executable, str(script), str(Path(ex07_checkpoint.__file__).parent), str(root),
-                          str(kills), str(seed), str(numel)], capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    check(out.returncode == 0, f"the crash driver failed:\n{out.stderr[-3000:]}")
-    report = json.loads(out.stdout.splitlines()[-1])
-    check(all(r["first_save_ok"] for r in report), "your save_checkpoint failed before it could be killed; "
-          "run it once by hand to see the error")
+    """Kill a writer running your save_checkpoint `kills` times; one row per kill: (newest checkpoint
+    or None, it loads and holds its own step, how many checkpoints are on disk, leftover files)."""
+    reports = kill_while_saving("ex07_checkpoint:save_checkpoint", SCRATCH / name, cycles=kills, seed=seed,
+                                numel=numel, kwargs={"keep_last": 2}, final="step_*.pt",
+                                path=[Path(ex07_checkpoint.__file__).parent])  # where your module is
     rows = []
-    for cycle in range(kills):
-        folder = root / f"kill{cycle:02d}"
-        files = sorted(folder.glob("step_*.pt"))
-        newest_ok = None
-        if files:
-            try:
-                state = torch.load(files[-1], weights_only=True)
-                newest_ok = state["step"] == int(files[-1].stem.split("_")[1]) and bool(
-                    (state["w"] == state["step"]).all())
-            except Exception:
-                newest_ok = False
-        rows.append((files[-1].name if files else None, newest_ok, len(files),
-                     sorted(p.name for p in folder.iterdir() if p not in files)))
+    for r in reports:
+        newest = r.final[-1] if r.final else None
+        ok = newest is not None and loaded_step(r.folder / newest) == int(Path(newest).stem.split("_")[1])
+        rows.append((newest, ok, len(r.final), list(r.leftovers)))
     return rows
 
 

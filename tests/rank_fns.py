@@ -53,3 +53,39 @@ def train_rank(rank, world_size, cfg, out_dir):
 
     result = train(cfg, out_dir)
     return {"steps": result.steps, "final_loss": result.final_loss}
+
+
+def train_rank_digest(rank, world_size, cfg, out_dir, faults=()):
+    """One rank of a training run; returns what it did and a digest of its weights, so a test can
+    check that the replicas are bit-identical."""
+    from course_lib.parallel.checkpointing import param_digest
+    from course_lib.train import train
+
+    result = train(cfg, out_dir, faults=list(faults))
+    return {"steps": result.steps, "final_loss": result.final_loss, "rollbacks": result.rollbacks,
+            "skipped": result.skipped_steps, "digest": param_digest(result.model)}
+
+
+def resume_rank_digest(rank, world_size, cfg, out_dir):
+    """One rank of a resumed run (``resume=True``)."""
+    from course_lib.parallel.checkpointing import param_digest
+    from course_lib.train import train
+
+    result = train(cfg, out_dir, resume=True)
+    return {"resumed_from": result.resumed_from, "steps": result.steps, "digest": param_digest(result.model)}
+
+
+def host_reads_on_rank(rank, world_size, cfg, out_dir):
+    """Host reads per optimizer step made by course_lib on this rank of a DDP run."""
+    import os
+
+    from host_reads import reads_per_step
+    import course_lib.train as train_mod
+
+    train_mod._peak_flops = lambda cfg, device: 1e12  # set-up only; keeps the count to the loop
+
+    def run(steps):
+        overrides = {**cfg, "train": {**cfg["train"], "max_steps": steps}}
+        train_mod.train(overrides, os.path.join(out_dir, f"r{steps}"))
+
+    return reads_per_step(run, steps=10)

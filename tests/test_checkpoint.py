@@ -137,7 +137,8 @@ def test_temp_dirs_are_never_checkpoints_and_are_cleaned(tmp_path):
     (tmp_path / ".trash-step_000000001-ff").mkdir()
     fresh = CheckpointManager(tmp_path)
     assert sorted(fresh.cleaned) == [".tmp-step_000000009-123-abcd", ".trash-step_000000001-ff"]
-    assert fresh.load(TiedLM()).step == 5
+    with pytest.warns(RuntimeWarning, match="step_000000008.*no readable manifest"):
+        assert fresh.load(TiedLM()).step == 5
     assert [n for n, _ in fresh.checkpoints()] == ["step_000000005"]
 
 
@@ -431,3 +432,161 @@ def test_sigkill_at_random_moments_during_saves(tmp_path, cycles):
     assert [r["step"] for r in got] == list(range(steps)) and [r["loss"] for r in got] == [r["loss"] for r in want]
     a, b = load_file(run / "final.safetensors"), load_file(ref / "final.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+# ------------------------------------------------------------------ load errors are not corruption
+
+def two_checkpoints(tmp_path):
+    """Checkpoints at steps 2 and 3 of make_state(); returns (state, newest path, weights at 3)."""
+    s = make_state()
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    mgr.save(2, **s)
+    train_step(s["model"], s["optimizer"], s["scheduler"], s["data"])
+    newest = mgr.save(3, **s)
+    return s, newest, params(s["model"])
+
+
+def quarantined(root):
+    return sorted(p.name for p in Path(root).iterdir() if p.name.startswith(".corrupt-"))
+
+
+def test_read_error_is_not_corruption_and_never_falls_back(tmp_path, monkeypatch):
+    from course_lib.checkpoint import CheckpointLoadError
+    import errno
+    _, newest, _ = two_checkpoints(tmp_path)
+    real_read = Path.read_bytes
+
+    def flaky(self):  # the disk fails a read: the checkpoint itself is fine
+        if self == newest / "model.safetensors":
+            raise OSError(errno.EIO, "Input/output error")
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", flaky)
+    fresh = make_state(train_steps=0)
+    before = params(fresh["model"])
+    with pytest.raises(CheckpointLoadError, match="step_000000003.*Input/output error") as info:
+        CheckpointManager(tmp_path).load(**fresh)
+    assert [n for n, _ in info.value.failures] == ["step_000000003"]
+    assert newest.is_dir() and quarantined(tmp_path) == []  # not moved aside
+    assert equal_states(before, params(fresh["model"]))  # not silently replaced by step 2
+    monkeypatch.undo()
+    assert CheckpointManager(tmp_path).load(**make_state(train_steps=0)).step == 3  # storage back: resumes
+
+
+def test_a_bug_while_loading_is_not_corruption(tmp_path):
+    from course_lib.checkpoint import CheckpointLoadError
+    _, newest, _ = two_checkpoints(tmp_path)
+
+    class Broken(Position):
+        def load_state_dict(self, state):
+            raise KeyError("cursor")  # a bug in the caller's object, not in the checkpoint
+
+    fresh = make_state(train_steps=0)
+    fresh["data"] = Broken()
+    with pytest.raises(CheckpointLoadError, match="step_000000003.*cursor"):
+        CheckpointManager(tmp_path).load(**fresh)
+    assert newest.is_dir() and quarantined(tmp_path) == []
+
+
+class TwoLayers(nn.Module):
+    def __init__(self, out=4, extra=False):
+        super().__init__()
+        torch.manual_seed(out)
+        self.first = nn.Linear(8, 8)
+        self.last = nn.Linear(8, out)
+        if extra:
+            self.more = nn.Linear(out, 2)
+
+
+def test_other_model_shape_is_refused_by_name_and_nothing_is_half_loaded(tmp_path):
+    from course_lib.checkpoint import CheckpointLoadError
+    src = TwoLayers(out=4)
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    mgr.save(5, model=src, optimizer=torch.optim.AdamW(src.parameters()))
+    model = TwoLayers(out=5, extra=True)  # "first" matches and would be copied by load_state_dict
+    opt = torch.optim.AdamW(model.parameters())
+    before = params(model)
+    with pytest.raises(CheckpointLoadError) as info:
+        CheckpointManager(tmp_path).load(model, opt)
+    msg = str(info.value)
+    assert "step_000000005" in msg and "last.weight" in msg and "(4, 8)" in msg and "(5, 8)" in msg
+    assert "more.weight" in msg  # missing from the checkpoint
+    assert equal_states(before, params(model)) and opt.state_dict()["state"] == {}
+    assert (tmp_path / "step_000000005").is_dir() and quarantined(tmp_path) == []
+    # an optimizer whose parameter groups do not fit is refused before the model is touched
+    same = TwoLayers(out=4)
+    before = params(same)
+    bad_opt = torch.optim.AdamW([{"params": [same.first.weight]}, {"params": [same.last.weight]}])
+    with pytest.raises(CheckpointLoadError, match="step_000000005.*optimizer"):
+        CheckpointManager(tmp_path).load(same, bad_opt)
+    assert equal_states(before, params(same))
+
+
+def test_every_checkpoint_corrupt_is_a_loud_refusal_not_a_fresh_start(tmp_path):
+    from course_lib.checkpoint import CheckpointLoadError
+    s, newest, _ = two_checkpoints(tmp_path)
+    flip_byte(newest / "model.safetensors")
+    flip_byte(tmp_path / "step_000000002" / "train_state.pt")
+    with pytest.warns(RuntimeWarning, match="unusable"):
+        with pytest.raises(CheckpointLoadError) as info:
+            CheckpointManager(tmp_path).load(**make_state(train_steps=0))
+    assert sorted(n for n, _ in info.value.failures) == ["step_000000002", "step_000000003"]
+    msg = str(info.value)
+    assert "step_000000002" in msg and "step_000000003" in msg and "checksum" in msg
+    assert len(quarantined(tmp_path)) == 2
+    # the next attempt must not start from step 0 because the corrupt ones are out of the way
+    with pytest.warns(RuntimeWarning, match="quarantined"):
+        with pytest.raises(CheckpointLoadError, match=r"\.corrupt-.*fresh output folder"):
+            CheckpointManager(tmp_path).load(**make_state(train_steps=0))
+    for name in quarantined(tmp_path):
+        shutil.rmtree(tmp_path / name)
+    assert CheckpointManager(tmp_path).load(**make_state(train_steps=0)) is None  # truly nothing
+
+
+# ------------------------------------------------------------------ per-rank state
+
+def test_each_rank_gets_its_own_rng_and_data_position(tmp_path):
+    from course_lib.checkpoint.state import capture_rank_state
+    s = make_state()
+    rank_states, after = [], []
+    for rank in range(2):  # what the trainer gathers to rank 0: each rank's RNG and data position
+        torch.manual_seed(100 + rank)
+        random.seed(100 + rank)
+        np.random.seed(100 + rank)
+        rank_states.append(capture_rank_state(Position(10 + rank)))
+        after.append((random.random(), float(np.random.rand()), torch.rand(3)))
+    rank_states = copy.deepcopy(rank_states)
+    CheckpointManager(tmp_path, async_save=False).save(4, rank_states=rank_states, **s)
+    for rank in (1, 0):
+        fresh = make_state(train_steps=0)
+        res = CheckpointManager(tmp_path, writer=rank == 0).load(**fresh, rank=rank)
+        assert res.step == 4 and fresh["data"].index == 10 + rank
+        draws = (random.random(), float(np.random.rand()), torch.rand(3))
+        assert draws[:2] == after[rank][:2] and torch.equal(draws[2], after[rank][2])
+    # data=None keeps today's meaning: the data position is not touched (rollback)
+    fresh = make_state(train_steps=0)
+    CheckpointManager(tmp_path).load(**{**fresh, "data": None}, rank=1)
+    assert fresh["data"].index == 0
+    # the world grew: rank 2 saved nothing; data from rank 0, RNG left alone, with a warning
+    fresh = make_state(train_steps=0)
+    torch.manual_seed(7)
+    expect = torch.rand(3)
+    torch.manual_seed(7)
+    with pytest.warns(RuntimeWarning, match="rank 2"):
+        CheckpointManager(tmp_path, writer=False).load(**fresh, rank=2)
+    assert fresh["data"].index == 10 and torch.equal(torch.rand(3), expect)
+
+
+def test_only_loads_exactly_the_named_checkpoint_and_never_falls_back(tmp_path):
+    from course_lib.checkpoint import CheckpointLoadError
+    s, newest, _ = two_checkpoints(tmp_path)
+    reader = CheckpointManager(tmp_path, writer=False)
+    res = reader.load(**make_state(train_steps=0), only="step_000000002")
+    assert res.step == 2 and res.path.name == "step_000000002"
+    flip_byte(newest / "model.safetensors")
+    with pytest.warns(RuntimeWarning, match="step_000000003"):
+        with pytest.raises(CheckpointLoadError, match="step_000000003.*checksum"):
+            reader.load(**make_state(train_steps=0), only="step_000000003")
+    assert newest.is_dir() and quarantined(tmp_path) == []  # a reader never moves anything
+    with pytest.raises(CheckpointLoadError, match="step_000000009.*not found"):
+        reader.load(**make_state(train_steps=0), only="step_000000009")

@@ -1,19 +1,118 @@
-"""Sharded checkpoints through torch.distributed.checkpoint, on 2 gloo ranks with FSDP2."""
+"""Sharded checkpoints through torch.distributed.checkpoint, on gloo ranks with FSDP2.
+
+Two launches in all (starting ranks is the slow part): every 2-rank check in one, then a 1-rank
+load of a checkpoint the 2 ranks saved (DCP reshards)."""
+import pickle
+
+import pytest
+import torch
 
 import checkpoint_rank_fns  # tests/ is on sys.path under pytest; spawned ranks import it too
+from course_lib.checkpoint import CheckpointError
 from course_lib.parallel.launch import run_ranks
 
 
-def test_sharded_save_load_is_exact_and_falls_back_on_corruption(tmp_path):
-    results = run_ranks(checkpoint_rank_fns.sharded_all, 2, str(tmp_path), timeout=240, show_output=False)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dcp")
+    results = run_ranks(checkpoint_rank_fns.sharded_all, 2, str(root), timeout=180, show_output=False)
+    return root, results
+
+
+def test_sharded_save_load_is_exact_and_reshards_to_one_rank(two_ranks):
+    root, results = two_ranks
     for rank, r in enumerate(results):
         rt = r["roundtrip"]
-        assert rt["loaded_step"] == 3 and rt["metrics"] == {"loss": 1.5}
+        assert rt["loaded_step"] == 3 and rt["name"] == "step_000000003" and rt["metrics"] == {"loss": 1.5}
         assert rt["pos"] == 100 + rank  # each rank got its own data position back
         assert rt["losses"] == rt["ref_losses"] and rt["weights_equal"]
         assert rt["lr"] == rt["ref_lr"]  # the scheduler (shared state) came back too
-        assert r["corrupt"]["step"] == 1
-    assert results[0]["corrupt"]["warned"]  # rank 0 checks the checksums and says why it fell back
-    kept = sorted(p.name for p in (tmp_path / "a").iterdir() if not p.name.startswith("."))
+        assert rt["loaded_equal_saved"]  # 2 -> 2 ranks: full weights and optimizer state identical
+        rep = r["replicated"]
+        assert (rep["step"], rep["equal"], rep["lr"]) == (2, True, True)  # a plain replicated module
+        wrong = rep["wrong_shape"]  # another model shape: refused by name, nothing touched
+        assert wrong["type"] == "CheckpointLoadError" and wrong["untouched"]
+        assert "step_000000002" in wrong["msg"] and "2.weight: checkpoint (32, 32) vs model (16, 32)" in wrong["msg"]
+    kept = sorted(p.name for p in (root / "a").iterdir() if not p.name.startswith("."))
     assert kept == ["step_000000003"]  # step 6 was hidden by the test; nothing else left behind
-    assert not any(p.name.startswith(".tmp-step") for p in (tmp_path / "a").iterdir())
+    assert not any(p.name.startswith(".tmp-step") for p in (root / "a").iterdir())
+    # 2 -> 1 rank: DCP reshards; the same full weights and the same optimizer state
+    one = run_ranks(checkpoint_rank_fns.sharded_load_one_rank, 1, str(root / "a"), timeout=120,
+                    show_output=False)[0]
+    saved = results[0]["roundtrip"]
+    assert one["step"] == 3
+    assert checkpoint_rank_fns.same(one["weights"], saved["saved_weights"])
+    assert checkpoint_rank_fns.same(one["optim"], saved["saved_optim"])
+    assert set(one["optim"]) == set(one["weights"])  # every parameter has its Adam state
+
+
+def test_corrupt_sharded_checkpoint_falls_back_and_all_corrupt_refuses(two_ranks):
+    _, results = two_ranks
+    for r in results:
+        c = r["corrupt"]
+        assert c["step"] == 1  # the flipped byte in step 2 was caught by its checksum
+        assert c["all_corrupt"]["type"] == "CheckpointLoadError"  # not None: no silent fresh start
+        assert c["all_corrupt"]["failures"] == ["step_000000002", "step_000000001"]
+        assert "checksum" in c["all_corrupt"]["msg"]
+    assert results[0]["corrupt"]["warned"]  # rank 0 checks the checksums and says why it fell back
+
+
+def test_planted_metadata_payload_runs_nothing(two_ranks):
+    _, results = two_ranks
+    for r in results:
+        p = r["planted"]
+        assert p["step"] == 1  # the forged newest was refused, the genuine older one loaded
+        assert p["refused"]["type"] == "CheckpointLoadError"
+        assert "posix.system" in p["refused"]["msg"] and ".metadata" in p["refused"]["msg"]
+        assert "posix.system" in p["reader"]  # the DCP reader refuses on its own, too
+        assert p["marker"] is False  # the payload never ran
+    warning = results[0]["planted"]["warnings"]
+    assert warning and "posix.system" in warning[0]
+
+
+def test_a_failing_rank_fails_the_sharded_save_everywhere_promptly(two_ranks):
+    root, results = two_ranks
+    for r in results:
+        f = r["fail_fast"]
+        for case, needle in (("write", "No space left"), ("get_state_dict", "state dict exploded")):
+            assert f[case]["type"] == "CheckpointError", (case, f[case])
+            assert "rank 1" in f[case]["msg"] and needle in f[case]["msg"]
+            assert f[case]["seconds"] < 30  # not the process group's timeout
+        assert f["good"] == "step_000000003"  # the group is still usable afterwards
+    assert results[0]["fail_fast"]["left"] == []  # nothing under a final name, no temp dir left
+
+
+def test_restricted_unpickler_refuses_foreign_globals(tmp_path):
+    from course_lib.checkpoint.dcp import read_metadata_file
+    marker = tmp_path / "pwned"
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(checkpoint_rank_fns.Payload(marker)))
+    with pytest.raises(CheckpointError, match=r"\.metadata.*posix\.system"):
+        read_metadata_file(tmp_path / ".metadata")
+    (tmp_path / ".metadata").write_bytes(pickle.dumps({"x": torch.nn.Linear}))
+    with pytest.raises(CheckpointError, match="torch.nn.modules.linear.Linear"):
+        read_metadata_file(tmp_path / ".metadata")
+    assert not marker.exists()
+
+
+def test_non_tensor_shard_entries_are_read_with_weights_only(tmp_path):
+    """DCP's default planner reads non-tensor entries of .distcp shards with weights_only=False;
+    ours must refuse a pickled payload there (and still read plain values)."""
+    import io
+    from types import SimpleNamespace
+
+    from course_lib.checkpoint.dcp import SafeLoadPlanner
+    marker = tmp_path / "pwned"
+    planner = SafeLoadPlanner(flatten_state_dict=False)
+    planner.state_dict = {}
+    item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr"))
+    buf = io.BytesIO()
+    torch.save(0.01, buf)
+    buf.seek(0)
+    planner.load_bytes(item, buf)
+    assert planner.state_dict["optim.param_groups.0.lr"] == 0.01
+    buf = io.BytesIO()
+    torch.save(checkpoint_rank_fns.Payload(marker), buf)
+    buf.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        planner.load_bytes(item, buf)
+    assert not marker.exists()

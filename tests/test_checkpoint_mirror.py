@@ -16,7 +16,7 @@ from torch import nn
 
 import tiny_loop
 from course_lib.checkpoint import io as cio
-from course_lib.checkpoint import CheckpointManager
+from course_lib.checkpoint import CheckpointLoadError, CheckpointManager
 from course_lib.checkpoint.mirror import CheckpointMirror
 
 BUCKET = "ckpt"
@@ -123,6 +123,38 @@ def test_newest_valid_checkpoint_on_either_tier(tmp_path, kind, options):
     with pytest.warns(RuntimeWarning, match="step_000000003 \\(mirror\\).*checksum"):
         res = CheckpointManager(tmp_path / "local", mirror=mirror).load(m)
     assert (res.step, res.source) == (2, "mirror") and torch.equal(m.weight, model_at(2).weight)
+
+
+def test_corrupt_local_copy_uses_the_mirror_copy_and_a_reader_never_falls_back(tmp_path):
+    mirror = mirror_for("file", tmp_path, skip_superseded=False)
+    mgr = CheckpointManager(tmp_path / "local", keep_last=3, mirror=mirror)
+    for step in (1, 2):
+        mgr.save(step, model=model_at(step))
+    mgr.close()
+    newest = tmp_path / "local" / "step_000000002"
+    blob = bytearray((newest / "model.safetensors").read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (newest / "model.safetensors").write_bytes(bytes(blob))
+    m = nn.Linear(16, 16)
+    with pytest.warns(RuntimeWarning, match=r"step_000000002 \(local\).*checksum"):
+        res = CheckpointManager(tmp_path / "local", mirror=mirror).load(m)
+    assert (res.step, res.source) == (2, "mirror") and torch.equal(m.weight, model_at(2).weight)
+    assert (newest / "manifest.json").exists()  # the good copy is back in place
+    # a reader (writer=False) does not download: a mirror-only newest stops it, no silent step 1
+    shutil.rmtree(newest)
+    with pytest.raises(CheckpointLoadError, match="step_000000002.*only the mirror"):
+        CheckpointManager(tmp_path / "local", mirror=mirror, writer=False).load(nn.Linear(16, 16))
+
+
+def test_unreachable_mirror_and_no_local_checkpoint_is_not_a_fresh_start(tmp_path):
+    class Down(CheckpointMirror):
+        def list(self):
+            raise OSError("network is unreachable")
+
+    with pytest.warns(RuntimeWarning, match="cannot list mirror"):
+        mgr = CheckpointManager(tmp_path / "local", mirror=Down(f"file://{tmp_path}/remote"))
+        with pytest.raises(CheckpointLoadError, match="cannot tell whether this is a fresh start"):
+            mgr.load(nn.Linear(16, 16))
 
 
 def test_lost_local_disk_resumes_from_the_mirror_bit_exact(tmp_path, kind, options):

@@ -11,12 +11,7 @@ from course_lib.data import (DEFAULT_TEXT, IGNORE_INDEX, BatchStream, ByteText, 
 from course_lib.model import ModelConfig, TinyGPT
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def take(stream, n):

@@ -11,12 +11,7 @@ from course_lib.model import INIT_SCHEMES, ModelConfig, TinyGPT
 from course_lib.model_layers import apply_rope, rope_tables, sliding_window_mask
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # the test machines have 2 shared cores
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def small(style="tiny", **kw):

@@ -1,5 +1,6 @@
 """Stabilizer: fault injection, gradient monitor (one sync per step), clipping, spike detection,
 the non-finite guard, and the whole loop recovering from planted faults."""
+import copy
 import json
 import math
 import random
@@ -15,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 import tiny_loop
 from course_lib.stability import FaultInjector, FaultSpec, parse_fault, parse_faults
 from course_lib.stability import SpikeDetector, SpikePolicy, decide
-from course_lib.stability import (ClipController, GradientMonitor, NonFiniteError, NonFiniteGuard,
+from course_lib.stability import (ClipController, GradientMonitor, NonFiniteError, NonFiniteGuard, RollbackLimitError,
                                   Stabilizer, scaled_lr)
 
 
@@ -328,7 +329,7 @@ def test_each_fault_is_caught_and_parameters_untouched(fault, tmp_path):
         assert bundle["batch"]["batch.0"]["shape"] == [4, 8]
         bad = [n for n, g in bundle["grads"].items() if g["nan"] or g["inf"]]
         assert bad and (fault != "inf_grad@20=2.weight" or bad == ["2.weight"])
-        assert (tmp_path / "nonfinite_step000000020.batch.safetensors").exists()
+        assert (tmp_path / "nonfinite_step000000020_rank0.batch.safetensors").exists()
     loss, _ = backward(model, seed=4)
     assert not stab.after_backward(model, loss, 21).skip  # the next clean step goes through
 
@@ -340,7 +341,7 @@ def test_consecutive_nonfinite_steps_abort_with_a_clear_message(tmp_path):
         loss, _ = backward(model, stab=stab, step=s)
         assert stab.after_backward(model, loss, s).nonfinite
     loss, _ = backward(model, stab=stab, step=2)
-    with pytest.raises(NonFiniteError, match=r"3 consecutive non-finite steps \(0\.\.2\).*nonfinite_step000000002"):
+    with pytest.raises(NonFiniteError, match=r"3 consecutive non-finite steps \(0\.\.2\).*nonfinite_step000000002_rank0"):
         stab.after_backward(model, loss, 2)
 
 
@@ -439,3 +440,75 @@ def test_clean_run_has_no_false_alarms_and_faulted_run_recovers(tmp_path):
     # back in the clean run's loss band after the faults (3 skipped updates out of 200)
     assert abs(statistics.mean(tail_f) - statistics.mean(tail_c)) < 0.1 * statistics.mean(tail_c)
     assert min(tail_c) * 0.8 < statistics.median(tail_f) < max(tail_c) * 1.2
+
+
+# ------------------------------------------------------------------ bounded roll-backs
+
+def _level_shift_run(limit, max_rollbacks=3):
+    """A stabilizer that keeps rolling back to a 'checkpoint' taken after warm-up while every loss
+    after the checkpoint sits at 3x the old level (a data switch, not a spike)."""
+    model = tiny_model()
+    stab = Stabilizer(spike_policy="rollback", detect_grad_spikes=False, max_rollbacks=max_rollbacks,
+                      rollback_limit=limit, faults=["loss_shift@30=3"])
+    warm(stab, model, steps=30)
+    saved = copy.deepcopy(stab.state_dict())  # what the checkpoint at step 30 holds
+    rollbacks, step, decisions = 0, 30, []
+    while step < 40 and rollbacks < 50:
+        loss, _ = backward(model, seed=step, stab=stab, step=step)
+        d = stab.after_backward(model, loss, step)
+        decisions.append(d)
+        if d.rollback:
+            stab.load_state_dict(copy.deepcopy(saved))  # the roll-back restores the old window...
+            stab.note_rollback(step)
+            rollbacks, step = rollbacks + 1, 30
+            continue
+        step += 1
+    return rollbacks, decisions
+
+
+def test_rollback_loop_on_a_level_shift_is_bounded_and_accepted():
+    with pytest.warns(RuntimeWarning, match="accepted as the new level"):
+        rollbacks, decisions = _level_shift_run("accept")
+    assert rollbacks == 3, "three consecutive roll-backs, then the new level is accepted"
+    accepted = [d for d in decisions if d.rollbacks_accepted]
+    assert len(accepted) == 1 and accepted[0].level_shift and not accepted[0].skip
+    assert decisions[-1].step == 39 and not decisions[-1].rollback  # the run went on to the end
+
+
+def test_rollback_limit_error_stops_with_a_clear_message():
+    with pytest.raises(RollbackLimitError, match=r"survived 2 consecutive roll-backs.*rollback_limit = 'accept'"):
+        _level_shift_run("error", max_rollbacks=2)
+
+
+def test_a_transient_spike_after_recovery_starts_a_new_streak():
+    model = tiny_model()
+    stab = Stabilizer(spike_policy="rollback", max_rollbacks=1, faults=["grad_scale@20=10", "grad_scale@24=10"])
+    warm(stab, model)
+    loss, _ = backward(model, seed=3)
+    assert stab.after_backward(model, loss, 20).rollback
+    stab.note_rollback(20)
+    for s in range(21, 24):  # the run gets past step 20: the streak is over
+        loss, _ = backward(model, seed=s)
+        assert not stab.after_backward(model, loss, s).skip
+    loss, _ = backward(model, seed=3)
+    assert stab.after_backward(model, loss, 24).rollback, "a new spike is rolled back again, not accepted"
+
+
+def test_loss_shift_fault_is_persistent():
+    inj = FaultInjector(["loss_shift@5=2"])
+    one = torch.tensor(1.0)
+    assert [float(inj.on_loss(one, s)) for s in (4, 5, 6, 50)] == [1.0, 2.0, 2.0, 2.0]
+    assert inj.fired == [(5, "loss_shift@5=2.0")]
+    assert parse_fault("loss_shift@3").value == 3.0
+    with pytest.raises(ValueError, match="loss_shift value must be a finite float > 0"):
+        parse_fault("loss_shift@3=-1")
+
+
+def test_diagnostic_bundles_are_named_by_rank(tmp_path):
+    model = tiny_model()
+    for rank in (0, 1):
+        stab = Stabilizer(faults=["nan_loss@4"], diag_dir=tmp_path, rank=rank)
+        loss, batch = backward(model, stab=stab, step=4)
+        stab.after_backward(model, loss, 4, batch=batch)
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == [
+        "nonfinite_step000000004_rank0.json", "nonfinite_step000000004_rank1.json"]

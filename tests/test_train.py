@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import rank_fns
+from host_reads import reads_per_step
 from course_lib import train_config
 from course_lib.metrics import read_rows
 from course_lib.parallel import run_ranks
@@ -122,7 +123,7 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path):
     resumed = subprocess.run(_cmd(tmp_path / "victim", *steps, "--resume", "auto"),
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed from 20" in resumed.stdout or "resumed from 15" in resumed.stdout, resumed.stdout
+    assert "resumed from step 20" in resumed.stdout or "resumed from step 15" in resumed.stdout, resumed.stdout
     lines = (tmp_path / "victim" / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]  # every line is valid JSON
     assert [r["step"] for r in rows] == list(range(1, 41))  # no gap, no duplicate
@@ -162,29 +163,14 @@ def test_single_strategy_under_several_ranks_is_refused(tmp_path):
 
 
 def test_at_most_one_host_read_of_device_values_per_step(tmp_path, monkeypatch):
-    """Every way our code reads a tensor's value into Python is counted; on a GPU each is a
-    device sync. Runs of N and 2N steps differ by the per-step count (set-up and the final save
-    cancel out). Reads made inside torch itself are not counted: AdamW reads its step counters
-    with .item(), but those live on the host even when the model is on a GPU."""
-    import sys as _sys
-
-    counts = {"n": 0}
-    for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__"):
-        original = getattr(torch.Tensor, name)
-
-        def counting(self, *a, _orig=original, **k):
-            caller = _sys._getframe(1).f_code.co_filename
-            if "course_lib" in caller:
-                counts["n"] += 1
-            return _orig(self, *a, **k)
-        monkeypatch.setattr(torch.Tensor, name, counting)
+    """Every way our code reads a tensor's value into Python is counted (tests/host_reads.py); on
+    a GPU each is a device sync. Reads made inside torch itself are not counted: AdamW reads its
+    step counters with .item(), but those live on the host even when the model is on a GPU."""
     monkeypatch.setattr("course_lib.train._peak_flops", lambda cfg, device: 1e12)
 
-    def reads(steps):
-        counts["n"] = 0
+    def run(steps):
         train(cfg(train__max_steps=steps, checkpoint__async_save=False), tmp_path / f"r{steps}")
-        return counts["n"]
-    per_step = (reads(20) - reads(10)) / 10
+    per_step = reads_per_step(run, 10)
     assert per_step <= 1, f"{per_step} host reads per optimizer step"
 
 

@@ -7,49 +7,143 @@ world size changed.
 
 The same guarantees as :class:`~course_lib.checkpoint.CheckpointManager`, collectively:
 
-1. rank 0 picks the name and a ``.tmp-*`` directory on the shared filesystem and broadcasts them;
-2. all ranks ``dcp.save`` into it, and each writes ``rank{r}.pt`` (its RNG states and the
-   ``per_rank`` objects' state, e.g. its data position) with fsync;
-3. after a barrier rank 0 fsyncs every file, writes ``manifest.json`` with the sha256 of each file,
-   renames the directory into place, prunes to ``keep_last`` and the ranks meet at a barrier again.
+1. rank 0 picks a fresh name and a ``.tmp-*`` directory on the shared filesystem and broadcasts
+   them;
+2. every rank takes its state dicts and serializes ``rank{r}.pt`` (its RNG states and the
+   ``per_rank`` objects' state, e.g. its data position); the ranks exchange their errors;
+3. all ranks ``dcp.save`` into the temp directory and write their ``rank{r}.pt``; the ranks
+   exchange their errors again (an ``all_gather_object``, not a bare barrier: a rank that failed
+   makes every rank raise at once, naming it, instead of leaving rank 0 waiting for the timeout);
+4. rank 0 seals the directory with the one commit of :func:`course_lib.checkpoint.io.commit_dir`
+   (hash and fsync every file, ``manifest.json``, rename, fsync), re-reads it, prunes to
+   ``keep_last`` and broadcasts the outcome.
 
-A crash before the rename leaves only a temp directory (removed by the next save); loading picks
-the newest directory whose checksums verify, skipping corrupt ones with a warning.
+Loading (:func:`load_sharded`): rank 0 picks the newest checkpoint that verifies (checksums, the
+``.metadata`` through the restricted unpickler, every ``rank{r}.pt`` through
+``torch.load(weights_only=True)``), falling back past corrupt ones with a warning; every rank then
+loads exactly that one. Nothing on disk is unpickled freely: ``.metadata`` goes through
+:class:`RestrictedUnpickler` (DCP's own reader uses plain ``pickle.load``), and the non-tensor
+entries of the ``.distcp`` shards through :class:`SafeLoadPlanner` (``torch.load(weights_only=True)``
+instead of DCP's default ``weights_only=False``).
 """
 from __future__ import annotations
 
 import io
-import json
-import os
+import pickle
+import shutil
 import time
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from course_lib.validate import check_bool, check_int
 
 from . import io as cio
+from .io import CheckpointCorruptError, CheckpointError, CheckpointLoadError
 from .state import LoadResult, capture_rng, restore_rng_state
 
 DCP_FORMAT = "course_lib.checkpoint.dcp/1"
+METADATA = ".metadata"
 
+# ----------------------------------------------------------------------------- restricted metadata
+
+# Every global a DCP ``.metadata`` pickle names, found by saving FSDP2 + AdamW, plain modules with
+# SGD momentum and bf16 parameters with DCP and unpickling the file with a logging unpickler
+# (torch 2.13). Anything else is refused.
+_DCP_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # rebuilds a torch.layout from its name
+    "torch": {"Size"},  # and the dtypes, checked below
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "dict", "list", "tuple"},
+}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else: ``find_class`` admits only the classes listed in
+    ``_DCP_METADATA_CLASSES`` and torch dtypes. A pickle naming anything else (``os.system`` in a
+    ``__reduce__`` payload, ``builtins.eval``, any torch module) is refused before it is looked
+    up, so nothing it names is ever called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _DCP_METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refused to unpickle global {module}.{name}: DCP metadata never "
+                                     f"contains it")
+
+
+def read_metadata_file(path: str | Path) -> Any:
+    """Read a DCP ``.metadata`` file through :class:`RestrictedUnpickler`. Raises
+    CheckpointCorruptError naming the file (and the refused global) when it is not genuine DCP
+    metadata; OSError when it cannot be read."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(path)
+    with open(path, "rb") as f:
+        try:
+            metadata = RestrictedUnpickler(f).load()
+        except pickle.UnpicklingError as e:
+            raise CheckpointCorruptError(f"{path}: {e}") from None
+        except Exception as e:  # truncated, garbled, wrong arguments to an allowed class
+            raise CheckpointCorruptError(f"{path}: not a DCP metadata pickle ({e!r})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptError(f"{path}: holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+class RestrictedFileSystemReader(FileSystemReader):
+    """DCP's :class:`FileSystemReader` whose :meth:`read_metadata` unpickles through
+    :class:`RestrictedUnpickler` (the stock reader calls plain ``pickle.load``). Tensor data is
+    read by the stock ``read_data``, which uses ``torch.load(weights_only=True)``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        metadata = read_metadata_file(path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor entries (optimizer hyper-parameters,
+    step counters stored as bytes) are read with ``torch.load(weights_only=True)``; the stock
+    planner uses ``weights_only=False``, i.e. unpickles whatever the shard holds."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# ----------------------------------------------------------------------------- helpers
 
 def _rank_file(rank: int) -> str:
     return f"rank{rank}.pt"
 
 
-def _sharded_dirs(root: Path) -> list[tuple[int, str, dict]]:
-    """(seq, name, manifest) of sharded checkpoints under ``root``, newest first (unverified)."""
-    out = []
-    for p in cio.list_checkpoint_dirs(root):
-        try:
-            m = cio.read_manifest(p, expected_format=DCP_FORMAT)
-        except cio.CheckpointError:
-            continue
-        out.append((m.get("seq", 0), p.name, m))
-    return sorted(out, reverse=True)
+def _sharded_dirs(root: Path) -> tuple[list[tuple[int, str, dict]], dict[str, str]]:
+    """``([(seq, name, manifest)] newest first (unverified), {name: why the manifest is unreadable})``
+    of the sharded checkpoints under ``root``."""
+    good, damaged = cio.scan(root, DCP_FORMAT)
+    return sorted(((m.get("seq", 0), n, m) for n, m in good.items()), reverse=True), damaged
 
 
 def _broadcast(obj: Any, group: Any) -> Any:
@@ -58,117 +152,234 @@ def _broadcast(obj: Any, group: Any) -> Any:
     return box[0]
 
 
-def save_sharded(root: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: Any = None, *,
+def _agree(error: str | None, group: Any) -> list[tuple[int, str]]:
+    """Every rank's error (None when it succeeded) on every rank: ``[(rank, error)]`` of those
+    that failed. Replaces a bare barrier, so one rank's failure stops all of them at once."""
+    errors: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    return [(r, e) for r, e in enumerate(errors) if e is not None]
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _dcp_exceptions() -> tuple:
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
+    return (Exception, CheckpointException)
+
+
+# ----------------------------------------------------------------------------- save
+
+def save_sharded(root: str | Path, step: int, model: torch.nn.Module, optimizer: Any = None, *,
                  shared: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
                  metrics: dict | None = None, keep_last: int = 3, process_group: Any = None) -> Path:
     """Collective: save a sharded checkpoint after ``step`` optimizer steps into ``root`` (a
     directory every rank can see). ``shared``: state_dict-able objects equal on all ranks (the
     scheduler), saved once by rank 0; ``per_rank``: objects whose state differs per rank (data
-    position); ``keep_last`` >= 1 sharded checkpoints are kept. Returns the final path."""
+    position); ``keep_last`` >= 1 sharded checkpoints are kept. Returns the final path.
+
+    A failure on any rank raises CheckpointError on every rank, naming the rank(s) that failed,
+    as soon as the ranks next exchange their status; nothing appears under a final name."""
     if not dist.is_initialized():
         raise RuntimeError("save_sharded needs an initialised process group (course_lib.parallel.launch)")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+    check_int("step", step, 0)
+    check_int("keep_last", keep_last, 1)
     from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint import state_dict as sd
 
     root, rank = Path(root), dist.get_rank(process_group)
-    plan = None
+    plan: Any = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        cio.cleanup_temp(root)
-        existing = _sharded_dirs(root)
-        gen = 0
-        while (root / cio.checkpoint_name(step, gen)).exists():
-            gen += 1
-        name = cio.checkpoint_name(step, gen)
-        tmp = root / f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        plan = (name, str(tmp), 1 + max([s for s, _, _ in existing] + [0]))
-    name, tmp, seq = _broadcast(plan, process_group)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            cio.cleanup_temp(root)
+            existing, _ = _sharded_dirs(root)
+            name = cio.fresh_name(root, step)
+            tmp = cio.new_temp_dir(root, name)
+            plan = ("ok", name, str(tmp), 1 + max([s for s, _, _ in existing] + [0]))
+        except Exception as e:  # the others wait for the plan: tell them
+            plan = ("error", _describe(e), None, None)
+    kind, name, tmp, seq = _broadcast(plan, process_group)
+    if kind == "error":
+        raise CheckpointError(f"sharded save of step {step} failed on rank 0: {name}")
     tmp = Path(tmp)
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
-    dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), process_group=process_group)
-    buf = io.BytesIO()
-    torch.save({"rng": capture_rng(),
-                "per_rank": {k: v.state_dict() for k, v in (per_rank or {}).items()},
-                "shared": {k: v.state_dict() for k, v in (shared or {}).items()} if rank == 0 else {}}, buf)
-    cio.write_durable(tmp / _rank_file(rank), buf.getvalue())
-    dist.barrier(group=process_group)
+
+    def fail(failed: list[tuple[int, str]]) -> None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"sharded save of step {step} failed on "
+                              + "; ".join(f"rank {r}: {e}" for r, e in failed)
+                              + f". Nothing was committed under {root}")
+
+    error = None
+    try:  # local work only: no collective may run here, or a failing rank would leave the others waiting
+        model_sd, optim_sd = sd.get_state_dict(model, optimizer if optimizer is not None else [])
+        buf = io.BytesIO()
+        torch.save({"rng": capture_rng(),
+                    "per_rank": {k: v.state_dict() for k, v in (per_rank or {}).items()},
+                    "shared": {k: v.state_dict() for k, v in (shared or {}).items()} if rank == 0 else {}}, buf)
+    except Exception as e:
+        error = _describe(e)
+    failed = _agree(error, process_group)
+    if failed:
+        fail(failed)
+    error = None
+    try:
+        # DCP exchanges its own errors between ranks: a failure inside it raises on every rank.
+        dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), process_group=process_group)
+        cio.write_durable(tmp / _rank_file(rank), buf.getvalue())
+    except _dcp_exceptions() as e:
+        error = _describe(e)
+    failed = _agree(error, process_group)
+    if failed:
+        fail(failed)
     error = None
     if rank == 0:
         try:
-            files = {}
-            for f in sorted(tmp.iterdir()):
-                blob = f.read_bytes()
-                with open(f, "rb+") as fh:  # DCP's writer may not fsync; make every shard durable
-                    os.fsync(fh.fileno())
-                files[f.name] = {"sha256": cio.sha256_hex(blob), "bytes": len(blob)}
             manifest = {"format": DCP_FORMAT, "step": step, "seq": seq, "created_unix": time.time(),
-                        "world_size": dist.get_world_size(process_group), "metrics": dict(metrics or {}),
-                        "files": files}
-            cio.write_durable(tmp / cio.MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-            cio.fsync_dir(tmp)
-            os.rename(tmp, root / name)  # the commit point
-            cio.fsync_dir(root)
-            cio.read_verified(root / name)  # re-read before pruning anything older
-            for _, old, _ in _sharded_dirs(root)[keep_last:]:
+                        "world_size": dist.get_world_size(process_group), "metrics": dict(metrics or {})}
+            final = cio.commit_dir(tmp, root / name, manifest)  # removes tmp if it fails
+            cio.read_verified(final)  # re-read before pruning anything older
+            for _, old, _ in _sharded_dirs(root)[0][keep_last:]:
                 cio.remove_dir(root / old)
-        except BaseException as e:  # every rank must leave the barrier below, then fail together
-            error = repr(e)
+        except BaseException as e:  # every rank must hear of it, then fail together
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = _describe(e)
     error = _broadcast(error, process_group)
     if error is not None:
-        raise cio.CheckpointError(f"sharded save of step {step} failed on rank 0: {error}")
+        raise CheckpointError(f"sharded save of step {step} failed on rank 0: {error}")
     return root / name
 
 
-def load_sharded(root: str | os.PathLike, model: torch.nn.Module, optimizer: Any = None, *,
+# ----------------------------------------------------------------------------- load
+
+def verify_sharded(path: Path, manifest: dict | None = None) -> dict:
+    """Everything rank 0 checks before the ranks load ``path``: every file's size and sha256,
+    ``.metadata`` through the restricted unpickler, each ``rank{r}.pt`` through
+    ``torch.load(weights_only=True)``. Returns the manifest; CheckpointCorruptError otherwise
+    (CheckpointLoadError when the storage fails to read)."""
+    manifest, blobs = cio.read_verified(path, manifest)
+    del blobs
+    if METADATA not in manifest["files"]:
+        raise CheckpointCorruptError(f"{path}: the manifest lists no {METADATA}")
+    read_metadata_file(path / METADATA)
+    for fname in manifest["files"]:
+        if fname.startswith("rank") and fname.endswith(".pt"):
+            try:
+                state = torch.load(path / fname, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:
+                raise CheckpointCorruptError(f"{path}: {fname} does not load with weights_only=True ({e})") from e
+            if not isinstance(state, dict) or "rng" not in state:
+                raise CheckpointCorruptError(f"{path}: {fname} is not a per-rank state")
+    return manifest
+
+
+def _choose(root: Path) -> tuple:
+    """Rank 0: ``("ok", name, manifest)``, ``("none", None, None)`` or ``("error", message,
+    failures)``; warns about each corrupt checkpoint it falls back past."""
+    candidates, damaged = _sharded_dirs(root)
+    failures = []
+    for name, reason in sorted(damaged.items(), reverse=True):
+        warnings.warn(f"sharded checkpoint {name} is unusable: no readable manifest ({reason}); falling "
+                      f"back to the previous one", RuntimeWarning, stacklevel=3)
+        failures.append((name, f"no readable manifest ({reason})"))
+    for _, name, manifest in candidates:
+        try:
+            return "ok", name, verify_sharded(root / name, manifest)
+        except CheckpointCorruptError as e:
+            warnings.warn(f"sharded checkpoint {name} is unusable: {e}; falling back to the previous one",
+                          RuntimeWarning, stacklevel=3)
+            failures.append((name, str(e)))
+        except CheckpointLoadError as e:
+            return "error", (f"cannot load sharded checkpoint {name}: {e}. No older checkpoint was used: fix "
+                             f"the cause and retry"), failures + [(name, str(e))]
+    if failures or cio.quarantined(root):
+        err = cio.refusal(root, failures, what="sharded checkpoint")
+        return "error", str(err), err.failures
+    return "none", None, None
+
+
+def _model_mismatch(path: Path, model_sd: dict, strict: bool) -> list[str]:
+    """Compare the model's state dict (global shapes) with the checkpoint's metadata."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = read_metadata_file(path / METADATA).state_dict_metadata
+    problems, shapes = [], []
+    for k, v in model_sd.items():
+        meta = saved.get(f"model.{k}")
+        if isinstance(meta, TensorStorageMetadata) and isinstance(v, torch.Tensor) and tuple(meta.size) != tuple(v.shape):
+            shapes.append(f"{k}: checkpoint {tuple(meta.size)} vs model {tuple(v.shape)}")
+    if shapes:
+        problems.append(f"tensor shapes differ ({', '.join(shapes[:5])}{' ...' if len(shapes) > 5 else ''})")
+    if strict:
+        missing = [k for k in model_sd if f"model.{k}" not in saved]
+        unexpected = [k[len("model."):] for k in saved if k.startswith("model.") and k[len("model."):] not in model_sd]
+        if missing:
+            problems.append(f"missing from the checkpoint: {', '.join(missing[:5])}")
+        if unexpected:
+            problems.append(f"unexpected in the checkpoint: {', '.join(unexpected[:5])}")
+    return problems
+
+
+def load_sharded(root: str | Path, model: torch.nn.Module, optimizer: Any = None, *,
                  shared: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
-                 restore_rng: bool = True, process_group: Any = None) -> LoadResult | None:
-    """Collective: restore the newest sharded checkpoint under ``root`` whose checksums verify
-    (rank 0 checks, falling back past corrupt ones with a warning). Returns None on every rank when
-    there is none. With a different world size, model and optimizer are resharded by DCP; per-rank
-    state is restored only for ranks that saved one."""
+                 restore_rng: bool = True, strict: bool = True, process_group: Any = None) -> LoadResult | None:
+    """Collective: restore the newest sharded checkpoint under ``root`` that verifies (rank 0
+    checks, falling back past corrupt ones with a warning), on every rank. With a different world
+    size, model and optimizer are resharded by DCP; per-rank state is restored only for ranks that
+    saved one.
+
+    Returns None on every rank only when there is no sharded checkpoint at all. Raises
+    CheckpointLoadError on every rank when checkpoints exist but none verifies (listing each), when
+    the chosen one cannot be read, or when the model does not fit it (refused by name before any
+    weight is touched)."""
     if not dist.is_initialized():
         raise RuntimeError("load_sharded needs an initialised process group (course_lib.parallel.launch)")
+    check_bool("restore_rng", restore_rng)
+    check_bool("strict", strict)
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     root, rank = Path(root), dist.get_rank(process_group)
     chosen = None
     if rank == 0:
-        for seq, name, manifest in _sharded_dirs(root):
-            try:
-                cio.read_verified(root / name, manifest)
-            except cio.CheckpointError as e:
-                warnings.warn(f"sharded checkpoint {name} is unusable: {e}; falling back to the previous one",
-                              RuntimeWarning)
-                continue
-            chosen = (name, manifest)
-            break
-    chosen = _broadcast(chosen, process_group)
-    if chosen is None:
+        try:
+            chosen = _choose(root)
+        except BaseException as e:  # the others wait for the choice: tell them, then fail
+            chosen = ("error", f"choosing a sharded checkpoint under {root} failed: {_describe(e)}", [])
+    kind, name, manifest = _broadcast(chosen, process_group)
+    if kind == "none":
         return None
-    name, manifest = chosen
+    if kind == "error":
+        raise CheckpointLoadError(name, manifest)
     path = root / name
     model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    problems = _model_mismatch(path, model_sd, strict)
+    if problems:
+        raise CheckpointLoadError(f"sharded checkpoint {name} does not fit the model; nothing was loaded: "
+                                  + "; ".join(problems), [(name, "; ".join(problems))])
     state = {"model": model_sd, "optim": optim_sd}
-    dcp_load(state, checkpoint_id=str(path), process_group=process_group)
-    set_state_dict(model, optimizer if optimizer is not None else [],
-                   model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extra_shared = torch.load(path / _rank_file(0), weights_only=True)["shared"]
-    for key, obj in (shared or {}).items():
-        obj.load_state_dict(extra_shared[key])
-    own = path / _rank_file(rank)
-    if own.exists():
-        mine = torch.load(own, weights_only=True)
-        for key, obj in (per_rank or {}).items():
-            obj.load_state_dict(mine["per_rank"][key])
-        if restore_rng:
-            restore_rng_state(mine["rng"])
-    elif per_rank:
-        warnings.warn(f"{path} has no state for rank {rank} (saved with world size "
-                      f"{manifest.get('world_size')}); its per-rank objects keep their current state", RuntimeWarning)
+    try:
+        dcp_load(state, storage_reader=RestrictedFileSystemReader(str(path)), planner=SafeLoadPlanner(),
+                 process_group=process_group)
+        set_state_dict(model, optimizer if optimizer is not None else [],
+                       model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra_shared = torch.load(path / _rank_file(0), map_location="cpu", weights_only=True)["shared"]
+        for key, obj in (shared or {}).items():
+            obj.load_state_dict(extra_shared[key])
+        own = path / _rank_file(rank)
+        if own.exists():
+            mine = torch.load(own, map_location="cpu", weights_only=True)
+            for key, obj in (per_rank or {}).items():
+                obj.load_state_dict(mine["per_rank"][key])
+            if restore_rng:
+                restore_rng_state(mine["rng"])
+        elif per_rank:
+            warnings.warn(f"{path} has no state for rank {rank} (saved with world size "
+                          f"{manifest.get('world_size')}); its per-rank objects keep their current state",
+                          RuntimeWarning)
+    except _dcp_exceptions() as e:
+        raise CheckpointLoadError(f"cannot load sharded checkpoint {name} on rank {rank}: {_describe(e)}",
+                                  [(name, _describe(e))]) from e
     return LoadResult(manifest["step"], path, "local", manifest.get("metrics", {}), manifest.get("seq", 0), manifest)

@@ -12,7 +12,13 @@ again, e.g. after a rollback) holding:
 Atomicity: everything is written into ``.tmp-<name>-<pid>-<random>`` in the same parent, each file
 is fsynced, then the directory, then it is renamed to its final name and the parent is fsynced.
 A crash at any instant leaves either no final directory or a complete one. Names starting with a
-dot are never checkpoints; :func:`cleanup_temp` removes the leftovers at the next start.
+dot are never checkpoints; :func:`cleanup_temp` removes the leftovers at the next start. The same
+commit (:func:`commit_dir`) seals sharded checkpoints, whose files other ranks wrote.
+
+Errors: :class:`CheckpointCorruptError` means the bytes on disk failed verification (the only case
+in which a loader moves a checkpoint aside and falls back to an older one);
+:class:`CheckpointLoadError` means a checkpoint exists but could not be restored for any other
+reason, or that none of the existing ones could be: never a silent fresh start.
 """
 from __future__ import annotations
 
@@ -39,6 +45,22 @@ TEMP_PREFIXES = (".tmp-", ".trash-", ".dl-")
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt or unloadable; the message names the path and the reason."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """Verification failed: missing or garbled manifest, a file missing, of the wrong size or
+    sha256, or one that does not parse as the format says. The checkpoint is damaged; loaders
+    move it aside and fall back to the previous one."""
+
+
+class CheckpointLoadError(CheckpointError):
+    """A resume that must not go on: a checkpoint exists but could not be restored (an I/O error,
+    a model or optimizer that does not fit, a bug), or none of the existing ones could be.
+    ``failures``: ``[(checkpoint name, reason)]``, newest first."""
+
+    def __init__(self, message: str, failures: list[tuple[str, str]] | None = None):
+        super().__init__(message)
+        self.failures = list(failures or [])
 
 
 def checkpoint_name(step: int, generation: int = 0) -> str:
@@ -134,29 +156,81 @@ def in_threads(jobs: dict[str, tuple], wait: bool = True) -> Any:
     return join() if wait else join
 
 
+def fresh_name(root: Path, step: int) -> str:
+    """The checkpoint name for ``step`` not yet taken under ``root`` (``.g1``, ``.g2``... for a
+    step saved again, e.g. after a rollback). Only the single writer calls this."""
+    gen = 0
+    while (Path(root) / checkpoint_name(step, gen)).exists():
+        gen += 1
+    return checkpoint_name(step, gen)
+
+
+def new_temp_dir(root: Path, name: str) -> Path:
+    """Create the private ``.tmp-<name>-<pid>-<random>`` directory a save of ``name`` writes into
+    (same parent as the final name, so the commit is a rename within one filesystem)."""
+    tmp = Path(root) / f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def _hash_and_fsync(path: Path) -> dict:
+    with open(path, "rb+") as f:  # also fsync files a writer (DCP, another rank) did not fsync
+        blob = f.read()
+        os.fsync(f.fileno())
+    return {"sha256": sha256_hex(blob), "bytes": len(blob)}
+
+
+def commit_dir(tmp: Path, final: Path, manifest: dict, known: dict[str, dict] | None = None) -> Path:
+    """The one commit of every checkpoint: every file in ``tmp`` is hashed and fsynced, then
+    ``manifest.json`` (``manifest``, which must name its ``format``, plus ``files``: sha256 and
+    size of each file) is written durably, ``tmp`` is fsynced, renamed to ``final`` (the commit
+    point) and the parent is fsynced. ``known``: entries of files the caller already hashed and
+    fsynced. On any failure ``tmp`` is removed and nothing appears under ``final``; raises
+    FileExistsError if ``final`` exists."""
+    tmp, final = Path(tmp), Path(final)
+    try:
+        if "format" not in manifest:
+            raise ValueError("commit_dir: the manifest must name its format")
+        if final.exists():
+            raise FileExistsError(f"checkpoint {final} already exists")
+        entries = dict(known or {})
+        todo = {}
+        for p in sorted(tmp.iterdir()):
+            if p.name == MANIFEST or p.name in entries:
+                continue
+            if not p.is_file() or p.is_symlink() or not safe_file_name(p.name):
+                raise CheckpointError(f"{tmp}: {p.name!r} is not a plain file; a checkpoint holds files only")
+            todo[p.name] = (_hash_and_fsync, p)
+        entries.update(in_threads(todo))  # hashlib releases the GIL: large files hash in parallel
+        full = dict(manifest, files=dict(sorted(entries.items())))
+        write_durable(tmp / MANIFEST, json.dumps(full, indent=1, sort_keys=True).encode())
+        fsync_dir(tmp)
+        os.rename(tmp, final)  # the commit point
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
 def write_checkpoint_dir(root: Path, name: str, files: dict[str, bytes], manifest: dict) -> Path:
-    """Atomically create ``root/name`` holding ``files`` plus a manifest (``manifest`` + checksums).
-    Raises FileExistsError if ``root/name`` already exists (the caller picks a fresh name)."""
-    final = root / name
+    """Atomically create ``root/name`` holding ``files`` plus a manifest (``manifest`` + checksums,
+    format :data:`FORMAT`). Raises FileExistsError if ``root/name`` already exists (the caller
+    picks a fresh name with :func:`fresh_name`)."""
+    final = Path(root) / name
     if final.exists():
         raise FileExistsError(f"checkpoint {final} already exists")
-    tmp = root / f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = new_temp_dir(root, name)
     try:
         # hashlib releases the GIL on large buffers: hash in threads while the files are written.
         digests = in_threads({fname: (sha256_hex, data) for fname, data in files.items()}, wait=False)
         for fname, data in files.items():
             write_durable(tmp / fname, data)
-        entries = {fname: {"sha256": digest, "bytes": len(files[fname])} for fname, digest in digests().items()}
-        full = dict(manifest, format=FORMAT, files=entries)
-        write_durable(tmp / MANIFEST, json.dumps(full, indent=1, sort_keys=True).encode())
-        fsync_dir(tmp)
-        os.rename(tmp, final)  # the commit point
-        fsync_dir(root)
+        known = {fname: {"sha256": digest, "bytes": len(files[fname])} for fname, digest in digests().items()}
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final
+    return commit_dir(tmp, final, dict(manifest, format=FORMAT), known=known)
 
 
 def safe_file_name(fname: str) -> bool:
@@ -169,11 +243,13 @@ def read_manifest(path: Path, expected_format: str | None = FORMAT) -> dict:
     (unless ``expected_format`` is None) of another format (e.g. a sharded DCP checkpoint)."""
     try:
         manifest = json.loads((path / MANIFEST).read_bytes())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable manifest ({e})") from None
+    except (FileNotFoundError, NotADirectoryError, ValueError) as e:
+        raise CheckpointCorruptError(f"{path}: unreadable manifest ({e})") from None
+    except OSError as e:  # EIO, EACCES...: the storage failed, not the checkpoint
+        raise CheckpointLoadError(f"{path}: cannot read {MANIFEST} ({e})", [(path.name, str(e))]) from None
     if not isinstance(manifest, dict) or not str(manifest.get("format", "")).startswith("course_lib.checkpoint") \
             or not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"{path}: {MANIFEST} is not a course_lib checkpoint manifest")
+        raise CheckpointCorruptError(f"{path}: {MANIFEST} is not a course_lib checkpoint manifest")
     if expected_format is not None and manifest["format"] != expected_format:
         raise CheckpointError(f"{path}: format {manifest['format']!r}, expected {expected_format!r}")
     return manifest
@@ -181,45 +257,100 @@ def read_manifest(path: Path, expected_format: str | None = FORMAT) -> dict:
 
 def manifest_unreadable(path: Path) -> bool:
     """A checkpoint-named directory whose manifest is missing or garbled (not merely of another
-    format, such as a sharded checkpoint). Only damage makes one: names are committed by rename."""
+    format, such as a sharded checkpoint). Only damage makes one: names are committed by rename.
+    Raises CheckpointLoadError when the storage fails to read it (that is not damage)."""
     try:
         read_manifest(path, expected_format=None)
         return False
-    except CheckpointError:
+    except CheckpointCorruptError:
         return True
+
+
+def scan(root: Path, fmt: str) -> tuple[dict[str, dict], dict[str, str]]:
+    """Checkpoint directories under ``root``: ``({name: manifest}`` of format ``fmt`` (unverified),
+    ``{name: reason}`` of those whose manifest is missing or garbled``)``. Directories of another
+    format (a sharded checkpoint next to plain ones) are in neither. Raises CheckpointLoadError
+    when a manifest cannot be read for a reason other than damage."""
+    good, damaged = {}, {}
+    for p in list_checkpoint_dirs(root):
+        try:
+            manifest = read_manifest(p, expected_format=None)
+        except CheckpointCorruptError as e:
+            damaged[p.name] = str(e)
+            continue
+        if manifest["format"] == fmt:
+            good[p.name] = manifest
+    return good, damaged
+
+
+def quarantined(root: Path) -> list[str]:
+    """Names of checkpoints moved aside as corrupt (``.corrupt-*``) under ``root``."""
+    if not Path(root).is_dir():
+        return []
+    return sorted(p.name for p in Path(root).iterdir() if p.name.startswith(".corrupt-"))
+
+
+def refusal(root: Path, failures: list[tuple[str, str]], what: str = "checkpoint") -> CheckpointLoadError:
+    """The error for a root that holds checkpoints (or quarantined ones) but none that loads:
+    lists each and why, and says what to do. Resuming must never quietly start from step 0."""
+    aside = quarantined(root)
+    if failures:
+        lines = "\n".join(f"  - {name}: {reason}" for name, reason in failures)
+        msg = (f"no {what} under {root} could be loaded; every one failed verification:\n{lines}\n"
+               f"They were moved aside as .corrupt-* where this process is the writer. Restore a good "
+               f"copy (e.g. from the mirror or a backup) to resume, or move them away / use a fresh "
+               f"output folder to start over.")
+    else:
+        msg = (f"{root} holds no loadable {what}, only ones quarantined as corrupt by an earlier attempt "
+               f"({', '.join(aside)}); refusing to start from step 0 silently. Restore a good copy to "
+               f"resume, or move the .corrupt-* directories away or use a fresh output folder to start over.")
+    return CheckpointLoadError(msg, failures)
 
 
 def read_verified(path: Path, manifest: dict | None = None) -> tuple[dict, dict[str, bytes]]:
     """Read every file listed in the manifest and check size and sha256. Returns
     ``(manifest, {filename: bytes})``; raises CheckpointError naming the first mismatch."""
     manifest = manifest or read_manifest(path, expected_format=None)
-    for fname in manifest["files"]:
-        if not safe_file_name(fname):
-            raise CheckpointError(f"{path}: manifest lists an unsafe file name {fname!r}")
+    for fname, meta in manifest["files"].items():
+        if not safe_file_name(fname) or not isinstance(meta, dict):
+            raise CheckpointCorruptError(f"{path}: manifest lists an unsafe file name or entry {fname!r}")
 
     def one(fname: str, meta: dict) -> bytes:
         try:
             blob = (path / fname).read_bytes()
-        except OSError as e:
-            raise CheckpointError(f"{path}: cannot read {fname} ({e})") from None
+        except (FileNotFoundError, IsADirectoryError) as e:
+            raise CheckpointCorruptError(f"{path}: {fname} is missing ({e})") from None
+        except OSError as e:  # the storage failed; the checkpoint may well be fine
+            raise CheckpointLoadError(f"{path}: cannot read {fname} ({e})", [(path.name, str(e))]) from None
         if len(blob) != meta.get("bytes") or sha256_hex(blob) != meta.get("sha256"):
-            raise CheckpointError(f"{path}: {fname} does not match its checksum (corrupt or truncated)")
+            raise CheckpointCorruptError(f"{path}: {fname} does not match its checksum (corrupt or truncated)")
         return blob
 
     return manifest, in_threads({f: (one, f, meta) for f, meta in manifest["files"].items()})
 
 
-def decode(manifest: dict, data: dict[str, bytes], map_location: str | torch.device = "cpu"
-           ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Deserialize verified bytes: ``(model_state, train_state)``. Only safetensors and
-    ``torch.load(weights_only=True)`` are used, so a forged file cannot run code."""
+def decode(manifest: dict, data: dict[str, bytes]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Deserialize verified bytes into CPU objects: ``(model_state, train_state)``. Only
+    safetensors and ``torch.load(weights_only=True)`` are used, so a forged file cannot run code.
+    Anything that does not parse as the format says raises CheckpointCorruptError."""
     from safetensors.torch import load as st_load
-    tensors = st_load(data[WEIGHTS])
-    for alias, kept in manifest.get("aliases", {}).items():
-        tensors[alias] = tensors[kept]
-    if str(map_location) != "cpu":
-        tensors = {k: v.to(map_location) for k, v in tensors.items()}
-    train_state = torch.load(io.BytesIO(data[STATE]), map_location=map_location, weights_only=True)
+    try:
+        tensors = st_load(data[WEIGHTS]) if WEIGHTS in data else {}
+        aliases = manifest.get("aliases", {})
+        if not isinstance(aliases, dict):
+            raise ValueError("the manifest's aliases are not a mapping")
+        for alias, kept in aliases.items():
+            if kept not in tensors:
+                raise ValueError(f"alias {alias!r} points at {kept!r}, which is not stored")
+            tensors[alias] = tensors[kept]
+        train_state = torch.load(io.BytesIO(data[STATE]), map_location="cpu", weights_only=True) \
+            if STATE in data else {}
+        if not isinstance(train_state, dict):
+            raise ValueError(f"{STATE} holds a {type(train_state).__name__}, not a dict")
+    except MemoryError:
+        raise
+    except Exception as e:  # verified bytes that do not parse (or a forged file weights_only refused)
+        raise CheckpointCorruptError(f"checksums match but the state does not parse: {e}") from e
     return tensors, train_state
 
 
@@ -237,10 +368,10 @@ def verify_dir(path: Path, deep: bool = True) -> dict:
                 names = set(f.keys())
             missing = [a for a, kept in manifest.get("aliases", {}).items() if kept not in names]
             if missing:
-                raise CheckpointError(f"aliases {missing} point at tensors that are not stored")
+                raise CheckpointCorruptError(f"aliases {missing} point at tensors that are not stored")
             torch.load(path / STATE, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # a state that cannot be loaded must not count as a checkpoint
-            raise CheckpointError(f"{path}: checksums match but the state does not load: {e}") from e
+            raise CheckpointCorruptError(f"{path}: checksums match but the state does not load: {e}") from e
     return manifest
 
 

@@ -12,7 +12,10 @@ Here (format and atomic write in :mod:`course_lib.checkpoint.io`):
   mirror (:mod:`course_lib.checkpoint.mirror`);
 * retention keeps the last ``keep_last`` (by save order) plus the ``keep_best`` best by a metric;
 * ``load`` takes the newest checkpoint of either tier that verifies; a corrupt one is moved aside
-  (``.corrupt-*``) with a warning and the previous one is used.
+  (``.corrupt-*``) with a warning and the previous one is used. Anything else that stops a load
+  (an I/O error, a model of another shape, a bug) raises CheckpointLoadError without touching
+  the checkpoint or falling back, and so does a root whose checkpoints are all corrupt: a resume
+  never silently starts from step 0 (rules in ``docs/CHECKPOINTS.md``).
 
 "Newest" is the save sequence number in the manifest, not the step: after a rollback, the re-saved
 step 110 is newer than the abandoned step 150. A checkpoint named for step ``s`` holds the state
@@ -32,8 +35,10 @@ from typing import Any
 
 import torch
 
+from course_lib.validate import check_bool, check_choice, check_int, check_number
+
 from . import io as cio
-from .io import CheckpointError  # noqa: F401  (re-exported)
+from .io import CheckpointCorruptError, CheckpointError, CheckpointLoadError  # noqa: F401  (re-exported)
 from .mirror import CheckpointMirror, as_mirror
 from .state import LoadResult, apply_state, gather_train_state, to_cpu_copy
 
@@ -55,25 +60,22 @@ class CheckpointManager:
                  best_metric: str | None = None, best_mode: str = "min", async_save: bool = True,
                  mirror: str | CheckpointMirror | None = None, writer: bool = True,
                  reuse_buffers: bool = True):
-        if every_steps is not None and (isinstance(every_steps, bool) or not isinstance(every_steps, int)
-                                        or every_steps < 1):
-            raise ValueError(f"every_steps must be None or an int >= 1 (steps), got {every_steps!r}")
-        if every_seconds is not None and (not isinstance(every_seconds, (int, float)) or every_seconds <= 0):
-            raise ValueError(f"every_seconds must be None or a number > 0 (seconds), got {every_seconds!r}")
-        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-            raise ValueError(f"keep_last must be an int >= 1 (a manager never keeps zero), got {keep_last!r}")
-        if isinstance(keep_best, bool) or not isinstance(keep_best, int) or keep_best < 0:
-            raise ValueError(f"keep_best must be an int >= 0, got {keep_best!r}")
+        if every_steps is not None:
+            check_int("every_steps (steps; None: no step policy)", every_steps, 1)
+        if every_seconds is not None:
+            check_number("every_seconds (seconds; None: no time policy)", every_seconds, 0, lo_open=True)
+        check_int("keep_last (a manager never keeps zero)", keep_last, 1)
+        check_int("keep_best", keep_best, 0)
         if keep_best and not best_metric:
             raise ValueError("keep_best > 0 needs best_metric, the metrics key to rank checkpoints by")
-        if best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        check_choice("best_mode", best_mode, ("min", "max"))
+        for flag, value in (("async_save", async_save), ("writer", writer), ("reuse_buffers", reuse_buffers)):
+            check_bool(flag, value)
         self.root = Path(root)
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self.keep_last, self.keep_best = keep_last, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
-        self.async_save, self.writer = bool(async_save), bool(writer)
-        self.reuse_buffers = bool(reuse_buffers)
+        self.async_save, self.writer, self.reuse_buffers = async_save, writer, reuse_buffers
         self._staging: Any = None  # CPU copy of the last saved state, reused as the next copy's buffers
         self.mirror = as_mirror(mirror)
         self._valid: dict[str, dict] = {}  # name -> manifest, checksums verified by this process
@@ -102,13 +104,15 @@ class CheckpointManager:
                 continue
         return out
 
-    def _remote(self) -> dict[str, dict]:
+    def _remote(self, errors: list | None = None) -> dict[str, dict]:
         if self.mirror is None:
             return {}
         try:
             return {n: m for n, m in self.mirror.list().items() if m.get("format") == cio.FORMAT}
         except Exception as e:  # an unreachable mirror must not stop a local resume
             warnings.warn(f"cannot list mirror {self.mirror.url}: {e!r}", RuntimeWarning)
+            if errors is not None:
+                errors.append(e)
             return {}
 
     def checkpoints(self) -> list[tuple[str, dict]]:
@@ -141,15 +145,22 @@ class CheckpointManager:
 
     def save(self, step: int, *, model: torch.nn.Module, optimizer: Any = None, scheduler: Any = None,
              scaler: Any = None, data: Any = None, stateful: dict[str, Any] | None = None,
-             metrics: dict[str, Any] | None = None, blocking: bool | None = None) -> Path:
+             metrics: dict[str, Any] | None = None, blocking: bool | None = None,
+             rank_states: list[dict] | None = None) -> Path:
         """Checkpoint the state after ``step`` optimizer steps. ``data`` and every value of
         ``stateful`` need ``state_dict()`` (its contents: tensors and plain Python); ``metrics``:
-        JSON numbers/strings. Returns the final directory path; with async saving it appears after
-        the background write verified (:meth:`wait`). Raises an earlier background failure."""
+        JSON numbers/strings. ``rank_states``: one :func:`~course_lib.checkpoint.state.capture_rank_state`
+        dict per global rank (the caller gathers them to this, the single writer; the manager does no
+        communication), so that each rank gets its own RNG and data position back on :meth:`load`.
+        Returns the final directory path; with async saving it appears after the background write
+        verified (:meth:`wait`). Raises an earlier background failure."""
         if not self.writer:
             raise RuntimeError("this CheckpointManager was created with writer=False")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an int >= 0 (optimizer steps done), got {step!r}")
+        check_int("step (optimizer steps done)", step, 0)
+        if rank_states is not None and not (isinstance(rank_states, (list, tuple)) and rank_states and all(
+                isinstance(r, dict) and "rng" in r and "data" in r for r in rank_states)):
+            raise TypeError("rank_states must be None or a non-empty list, indexed by global rank, of "
+                            "capture_rank_state() dicts ({'rng': ..., 'data': ...})")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         metrics = dict(metrics or {})
@@ -163,13 +174,15 @@ class CheckpointManager:
         self.wait(mirror=False)  # one save in flight at a time; raises its error, if any
         t0 = time.perf_counter()
         train_state = gather_train_state(optimizer, scheduler, scaler, data, stateful)
+        if rank_states is not None:
+            train_state["rank_states"] = list(rank_states)
         # Fold tied weights before copying, so they are copied (and stored) once.
         model_tensors, aliases = cio.split_shared(model.state_dict())
         staged = to_cpu_copy((model_tensors, train_state), reuse=self._staging)
         if self.reuse_buffers:
             self._staging = staged  # the next save copies into these (this one is done with them by then)
         snapshot = (*staged, aliases)
-        name = self._fresh_name(step)
+        name = cio.fresh_name(self.root, step)
         manifest = {"step": step, "seq": self._next_seq, "created_unix": time.time(), "metrics": metrics}
         self._next_seq += 1
         self._last_save_time = time.monotonic()
@@ -183,12 +196,6 @@ class CheckpointManager:
                                             name=f"ckpt-save-{name}")
             self._thread.start()
         return self.root / name
-
-    def _fresh_name(self, step: int) -> str:
-        gen = 0
-        while (self.root / cio.checkpoint_name(step, gen)).exists():
-            gen += 1
-        return cio.checkpoint_name(step, gen)
 
     def _finish(self, name: str, snapshot: tuple, manifest: dict) -> None:
         """Background half of a save: serialize, write atomically, verify, prune, mirror."""
@@ -205,7 +212,7 @@ class CheckpointManager:
             lap("write")
             try:
                 self._valid[name] = cio.verify_dir(path, deep=True)  # re-read from disk, checksums, loads
-            except CheckpointError:
+            except CheckpointCorruptError:
                 self._quarantine(path)
                 raise
             lap("verify")
@@ -288,18 +295,41 @@ class CheckpointManager:
     def load(self, model: torch.nn.Module | None = None, optimizer: Any = None, scheduler: Any = None,
              scaler: Any = None, data: Any = None, stateful: dict[str, Any] | None = None, *,
              restore_rng: bool = True, map_location: str | torch.device = "cpu",
-             strict: bool = True) -> LoadResult | None:
+             strict: bool = True, rank: int = 0, only: str | None = None) -> LoadResult | None:
         """Restore the newest checkpoint that verifies, from either tier (a mirror-only one is
-        downloaded into ``root`` first). Corrupt ones are skipped with a warning (and moved aside
-        locally). Returns None when there is no checkpoint at all (a fresh start)."""
+        downloaded into ``root`` first). Objects passed as None are left alone (``data=None``: keep
+        the data position, as a roll-back does).
+
+        * A checkpoint that fails verification (manifest, sizes, sha256, parsing) is corrupt: a
+          warning, moved aside as ``.corrupt-*`` (writer only), and the previous one is tried;
+          a mirror copy of the same checkpoint is tried before an older one.
+        * Any other failure - an I/O error, a model or optimizer that does not fit (refused by
+          name before anything is loaded), a bug - raises :class:`CheckpointLoadError` at once: no
+          quarantine, no fall-back to an older checkpoint (that would silently lose progress).
+        * Checkpoints exist but none loads, or only quarantined ones are left: CheckpointLoadError
+          listing each and why. None is returned only when there is no checkpoint at all.
+
+        ``rank``: this process's global rank; with per-rank states saved (``save(rank_states=)``)
+        it gets its own RNG and data position back. ``only``: load exactly that checkpoint name
+        (ranks other than the writer load the name rank 0 chose and broadcast); if it cannot be
+        loaded, CheckpointLoadError, never a fall-back. ``map_location``: device of the model
+        tensors before they are copied in (the optimizer moves its state to its parameters)."""
+        check_int("rank", rank, 0)
+        check_bool("restore_rng", restore_rng)
+        check_bool("strict", strict)
+        if only is not None and not (isinstance(only, str) and cio.NAME_RE.match(only)):
+            raise ValueError(f"only must be None or a checkpoint name like 'step_000000020', got {only!r}")
         self.wait(mirror=False)
-        local, remote = self._manifests(), self._remote()
-        for path in cio.list_checkpoint_dirs(self.root):
-            if path.name not in local and cio.manifest_unreadable(path):
-                warnings.warn(f"checkpoint {path.name} (local) has no readable manifest; ignoring it",
-                              RuntimeWarning)
-                if self.writer:
-                    self._quarantine(path)
+        mirror_errors: list = []
+        local, damaged = cio.scan(self.root, cio.FORMAT)
+        remote = self._remote(mirror_errors)
+        if only is not None:
+            local = {n: m for n, m in local.items() if n == only}
+            remote = {n: m for n, m in remote.items() if n == only}
+            damaged = {n: r for n, r in damaged.items() if n == only}
+        failures: list[tuple[str, str]] = []
+        for name, reason in sorted(damaged.items()):
+            self._corrupt(self.root / name, "local", f"no readable manifest ({reason})", failures)
         # Newest first; for the same checkpoint the local copy first, the mirror's if that fails.
         order = sorted([(m.get("seq", 0), n, "local") for n, m in local.items()] +
                        [(m.get("seq", 0), n, "mirror") for n, m in remote.items()],
@@ -308,22 +338,63 @@ class CheckpointManager:
             path = self.root / name
             try:
                 if source == "mirror":
-                    if self.writer is False:
-                        raise CheckpointError("download needs a writer manager")
+                    if not self.writer:
+                        raise CheckpointLoadError(
+                            f"checkpoint {name}: no usable local copy, only the mirror's, and a writer=False "
+                            f"manager does not download; load it on the writer first (it downloads it), then "
+                            f"pass only={name!r}", [(name, "only on the mirror")])
+                    if path.exists():  # a local copy we could not use is still in the way
+                        raise CheckpointLoadError(f"checkpoint {name}: the local copy is corrupt but could "
+                                                  f"not be moved aside, so the mirror copy cannot be fetched",
+                                                  [(name, "local copy in the way")])
                     path = self.mirror.download(name, self.root)
                 manifest, blobs = cio.read_verified(path)
-                model_state, train_state = cio.decode(manifest, blobs, map_location)
-            except Exception as e:  # corrupt, truncated, unreadable or refused by weights_only
-                warnings.warn(f"checkpoint {name} ({source}) is unusable: {e}; falling back to the "
-                              f"previous one", RuntimeWarning)
-                if source == "local" and self.writer:
-                    self._quarantine(path)
+                model_state, train_state = cio.decode(manifest, blobs)
+                del blobs
+            except CheckpointCorruptError as e:  # damaged bytes: move aside, try the previous one
+                self._corrupt(path, source, str(e), failures)
                 continue
+            except CheckpointLoadError as e:
+                raise CheckpointLoadError(f"cannot load checkpoint {name} ({source}): {e}. It was not moved "
+                                          f"aside and no older checkpoint was used: fix the cause and retry",
+                                          failures + [(name, str(e))]) from e
+            except Exception as e:  # I/O, network, a bug: not the checkpoint's fault
+                raise CheckpointLoadError(f"cannot load checkpoint {name} ({source}): {e!r}. It was not moved "
+                                          f"aside and no older checkpoint was used: fix the cause and retry",
+                                          failures + [(name, repr(e))]) from e
+            if str(map_location) != "cpu":
+                model_state = {k: v.to(map_location) for k, v in model_state.items()}
             self._valid[name] = manifest
             apply_state(model_state, train_state, model, optimizer, scheduler, scaler, data,
-                        stateful or {}, restore_rng=restore_rng, strict=strict)
+                        stateful or {}, restore_rng=restore_rng, strict=strict, rank=rank, label=name)
             self._next_seq = max(self._next_seq, seq + 1)
             if self.mirror is not None and self.writer and name not in self._remote():
                 self.mirror.submit(path)  # a checkpoint the last run could not upload
             return LoadResult(manifest["step"], path, source, manifest.get("metrics", {}), seq, manifest)
+        if only is not None:
+            if failures:
+                raise CheckpointLoadError(f"checkpoint {only} under {self.root} cannot be loaded: "
+                                          + "; ".join(f"{n}: {r}" for n, r in failures), failures)
+            raise CheckpointLoadError(f"checkpoint {only} not found under {self.root}"
+                                      + (f" or on the mirror {self.mirror.url}" if self.mirror else ""),
+                                      [(only, "not found")])
+        if failures or cio.quarantined(self.root):
+            if not failures:
+                warnings.warn(f"{self.root} holds only quarantined checkpoints: {cio.quarantined(self.root)}",
+                              RuntimeWarning, stacklevel=2)
+            raise cio.refusal(self.root, failures)
+        if mirror_errors:
+            raise CheckpointLoadError(f"no local checkpoint under {self.root}, and the mirror {self.mirror.url} "
+                                      f"cannot be listed ({mirror_errors[0]!r}): cannot tell whether this is a "
+                                      f"fresh start. Fix the mirror or configure none to start over",
+                                      [("mirror", repr(mirror_errors[0]))])
         return None
+
+    def _corrupt(self, path: Path, source: str, reason: str, failures: list) -> None:
+        """Record a checkpoint copy that failed verification, warn, and move it aside (local
+        copies, writer only)."""
+        warnings.warn(f"checkpoint {path.name} ({source}) is unusable: {reason}; falling back to the "
+                      f"previous one", RuntimeWarning, stacklevel=3)
+        failures.append((path.name, f"{source}: {reason}"))
+        if source == "local" and self.writer:
+            self._quarantine(path)

@@ -19,8 +19,10 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .io import (MANIFEST, NAME_RE, CheckpointError, read_manifest, safe_file_name, sha256_hex,
-                            write_checkpoint_dir)
+from course_lib.validate import check_bool, check_int, check_number
+
+from .io import (MANIFEST, NAME_RE, CheckpointCorruptError, CheckpointError, read_manifest, safe_file_name,
+                 sha256_hex, write_checkpoint_dir)
 
 
 class CheckpointMirror:
@@ -42,15 +44,14 @@ class CheckpointMirror:
         import fsspec
         if not isinstance(url, str) or not url:
             raise ValueError(f"url must be a non-empty fsspec URL like 'file:///mnt/ckpt' or 's3://bucket/run', got {url!r}")
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries must be an int >= 0, got {retries!r}")
-        if not isinstance(backoff_s, (int, float)) or backoff_s < 0:
-            raise ValueError(f"backoff_s must be a number >= 0 (seconds), got {backoff_s!r}")
+        check_int("retries", retries, 0)
+        check_number("backoff_s (seconds)", backoff_s, 0)
+        check_bool("skip_superseded", skip_superseded)
         self.url = url.rstrip("/")
         self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.root = root.rstrip("/")
         self.retries, self.backoff_s, self.on_failure = retries, float(backoff_s), on_failure
-        self.skip_superseded = bool(skip_superseded)
+        self.skip_superseded = skip_superseded
         self.failures: list[tuple[str, str]] = []  # (checkpoint name, last error)
         self.uploaded: list[str] = []
         self.skipped: list[str] = []
@@ -152,23 +153,31 @@ class CheckpointMirror:
 
     def download(self, name: str, dest_root: str | Path) -> Path:
         """Fetch remote checkpoint ``name``, check every file against the remote manifest and
-        write it atomically as ``dest_root/name``. Raises CheckpointError on any mismatch."""
-        if not NAME_RE.match(name):
+        write it atomically as ``dest_root/name``. Raises CheckpointCorruptError when the remote
+        copy fails verification (garbled manifest, a file missing or not matching its checksum),
+        CheckpointError when the mirror cannot be read (network, permissions: not corruption)."""
+        if not isinstance(name, str) or not NAME_RE.match(name):
             raise ValueError(f"name must be a checkpoint name like 'step_000000100', got {name!r}")
         try:
             manifest = json.loads(self.fs.cat_file(self._p(name, MANIFEST)))
-        except (FileNotFoundError, ValueError, OSError) as e:
-            raise CheckpointError(f"mirror {self.url}/{name}: no usable manifest ({e})") from None
+        except ValueError as e:
+            raise CheckpointCorruptError(f"mirror {self.url}/{name}: garbled manifest ({e})") from None
+        except (FileNotFoundError, OSError) as e:
+            raise CheckpointError(f"mirror {self.url}/{name}: cannot read its manifest ({e})") from None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+            raise CheckpointCorruptError(f"mirror {self.url}/{name}: {MANIFEST} is not a checkpoint manifest")
         files = {}
         for fname, meta in manifest["files"].items():
-            if not safe_file_name(fname):
-                raise CheckpointError(f"mirror {self.url}/{name}: unsafe file name {fname!r} in manifest")
+            if not safe_file_name(fname) or not isinstance(meta, dict):
+                raise CheckpointCorruptError(f"mirror {self.url}/{name}: unsafe file name {fname!r} in manifest")
             try:
                 blob = self.fs.cat_file(self._p(name, fname))
-            except (FileNotFoundError, OSError) as e:
+            except FileNotFoundError as e:
+                raise CheckpointCorruptError(f"mirror {self.url}/{name}: {fname} is missing ({e})") from None
+            except OSError as e:
                 raise CheckpointError(f"mirror {self.url}/{name}: cannot read {fname} ({e})") from None
-            if len(blob) != meta["bytes"] or sha256_hex(blob) != meta["sha256"]:
-                raise CheckpointError(f"mirror {self.url}/{name}: {fname} does not match its checksum")
+            if len(blob) != meta.get("bytes") or sha256_hex(blob) != meta.get("sha256"):
+                raise CheckpointCorruptError(f"mirror {self.url}/{name}: {fname} does not match its checksum")
             files[fname] = blob
         dest_root = Path(dest_root)
         dest_root.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,7 @@ from multiprocessing import connection as mp_connection
 from typing import Any, Callable
 
 from course_lib.parallel import _rank_entry
+from course_lib.validate import check_choice, check_int, check_number
 
 
 class RankFailedError(RuntimeError):
@@ -109,10 +110,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
     ``python script.py``) it returns a single-process :class:`DistInfo` and creates no group.
     ``timeout_s`` (seconds) bounds every collective. Calling it twice returns the same answer.
     """
-    if backend is not None and backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
-        raise ValueError(f"backend must be 'gloo', 'nccl', 'mpi', 'ucc' or 'xccl', got {backend!r}")
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+    if backend is not None:
+        check_choice("backend", backend, ("gloo", "nccl", "mpi", "ucc", "xccl"))
+    check_number("timeout_s", timeout_s, 0, lo_open=True)  # seconds
     import torch
     import torch.distributed as dist
 
@@ -286,14 +286,10 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, backend: str | None = N
     ``fn`` must be importable by a fresh interpreter: defined at the top level of a ``.py``
     module, not in a notebook cell, not a lambda.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
-    if not 1 <= world_size <= 64:
-        raise ValueError(f"world_size must be between 1 and 64 on one machine, got {world_size}")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-    if threads_per_rank is not None and threads_per_rank < 1:
-        raise ValueError(f"threads_per_rank must be >= 1, got {threads_per_rank}")
+    check_int("world_size", world_size, 1, 64)  # ranks on one machine
+    check_number("timeout", timeout, 0, lo_open=True)  # seconds
+    if threads_per_rank is not None:
+        check_int("threads_per_rank", threads_per_rank, 1)
     _check_importable(fn)
     try:
         payload = pickle.dumps((fn, args, kwargs))

@@ -1,64 +1,182 @@
-"""How the training loop spreads over ranks. The loop calls the same four methods whatever the
-strategy; ``single`` and ``ddp`` live here, FSDP and DeepSpeed plug in with the same interface.
+"""The strategy interface: how one training step spreads over ranks.
+
+The trainer (:mod:`course_lib.train`) calls only the methods of :class:`Strategy`, in this order::
+
+    strategy.setup(model, make_optimizer)       # wrap/shard the model, THEN build the optimizer
+    stream = BatchStream(..., rank=strategy.dp_rank, world_size=strategy.dp_size)
+    loop:
+        local = strategy.forward_backward(batches, autocast=..., on_loss=..., backward=...)
+        mean = strategy.global_mean(local)      # equal on every rank: every rank decides alike
+        decision = stabilizer.after_backward(strategy.model, mean, ..., reduce_sq=strategy.reduce_grad_sq)
+        strategy.optimizer_step(policy, lr_factor=..., found_inf=...)  or  strategy.skip_step(policy)
+        strategy.zero_grad()
+    checkpoints = strategy.checkpointer(root, ...)   # full state on a writer, or sharded on all ranks
+
+Each parallel form is one module that subclasses :class:`Strategy` and overrides what it changes:
+
+* data parallel (torch DDP, hand-made DDP): :meth:`wrap`, :meth:`no_sync`, :meth:`global_mean`;
+* FSDP / ZeRO-3: :meth:`setup` shards before the optimizer exists; ``checkpoint_format = "sharded"``;
+  hand-sharded gradients report their norms through :meth:`reduce_grad_sq`;
+* DeepSpeed: :meth:`setup` gets the engine's own optimizer; :meth:`optimizer_step` calls the engine;
+* tensor/pipeline parallel: :attr:`dp_rank`/:attr:`dp_size` are the data-parallel coordinates only
+  (TP and PP peers share a batch), and pipeline schedules override :meth:`forward_backward`.
+
+Strategies are registered by name in :mod:`course_lib.parallel.registry` (torch-free, so the config
+validator can list them). ``Single`` lives here: it is the reference every other one must equal.
 """
 from __future__ import annotations
 
 import contextlib
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
+
+from course_lib.parallel.launch import DistInfo
 
 
-class Single:
-    """One process, no communication."""
+class Strategy:
+    """One process, no communication: the reference implementation of every method.
+
+    ``info``: where this process sits (:class:`~course_lib.parallel.launch.DistInfo`);
+    ``device``: where the model computes. After :meth:`setup`: ``model`` is the plain module (its
+    parameter names are the checkpoint's), ``module`` is what forward is called on (the wrapper),
+    ``optimizer`` the optimizer over the (possibly sharded) parameters."""
+
+    name = "single"
+    #: "full": a writer rank saves the whole state (replicated weights). "sharded": every rank
+    #: saves its shards through DCP (``course_lib.checkpoint.dcp``), no rank gathers the model.
+    checkpoint_format = "full"
+
+    def __init__(self, info: DistInfo, device: torch.device):
+        self.info, self.device = info, torch.device(device)
+        self.model: nn.Module | None = None
+        self.module: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # ------------------------------------------------------------------ where this rank sits
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel replicas (picks its share of each batch)."""
+        return self.info.rank
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas (each sees a different micro-batch)."""
+        return self.info.world_size
+
+    @property
+    def is_writer(self) -> bool:
+        """The rank that writes full checkpoints, metrics and events (global rank 0)."""
+        return self.info.rank == 0
+
+    # ------------------------------------------------------------------ building
+    def setup(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> None:
+        """Wrap ``model`` (already on :attr:`device`) and build the optimizer, in the order the
+        strategy needs: sharding strategies must shard before the optimizer sees the parameters.
+        ``make_optimizer(module)`` builds it from a module's parameters."""
+        self.model = model
+        self.module = self.wrap(model)
+        self.optimizer = make_optimizer(model)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The module forward is called on (the model itself here)."""
+        return model
+
+    # ------------------------------------------------------------------ one step
+    def no_sync(self):
+        """Context for micro-batches that must not communicate gradients yet (nothing here)."""
+        return contextlib.nullcontext()
+
+    def forward_backward(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
+                         autocast: Callable[[], Any], on_loss: Callable[[torch.Tensor], torch.Tensor],
+                         backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """Forward and backward over one optimizer step's micro-batches; gradients are
+        synchronized only with the last one. Each micro-batch's loss goes through ``on_loss``
+        (the stabilizer's fault point), then ``backward(loss / k)``: the gradient of the *mean*
+        over the ``k`` micro-batches, as one big batch would give. Returns this rank's mean loss
+        (detached, on the device: no host read)."""
+        batches = list(batches)
+        if not batches:
+            raise ValueError("forward_backward needs at least one micro-batch")
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(batches):
+            with (contextlib.nullcontext() if i == len(batches) - 1 else self.no_sync()):
+                with autocast():
+                    _, loss = self.module(x, y)
+                loss = on_loss(loss)
+                backward(loss / len(batches))
+            total += loss.detach().float()
+        return total / len(batches)
+
+    def global_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of a scalar over the data-parallel ranks, equal on every rank (the rank's
+        own value here). Stays on the device: no host read."""
+        return value
+
+    #: For hand-sharded gradients: sums stacked per-tensor squared norms over the shard group on
+    #: the device (see GradientMonitor.measure). None: gradients are whole (or DTensors) here.
+    reduce_grad_sq: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def optimizer_step(self, policy: Any, *, lr_factor: float = 1.0, found_inf: bool | None = None) -> None:
+        """Apply the step with the LR times ``lr_factor`` (the stabilizer's cut); ``policy`` is the
+        :class:`~course_lib.precision.PrecisionPolicy` (fp16 steps through its scaler);
+        ``found_inf``: the host's knowledge of inf/nan gradients (saves fp16's own host reads)."""
+        from course_lib.stability import scaled_lr
+
+        with scaled_lr(self.optimizer, lr_factor):
+            policy.step(self.optimizer, found_inf=found_inf)
+
+    def skip_step(self, policy: Any) -> None:
+        """Leave this step out (a spike or a non-finite step); fp16 still updates its scale."""
+        policy.skip(self.optimizer)
+
+    def zero_grad(self) -> None:
+        """Drop the gradients (set to None: no memory held between steps)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ communication for the loop
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` from global rank ``src`` on every rank (picklable; the object itself here)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def gather_to_writer(self, obj: Any) -> list | None:
+        """Every rank's ``obj`` as a list indexed by global rank on the writer, None elsewhere.
+        A collective: every rank must call it."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return [obj]
+        out = [None] * dist.get_world_size() if self.is_writer else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpointer(self, root: Any, *, every_steps: int | None, keep_last: int, async_save: bool,
+                     mirror: str | None, format: str = "auto"):
+        """The object the trainer saves and loads through (see :mod:`course_lib.parallel.checkpointing`):
+        ``format`` "full" (writer rank), "sharded" (DCP, every rank), or "auto" (this strategy's
+        :attr:`checkpoint_format`)."""
+        from course_lib.parallel.checkpointing import FullCheckpoints, ShardedCheckpoints
+
+        chosen = self.checkpoint_format if format == "auto" else format
+        if chosen == "sharded":
+            return ShardedCheckpoints(self, root, every_steps=every_steps, keep_last=keep_last,
+                                      async_save=async_save, mirror=mirror)
+        return FullCheckpoints(self, root, every_steps=every_steps, keep_last=keep_last,
+                               async_save=async_save, mirror=mirror)
+
+
+class Single(Strategy):
+    """One process on one device: the reference the parallel strategies are tested against."""
 
     name = "single"
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """The module the loop calls forward on (the model itself)."""
-        return model
-
-    def no_sync(self, wrapped: nn.Module):
-        """Context for micro-batches that must not communicate gradients yet (none here)."""
-        return contextlib.nullcontext()
-
-    def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """The rank-mean of a scalar tensor (itself here). Stays on the device: no sync."""
-        return value
-
-
-class DDP(Single):
-    """torch DistributedDataParallel: gradients all-reduced (bucketed, overlapped with backward)
-    on the last micro-batch of each step; earlier micro-batches skip the all-reduce."""
-
-    name = "ddp"
-
-    def __init__(self, device: torch.device):
-        if not dist.is_initialized():
-            raise RuntimeError("strategy 'ddp' needs a process group: start with torchrun, or "
-                               "run_ranks, and call init_distributed() first")
-        self.device = device
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
-
-    def no_sync(self, wrapped: nn.Module):
-        return wrapped.no_sync()
-
-    def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        # Every rank must see the same loss, or spike decisions (skip / roll back) would differ
-        # between ranks and their weights would drift apart.
-        out = value.detach().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        return out / dist.get_world_size()
-
-
-def make_strategy(name: str, device: torch.device) -> Single:
-    """``single`` or ``ddp`` (ValueError for anything else)."""
-    if name == "single":
-        return Single()
-    if name == "ddp":
-        return DDP(device)
-    raise ValueError(f"strategy must be 'single' or 'ddp', got {name!r}")
+    def __init__(self, info: DistInfo, device: torch.device):
+        if info.world_size > 1:
+            raise ValueError(f"{info.world_size} ranks but strategy 'single'; set train.strategy = 'ddp' "
+                             "(--set train.strategy=ddp)")
+        super().__init__(info, device)

@@ -15,10 +15,10 @@ from .faults import FaultInjector, FaultSpec, parse_fault, parse_faults
 from .grad_monitor import GradientMonitor, GradStats
 from .nonfinite import NonFiniteError, NonFiniteGuard
 from .spikes import SpikeAction, SpikeCheck, SpikeDetector, SpikePolicy, decide
-from .stabilizer import ClipController, Stabilizer, StepDecision, scaled_lr
+from .stabilizer import ClipController, RollbackLimitError, Stabilizer, StepDecision, scaled_lr
 
 __all__ = [
-    "Stabilizer", "StepDecision", "ClipController", "scaled_lr", "GradientMonitor", "GradStats",
+    "Stabilizer", "StepDecision", "RollbackLimitError", "ClipController", "scaled_lr", "GradientMonitor", "GradStats",
     "NonFiniteGuard", "NonFiniteError", "SpikeDetector", "SpikeCheck", "SpikePolicy", "SpikeAction", "decide",
     "FaultInjector", "FaultSpec", "parse_fault", "parse_faults",
 ]

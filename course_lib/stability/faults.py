@@ -11,6 +11,10 @@ kind           effect at step ``STEP``                             ``VALUE``
                overflow in the forward pass would make them)
 ``inf_grad``   one element of one gradient is set to +Inf          parameter name (default: the first
                                                                    parameter that has a gradient)
+``loss_shift`` from ``STEP`` on, *every* loss is multiplied by     factor, finite and > 0 (default 3)
+               ``VALUE`` (a persistent level change, as a data
+               switch makes: not a spike, and a roll-back
+               does not make it go away)
 =============  ==================================================  ===================================
 
 The two injection points of a step are :meth:`FaultInjector.on_loss` (after the forward pass,
@@ -27,8 +31,9 @@ from typing import Iterable
 import torch
 from torch import nn
 
-KINDS = ("grad_scale", "nan_loss", "inf_grad")
-DEFAULT_GRAD_SCALE = 10.0  # the course text's "gradients x10" explosion
+KINDS = ("grad_scale", "nan_loss", "inf_grad", "loss_shift")
+DEFAULT_GRAD_SCALE = 10.0  # the classic "gradients x10" explosion
+DEFAULT_LOSS_SHIFT = 3.0
 
 
 @dataclass(frozen=True)
@@ -46,9 +51,9 @@ class FaultSpec:
             raise ValueError(f"fault kind must be one of {KINDS}, got {self.kind!r}")
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
             raise ValueError(f"fault step must be an int >= 0, got {self.step!r}")
-        if self.kind == "grad_scale":
+        if self.kind in ("grad_scale", "loss_shift"):
             if not isinstance(self.value, (int, float)) or not math.isfinite(self.value) or self.value <= 0:
-                raise ValueError(f"grad_scale value must be a finite float > 0, got {self.value!r}")
+                raise ValueError(f"{self.kind} value must be a finite float > 0, got {self.value!r}")
         elif self.kind == "nan_loss" and self.value is not None:
             raise ValueError(f"nan_loss takes no value, got {self.value!r}")
         elif self.kind == "inf_grad" and self.value is not None and (not isinstance(self.value, str) or not self.value):
@@ -72,11 +77,11 @@ def parse_fault(text: str) -> FaultSpec:
     except ValueError:
         raise ValueError(f"fault {text!r}: STEP must be an integer >= 0, got {step_text!r}") from None
     parsed: float | str | None = None
-    if kind == "grad_scale":
+    if kind in ("grad_scale", "loss_shift"):
         try:
-            parsed = float(value) if sep else DEFAULT_GRAD_SCALE
+            parsed = float(value) if sep else (DEFAULT_GRAD_SCALE if kind == "grad_scale" else DEFAULT_LOSS_SHIFT)
         except ValueError:
-            raise ValueError(f"fault {text!r}: grad_scale VALUE must be a number, got {value!r}") from None
+            raise ValueError(f"fault {text!r}: {kind} VALUE must be a number, got {value!r}") from None
     elif sep:
         parsed = value
     return FaultSpec(kind, step, parsed)
@@ -97,7 +102,8 @@ def parse_faults(items: str | FaultSpec | Iterable[str | FaultSpec] | None) -> l
 class FaultInjector:
     """Applies planned :class:`FaultSpec` faults at their step, each at most once per injector:
     a transient fault, so a rollback past the step inside the same run does not meet it again
-    (a new process resumed from before the step does, as an uninterrupted run did).
+    (a new process resumed from before the step does, as an uninterrupted run did). The exception
+    is ``loss_shift``, a persistent change that applies at every step from its step on.
     ``fired`` lists ``(step, str(spec))`` of what was applied."""
 
     def __init__(self, faults: str | FaultSpec | Iterable[str | FaultSpec] | None = None):
@@ -128,6 +134,11 @@ class FaultInjector:
         for fault in self._at(step, ("nan_loss",)):
             loss = loss * float("nan")
             self.fired.append((step, str(fault)))
+        for fault in self.faults:  # persistent: every step from fault.step on, fired or not
+            if fault.kind == "loss_shift" and step >= fault.step:
+                loss = loss * float(fault.value)
+                if str(fault) not in {spec for _, spec in self.fired}:
+                    self.fired.append((step, str(fault)))
         return loss
 
     def on_grads(self, model: nn.Module, step: int) -> None:

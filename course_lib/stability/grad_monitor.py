@@ -10,9 +10,12 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
+
+from ..validate import check_int
 
 
 @dataclass
@@ -27,6 +30,7 @@ class GradStats:
     layer_norms: dict[str, float]
     finite: bool
     grads: list[torch.Tensor] = field(default_factory=list, repr=False)  # the measured gradients
+    extra: list[float] = field(default_factory=list)  # host values of measure(extra=...), in order
 
 
 class GradientMonitor:
@@ -40,8 +44,8 @@ class GradientMonitor:
     :meth:`refresh` after replacing parameters of the same model object (re-tying, re-wrapping)."""
 
     def __init__(self, layer_depth: int | None = None):
-        if layer_depth is not None and (not isinstance(layer_depth, int) or layer_depth < 1):
-            raise ValueError(f"layer_depth must be None or an int >= 1 (name components), got {layer_depth!r}")
+        if layer_depth is not None:
+            check_int("layer_depth", layer_depth, 1)  # name components
         self.layer_depth = layer_depth
         self.sync_count = 0
         self._cache: tuple[weakref.ref, list[tuple[str, nn.Parameter, str]]] | None = None
@@ -62,27 +66,39 @@ class GradientMonitor:
             return ".".join(parts[:-1]) or name
         return ".".join(parts[: self.layer_depth])
 
-    def measure(self, model: nn.Module, loss: torch.Tensor | None = None) -> GradStats:
-        """Norms of the current gradients of ``model`` (and the value of ``loss``), one sync."""
+    def measure(self, model: nn.Module, loss: torch.Tensor | None = None, *,
+                extra: list[torch.Tensor] | None = None,
+                reduce_sq: Callable[[torch.Tensor], torch.Tensor] | None = None) -> GradStats:
+        """Norms of the current gradients of ``model`` (and the value of ``loss``), one sync.
+
+        ``extra``: other one-element device tensors the caller needs on the host this step (the
+        fp16 loss scale); they ride along in the same transfer and come back as ``GradStats.extra``
+        (floats, same order). ``reduce_sq``: for parameters sharded by hand (ZeRO-2/3 flat
+        shards), a function that takes the stacked per-tensor *squared* norms of this rank's shards
+        and returns them summed over the shard group, on the device (a collective, not a host
+        read). DTensor gradients (FSDP2, TP) need no hook: their norms are completed here."""
         named = [(n, p.grad, layer) for n, p, layer in self._params(model) if p.grad is not None]
         if not named:
             raise ValueError("the model has no gradients; call after backward()")
         grads = [g for _, g, _ in named]
         if any(g.is_sparse for g in grads):
             raise TypeError("sparse gradients are not supported by GradientMonitor")
+        extra = list(extra or [])
         with torch.no_grad():
             norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # fp32 so fp16 norms cannot overflow
             # FSDP2/DTensor gradients: the norm of a shard is partial; full_tensor() all-reduces
             # on the device (a collective, not a host sync).
             norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
             device = norms[0].device
-            parts = [n if n.device == device else n.to(device) for n in norms]
-            if loss is not None:
-                lv = loss.detach().float().reshape(())
-                parts.insert(0, lv if lv.device == device else lv.to(device))
-            values = torch.stack(parts).tolist()  # the one device synchronization of the step
-        self.sync_count += 1
+            stacked = torch.stack([n if n.device == device else n.to(device) for n in norms])
+            if reduce_sq is not None:
+                stacked = reduce_sq(stacked.square()).sqrt()
+            head = [t.detach().float().reshape(()) for t in ([loss] if loss is not None else []) + extra]
+            head = [t if t.device == device else t.to(device) for t in head]
+            values = torch.cat([torch.stack(head), stacked]).tolist() if head else stacked.tolist()
+        self.sync_count += 1  # the one device synchronization of the step (tolist above)
         loss_value = values.pop(0) if loss is not None else None
+        extra_values = [values.pop(0) for _ in extra]
         param_norms = {}
         sq: dict[str, float] = {}
         for (name, _, layer), v in zip(named, values):
@@ -91,4 +107,4 @@ class GradientMonitor:
         layer_norms = {k: math.sqrt(v) for k, v in sq.items()}
         total = math.sqrt(sum(v * v for v in values))
         finite = math.isfinite(total) and (loss_value is None or math.isfinite(loss_value))
-        return GradStats(loss_value, total, param_norms, layer_norms, finite, grads)
+        return GradStats(loss_value, total, param_norms, layer_norms, finite, grads, extra_values)

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..validate import check_int
+
 
 class NonFiniteError(RuntimeError):
     """Raised after too many consecutive non-finite steps; the message names the steps and the
@@ -51,16 +53,16 @@ def _json_number(x: float) -> float | str:
 class NonFiniteGuard:
     """Counts bad steps, writes diagnostic bundles into ``diag_dir`` (None: no bundles) and raises
     :class:`NonFiniteError` after ``max_consecutive`` consecutive bad steps (>= 1).
-    ``max_batch_bytes``: batches up to this size (bytes) are saved as safetensors next to the JSON."""
+    ``max_batch_bytes``: batches up to this size (bytes) are saved as safetensors next to the JSON.
+    ``rank``: this process's global rank; bundle files carry it (``..._rank1.json``) because every
+    rank of a data-parallel run meets the same bad step and would otherwise write one file."""
 
     def __init__(self, max_consecutive: int = 3, diag_dir: str | os.PathLike | None = None,
-                 max_consecutive_overflow: int = 64, max_batch_bytes: int = 64 << 20):
-        for label, value in (("max_consecutive", max_consecutive),
-                             ("max_consecutive_overflow", max_consecutive_overflow)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{label} must be an int >= 1 (steps), got {value!r}")
-        if not isinstance(max_batch_bytes, int) or max_batch_bytes < 0:
-            raise ValueError(f"max_batch_bytes must be an int >= 0 (bytes), got {max_batch_bytes!r}")
+                 max_consecutive_overflow: int = 64, max_batch_bytes: int = 64 << 20, rank: int = 0):
+        check_int("max_consecutive", max_consecutive, 1)
+        check_int("max_consecutive_overflow", max_consecutive_overflow, 1)
+        check_int("max_batch_bytes", max_batch_bytes, 0)
+        self.rank = check_int("rank", rank, 0)
         self.max_consecutive = max_consecutive
         self.max_consecutive_overflow = max_consecutive_overflow
         self.max_batch_bytes = max_batch_bytes
@@ -110,7 +112,7 @@ class NonFiniteGuard:
         if self.diag_dir is None:
             return None
         self.diag_dir.mkdir(parents=True, exist_ok=True)
-        stem = f"nonfinite_step{step:09d}"
+        stem = f"nonfinite_step{step:09d}_rank{self.rank}"
         bundle = {
             "step": step, "time_unix": time.time(), "loss": _json_number(loss),
             "lr": [g.get("lr") for g in optimizer.param_groups] if optimizer is not None else None,

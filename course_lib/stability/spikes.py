@@ -118,6 +118,15 @@ class SpikeDetector:
         self.window.append(bound)  # winsorized: the window advances, the spike cannot inflate the MAD
         return SpikeCheck(value, True, med, scale, z, bound)
 
+    def restart(self, value: float) -> None:
+        """Take ``value`` as the new normal: the window restarts from it alone, so the detector
+        warms up again (``min_samples`` values) on the new level. Used when a spike outlived the
+        roll-back bound (see :meth:`Stabilizer.note_rollback`)."""
+        self.window.clear()
+        self.window.append(float(value))
+        self._run.clear()
+        self.level_shifts += 1
+
     def state_dict(self) -> dict:
         """Plain-Python state (safe for ``torch.load(weights_only=True)``) for bit-exact resume."""
         return {"window": list(self.window), "run": list(self._run),

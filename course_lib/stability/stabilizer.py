@@ -32,10 +32,18 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..validate import check_choice, check_int
+
 from .faults import FaultInjector
 from .grad_monitor import GradientMonitor
 from .nonfinite import NonFiniteGuard
 from .spikes import SpikeAction, SpikeDetector, SpikePolicy, decide
+
+ROLLBACK_LIMITS = ("accept", "error")  # what the ROLLBACK policy does when a spike outlives max_rollbacks
+
+
+class RollbackLimitError(RuntimeError):
+    """A spike survived ``max_rollbacks`` consecutive roll-backs and ``rollback_limit="error"``."""
 
 
 
@@ -145,6 +153,8 @@ class StepDecision:
     action: SpikeAction | None = None
     diagnostic: str | None = None
     layer_norms: dict[str, float] = field(default_factory=dict)
+    extra: list[float] = field(default_factory=list)  # host values of after_backward(extra=...)
+    rollbacks_accepted: int = 0  # > 0: a spike that survived this many roll-backs was accepted
 
     def log_row(self) -> dict[str, Any]:
         """Flat fields for a metrics row (``skipped`` as the trainer's metrics.jsonl expects).
@@ -164,19 +174,28 @@ class Stabilizer:
     ``spike_policy``: a :class:`SpikePolicy`; ``detect_loss_spikes``/``detect_grad_spikes``: turn a
     detector off (False) or pass your own configured :class:`SpikeDetector`; ``lr_factor``/
     ``lr_steps``: the LOWER_LR cut; ``max_consecutive_bad``/``diag_dir``: the non-finite guard;
-    ``faults``: ``KIND@STEP[=VALUE]`` strings or :class:`FaultSpec` (see :mod:`course_lib.stability.faults`)."""
+    ``faults``: ``KIND@STEP[=VALUE]`` strings or :class:`FaultSpec` (see :mod:`course_lib.stability.faults`).
+    ``max_rollbacks``/``rollback_limit``: the ROLLBACK policy's bound (see :meth:`note_rollback`);
+    ``rank``: this process's global rank (names its diagnostic bundles)."""
 
     def __init__(self, *, max_grad_norm: float | None = 1.0, spike_policy: SpikePolicy | str = SpikePolicy.SKIP,
                  detect_loss_spikes: bool | SpikeDetector = True, detect_grad_spikes: bool | SpikeDetector = True,
                  lr_factor: float = 0.1, lr_steps: int = 50, max_consecutive_bad: int = 3,
                  diag_dir: Any = None, faults: Any = None, clip_window: int = 100,
-                 clip_warn_rate: float = 0.5, layer_depth: int | None = None):
+                 clip_warn_rate: float = 0.5, layer_depth: int | None = None,
+                 max_rollbacks: int = 3, rollback_limit: str = "accept", rank: int = 0):
+        check_int("max_rollbacks", max_rollbacks, 1)
+        check_choice("rollback_limit", rollback_limit, ROLLBACK_LIMITS)
+        self.max_rollbacks, self.rollback_limit = max_rollbacks, rollback_limit
+        # Roll-back streak: process-local, never part of state_dict(), because the roll-back itself
+        # restores state_dict() from the checkpoint and would otherwise erase the count.
+        self.rollback_streak, self._rollback_trigger = 0, -1
         self.policy = SpikePolicy(spike_policy)
         decide(self.policy, {}, lr_factor=lr_factor, lr_steps=lr_steps)  # validates the LR cut early
         self.lr_factor_cut, self.lr_steps = lr_factor, lr_steps
         self.monitor = GradientMonitor(layer_depth)
         self.clip = ClipController(max_grad_norm, clip_window, clip_warn_rate)
-        self.guard = NonFiniteGuard(max_consecutive_bad, diag_dir)
+        self.guard = NonFiniteGuard(max_consecutive_bad, diag_dir, rank=rank)
         self.faults = FaultInjector(faults)
         self.detectors: dict[str, SpikeDetector] = {}
         for key, option, defaults in (("loss", detect_loss_spikes, dict(min_ratio=1.05)),
@@ -203,10 +222,14 @@ class Stabilizer:
 
     def after_backward(self, model: nn.Module, loss: torch.Tensor, step: int, *,
                        optimizer: torch.optim.Optimizer | None = None, scaler: Any = None,
-                       batch: Any = None) -> StepDecision:
+                       batch: Any = None, extra: list[torch.Tensor] | None = None,
+                       reduce_sq: Any = None) -> StepDecision:
         """Inspect (and clip) this step's gradients; return the :class:`StepDecision`. ``loss``: the
         unscaled loss tensor; ``optimizer``/``scaler``/``batch`` only feed the diagnostic bundle.
-        Raises :class:`NonFiniteError` after too many consecutive non-finite steps."""
+        ``extra``/``reduce_sq``: see :meth:`GradientMonitor.measure` (values come back as
+        ``decision.extra``). Raises :class:`NonFiniteError` after too many consecutive non-finite
+        steps, :class:`RollbackLimitError` when ``rollback_limit="error"`` and a spike survived
+        ``max_rollbacks`` roll-backs."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -215,8 +238,8 @@ class Stabilizer:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         if self.faults:
             self.faults.on_grads(model, step)
-        stats = self.monitor.measure(model, loss)
-        d = StepDecision(step, stats.loss, stats.total_norm, layer_norms=stats.layer_norms)
+        stats = self.monitor.measure(model, loss, extra=extra, reduce_sq=reduce_sq)
+        d = StepDecision(step, stats.loss, stats.total_norm, layer_norms=stats.layer_norms, extra=stats.extra)
         if not stats.finite:
             kind, bundle = self.guard.record_bad(step, loss=stats.loss, param_norms=stats.param_norms,
                                                  model=model, optimizer=optimizer, scaler=scaler, batch=batch)
@@ -235,6 +258,13 @@ class Stabilizer:
         if d.level_shift:
             d.reason = "a persistent level change was accepted as the new normal by the spike detector"
         action = decide(self.policy, checks, lr_factor=self.lr_factor_cut, lr_steps=self.lr_steps)
+        if step > self._rollback_trigger:
+            self.rollback_streak = 0  # the run got past the step that caused the last roll-back
+        if action is not None and action.rollback and self.rollback_streak >= self.max_rollbacks:
+            d.rollbacks_accepted = self._rollback_limit_reached(step, checks)  # raises under "error"
+            d.level_shift, action = True, None
+            d.reason = (f"spike survived {d.rollbacks_accepted} consecutive roll-backs: accepted as the "
+                        f"new level, step applied")
         if action is not None:
             d.action, d.spike, d.reason = action, True, action.reason
             d.skip, d.rollback = action.skip, action.rollback
@@ -246,6 +276,35 @@ class Stabilizer:
         if not d.skip:
             d.clipped, d.clip_coef = self.clip.clip_(stats.grads, stats.total_norm)
         return d
+
+    def note_rollback(self, step: int) -> None:
+        """The trainer rolled back because of a spike at ``step``. Roll-backs are *consecutive*
+        while the run does not get past the step that triggered the previous one: a loss that moved
+        to a new level (new data, a schedule change) spikes again right after every roll-back, and
+        the checkpoint brings back the old detector window each time. After ``max_rollbacks`` of
+        them, ``rollback_limit="accept"`` takes the new level as normal (the flagged detectors
+        restart their warm-up from the current value, the step is applied) and ``"error"`` stops
+        the run with :class:`RollbackLimitError`. Without this bound the policy loops forever."""
+        check_int("step", step, 0)
+        self.rollback_streak += 1
+        self._rollback_trigger = max(self._rollback_trigger, step)
+
+    def _rollback_limit_reached(self, step: int, checks: dict) -> int:
+        """Apply ``rollback_limit``; returns how many roll-backs the accepted spike survived."""
+        flagged = {k: c for k, c in checks.items() if c.is_spike}
+        what = "; ".join(f"{k}={c.value:.4g} (median {c.median:.4g})" for k, c in flagged.items())
+        if self.rollback_limit == "error":
+            raise RollbackLimitError(
+                f"step {step}: the spike survived {self.rollback_streak} consecutive roll-backs ({what}). "
+                f"The loss has most likely moved to a new level (data or schedule change) rather than "
+                f"spiked. Set stability.rollback_limit = 'accept' to continue at the new level, raise "
+                f"stability.max_rollbacks, or inspect the data after step {step}.")
+        for key in flagged:
+            self.detectors[key].restart(checks[key].value)
+        accepted, self.rollback_streak = self.rollback_streak, 0
+        warnings.warn(f"step {step}: spike persisted through {accepted} roll-backs ({what}); accepted "
+                      f"as the new level", RuntimeWarning, stacklevel=3)
+        return accepted
 
     def state_dict(self) -> dict:
         """Everything that changes a later decision (detector windows, clip window, LR cut, guard

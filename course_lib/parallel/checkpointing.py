@@ -1,0 +1,166 @@
+"""Checkpointing across ranks: who writes, and how every rank agrees on what to load.
+
+Two ways, chosen by the strategy (``Strategy.checkpoint_format``) or by ``checkpoint.format``:
+
+* :class:`FullCheckpoints` - replicated weights (single, DDP): the writer rank (0) saves the whole
+  state through :class:`~course_lib.checkpoint.CheckpointManager` (atomic, async, verified,
+  mirrored). Per-rank state (RNG, data position) is gathered from every rank first, so each rank
+  gets its own back on resume.
+* :class:`ShardedCheckpoints` - sharded weights (FSDP, TP): every rank writes its own shards through
+  DCP (:mod:`course_lib.checkpoint.dcp`); nobody gathers the full model.
+
+Agreement: a resume or a roll-back must bring every rank to the *same* checkpoint. Rank 0 finishes
+any save in flight, picks the newest checkpoint that verifies (falling back past corrupt ones) and
+broadcasts its name; the other ranks load exactly that one. Without this, a rank that listed the
+folder while rank 0's async save was still being written would load an older step, and the ranks
+would wait on each other forever. A load that fails on rank 0 fails on every rank at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class TrainState:
+    """The live objects a checkpoint captures: ``model`` (plain module, checkpoint names),
+    ``optimizer``, ``scheduler``, ``scaler`` (the precision policy), ``data`` (the batch stream:
+    its position), ``stateful`` (other ``state_dict()`` objects, e.g. the stabilizer)."""
+
+    model: nn.Module
+    optimizer: Any = None
+    scheduler: Any = None
+    scaler: Any = None
+    data: Any = None
+    stateful: dict[str, Any] = field(default_factory=dict)
+
+
+class FullCheckpoints:
+    """The whole state on the writer rank (see the module docstring). ``every_steps``: save when
+    ``step % every_steps == 0`` (None: only when asked); ``keep_last`` newest kept; ``async_save``:
+    write in a background thread after a CPU copy; ``mirror``: fsspec URL of a second tier."""
+
+    format = "full"
+
+    def __init__(self, strategy: Any, root: str | Path, *, every_steps: int | None, keep_last: int,
+                 async_save: bool, mirror: str | None):
+        from course_lib.checkpoint import CheckpointManager
+
+        self.strategy = strategy
+        self.manager = CheckpointManager(root, every_steps=every_steps, keep_last=keep_last,
+                                         async_save=async_save, mirror=mirror or None,
+                                         writer=strategy.is_writer)
+
+    def should_save(self, step: int) -> bool:
+        """Whether the step policy saves after ``step`` optimizer steps (same answer on every rank)."""
+        return self.manager.should_save(step)
+
+    def save(self, step: int, state: TrainState, metrics: dict) -> None:
+        """Collective: gather every rank's RNG and data position, then the writer saves."""
+        from course_lib.checkpoint.state import capture_rank_state
+
+        ranks = self.strategy.gather_to_writer(capture_rank_state(state.data))
+        if self.strategy.is_writer:
+            self.manager.save(step, model=state.model, optimizer=state.optimizer, scheduler=state.scheduler,
+                              scaler=state.scaler, data=state.data, stateful=state.stateful,
+                              metrics=metrics, rank_states=ranks)
+
+    def load(self, state: TrainState, *, restore_data: bool = True):
+        """Collective: restore the checkpoint rank 0 picks on every rank; ``restore_data=False``
+        keeps the data position (a roll-back must not replay the batches that caused it).
+        Returns the :class:`~course_lib.checkpoint.LoadResult`, or None when there is no
+        checkpoint at all; raises CheckpointLoadError (on every rank) when none can be loaded."""
+        from course_lib.checkpoint import CheckpointLoadError
+
+        s = self.strategy
+        objects = dict(model=state.model, optimizer=state.optimizer, scheduler=state.scheduler,
+                       scaler=state.scaler, data=state.data if restore_data else None,
+                       stateful=state.stateful)
+        if s.is_writer:
+            try:
+                result = self.manager.load(**objects, rank=0)
+            except BaseException as exc:  # the others are waiting for the name: tell them, then fail
+                s.broadcast_object(("error", f"{type(exc).__name__}: {exc}"))
+                raise
+            s.broadcast_object(("ok", result.path.name) if result is not None else ("none", None))
+            return result
+        kind, name = s.broadcast_object(None)
+        if kind == "error":
+            raise CheckpointLoadError(f"rank 0 could not load a checkpoint, so neither can rank "
+                                      f"{s.info.rank}: {name}")
+        if kind == "none":
+            return None
+        return self.manager.load(**objects, rank=s.info.rank, only=name)
+
+    def flush(self) -> None:
+        """Wait for the save in flight (raises its error, if any)."""
+        self.manager.wait(mirror=False)
+
+    def close(self) -> None:
+        """Finish the last save and its upload: the last checkpoint is never lost."""
+        self.manager.close()
+
+
+class ShardedCheckpoints:
+    """Every rank saves and loads its own shards through DCP (see the module docstring). Saves are
+    synchronous and go to the local folder only: ``mirror`` is refused, ``async_save`` ignored."""
+
+    format = "sharded"
+
+    def __init__(self, strategy: Any, root: str | Path, *, every_steps: int | None, keep_last: int,
+                 async_save: bool, mirror: str | None):
+        if mirror:
+            raise ValueError("checkpoint.mirror is not supported with sharded checkpoints; copy the "
+                             "checkpoint folder with your storage tools, or use checkpoint.format = 'full'")
+        self.strategy, self.root = strategy, Path(root)
+        self.every_steps, self.keep_last = every_steps, keep_last
+
+    def should_save(self, step: int) -> bool:
+        """Whether the step policy saves after ``step`` optimizer steps."""
+        return self.every_steps is not None and step > 0 and step % self.every_steps == 0
+
+    def _shared(self, state: TrainState) -> dict[str, Any]:
+        shared = {"scheduler": state.scheduler, "precision": state.scaler, **state.stateful}
+        return {k: v for k, v in shared.items() if v is not None}
+
+    def save(self, step: int, state: TrainState, metrics: dict) -> None:
+        """Collective: every rank writes its shards, RNG and data position."""
+        from course_lib.checkpoint.dcp import save_sharded
+
+        save_sharded(self.root, step, state.model, state.optimizer, shared=self._shared(state),
+                     per_rank={"data": state.data} if state.data is not None else {},
+                     metrics=metrics, keep_last=self.keep_last)
+
+    def load(self, state: TrainState, *, restore_data: bool = True):
+        """Collective: rank 0 picks the newest sharded checkpoint that verifies; every rank loads
+        its shards of it (resharded by DCP if the world size changed)."""
+        from course_lib.checkpoint.dcp import load_sharded
+
+        per_rank = {"data": state.data} if restore_data and state.data is not None else {}
+        return load_sharded(self.root, state.model, state.optimizer, shared=self._shared(state),
+                            per_rank=per_rank)
+
+    def flush(self) -> None:
+        """Nothing in flight: sharded saves are synchronous."""
+
+    def close(self) -> None:
+        """Nothing to finish (synchronous saves)."""
+
+
+def param_digest(model: nn.Module) -> str:
+    """A sha256 over every parameter and buffer (names, shapes and bytes, full tensors for
+    DTensors): equal digests on two ranks mean bit-identical replicas."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        t = t.detach().to("cpu").contiguous()
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
