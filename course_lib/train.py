@@ -42,6 +42,8 @@ class TrainResult:
     out_dir: Path
     rollbacks: int = 0
     model: Any = field(default=None, repr=False)
+    device: str = "cpu"          # where this rank computed, e.g. "cuda:1"
+    backend: str | None = None   # process-group backend (None: one process)
 
 
 def choose_device(wanted: str, local_rank: int = 0, local_world_size: int = 1) -> torch.device:
@@ -275,7 +277,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             bar.close()
         log.close()
         checkpoints.close()  # waits for an async save: the last checkpoint is never lost
-    return TrainResult(step, start, last_loss, skipped, out_dir, rollbacks, model)
+    return TrainResult(step, start, last_loss, skipped, out_dir, rollbacks, model, str(device), info.backend)
 
 
 def _ckpt_metrics(last_loss: float | None) -> dict:
@@ -355,7 +357,8 @@ def run_cli(args: argparse.Namespace) -> int:
         origin = f"resumed from step {result.resumed_from}" if result.resumed_from else "from scratch"
         what = (f"nothing to do: already at step {result.steps}" if done == 0 and result.resumed_from
                 else f"trained {done} steps ({origin})")
-        print(f"{what}, final loss {loss} nats/token, {result.skipped_steps} skipped, "
+        where = f"on {result.device}" + (f" ({result.backend})" if result.backend else "")
+        print(f"{what} {where}, final loss {loss} nats/token, {result.skipped_steps} skipped, "
               f"{result.rollbacks} rolled back; metrics in {result.out_dir / 'metrics.jsonl'}", flush=True)
     return 0
 

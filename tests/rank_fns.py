@@ -55,11 +55,25 @@ def train_rank(rank, world_size, cfg, out_dir):
     return {"steps": result.steps, "final_loss": result.final_loss}
 
 
-def train_rank_digest(rank, world_size, cfg, out_dir, faults=()):
+def train_rank_digest(rank, world_size, cfg, out_dir, faults=(), slow_save_s=0.0):
     """One rank of a training run; returns what it did and a digest of its weights, so a test can
-    check that the replicas are bit-identical."""
+    check that the replicas are bit-identical. ``slow_save_s``: the background half of every
+    checkpoint save first sleeps this long (slow storage), so a save is still in flight when the
+    next steps run."""
     from course_lib.parallel.checkpointing import param_digest
     from course_lib.train import train
+
+    if slow_save_s:
+        import time
+
+        from course_lib.checkpoint.manager import CheckpointManager
+
+        finish = CheckpointManager._finish
+
+        def slow_finish(self, *args, **kwargs):
+            time.sleep(slow_save_s)
+            return finish(self, *args, **kwargs)
+        CheckpointManager._finish = slow_finish
 
     result = train(cfg, out_dir, faults=list(faults))
     return {"steps": result.steps, "final_loss": result.final_loss, "rollbacks": result.rollbacks,
