@@ -200,7 +200,7 @@ class Payload:
 def _plant_metadata(ckpt, marker):
     """Replace ``ckpt/.metadata`` by the real metadata with a payload inside, and recompute the
     manifest's checksums as an attacker would."""
-    from course_lib.checkpoint.dcp import read_metadata_file
+    from course_lib.checkpoint.dcp_trust import read_metadata_file
 
     meta = read_metadata_file(ckpt / ".metadata")  # the restricted reader: the genuine file passes
     meta.storage_meta = Payload(marker)
@@ -235,7 +235,7 @@ def sharded_planted_metadata(rank, world_size, root):
         warnings.simplefilter("ignore")
         out["refused"] = _expect_error(load_sharded, root, model, opt)
     # the reader itself refuses too (a directory loaded straight through DCP, no manifest check)
-    from course_lib.checkpoint.dcp import RestrictedFileSystemReader
+    from course_lib.checkpoint.dcp_trust import RestrictedFileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import get_state_dict
 

@@ -83,7 +83,7 @@ def test_a_failing_rank_fails_the_sharded_save_everywhere_promptly(two_ranks):
 
 
 def test_restricted_unpickler_refuses_foreign_globals(tmp_path):
-    from course_lib.checkpoint.dcp import read_metadata_file
+    from course_lib.checkpoint.dcp_trust import read_metadata_file
     marker = tmp_path / "pwned"
     (tmp_path / ".metadata").write_bytes(pickle.dumps(checkpoint_rank_fns.Payload(marker)))
     with pytest.raises(CheckpointError, match=r"\.metadata.*posix\.system"):
@@ -100,7 +100,7 @@ def test_non_tensor_shard_entries_are_read_with_weights_only(tmp_path):
     import io
     from types import SimpleNamespace
 
-    from course_lib.checkpoint.dcp import SafeLoadPlanner
+    from course_lib.checkpoint.dcp_trust import SafeLoadPlanner
     marker = tmp_path / "pwned"
     planner = SafeLoadPlanner(flatten_state_dict=False)
     planner.state_dict = {}

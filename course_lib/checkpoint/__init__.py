@@ -9,7 +9,8 @@ One module per job:
   per-rank states) and how it goes back into live objects (checked first, then loaded);
 * :mod:`.mirror` - a second storage tier (any fsspec URL);
 * :mod:`.dcp` - sharded checkpoints through ``torch.distributed.checkpoint`` (every rank writes its
-  shards), with the metadata read through a restricted unpickler.
+  shards);
+* :mod:`.dcp_trust` - what DCP files are read with (a restricted unpickler, a weights-only planner).
 
 Users import from here: ``from course_lib.checkpoint import CheckpointManager``. Errors:
 :class:`CheckpointError` (base), :class:`CheckpointLoadError` (a resume that must stop: never a

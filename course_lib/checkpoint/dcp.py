@@ -22,14 +22,13 @@ Loading (:func:`load_sharded`): rank 0 picks the newest checkpoint that verifies
 ``.metadata`` through the restricted unpickler, every ``rank{r}.pt`` through
 ``torch.load(weights_only=True)``), falling back past corrupt ones with a warning; every rank then
 loads exactly that one. Nothing on disk is unpickled freely: ``.metadata`` goes through
-:class:`RestrictedUnpickler` (DCP's own reader uses plain ``pickle.load``), and the non-tensor
-entries of the ``.distcp`` shards through :class:`SafeLoadPlanner` (``torch.load(weights_only=True)``
-instead of DCP's default ``weights_only=False``).
+the restricted unpickler of :mod:`course_lib.checkpoint.dcp_trust` (DCP's own reader uses plain
+``pickle.load``), and the non-tensor entries of the ``.distcp`` shards with
+``torch.load(weights_only=True)`` instead of DCP's default ``weights_only=False``.
 """
 from __future__ import annotations
 
 import io
-import pickle
 import shutil
 import time
 import warnings
@@ -38,100 +37,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from course_lib.validate import check_bool, check_int
 
 from . import io as cio
 from .io import CheckpointCorruptError, CheckpointError, CheckpointLoadError
+from .dcp_trust import RestrictedFileSystemReader, SafeLoadPlanner, read_metadata_file
 from .state import LoadResult, capture_rng, restore_rng_state
 
 DCP_FORMAT = "course_lib.checkpoint.dcp/1"
 METADATA = ".metadata"
-
-# ----------------------------------------------------------------------------- restricted metadata
-
-# Every global a DCP ``.metadata`` pickle names, found by saving FSDP2 + AdamW, plain modules with
-# SGD momentum and bf16 parameters with DCP and unpickling the file with a logging unpickler
-# (torch 2.13). Anything else is refused.
-_DCP_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},  # rebuilds a torch.layout from its name
-    "torch": {"Size"},  # and the dtypes, checked below
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "dict", "list", "tuple"},
-}
-
-
-class RestrictedUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata and nothing else: ``find_class`` admits only the classes listed in
-    ``_DCP_METADATA_CLASSES`` and torch dtypes. A pickle naming anything else (``os.system`` in a
-    ``__reduce__`` payload, ``builtins.eval``, any torch module) is refused before it is looked
-    up, so nothing it names is ever called."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _DCP_METADATA_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refused to unpickle global {module}.{name}: DCP metadata never "
-                                     f"contains it")
-
-
-def read_metadata_file(path: str | Path) -> Any:
-    """Read a DCP ``.metadata`` file through :class:`RestrictedUnpickler`. Raises
-    CheckpointCorruptError naming the file (and the refused global) when it is not genuine DCP
-    metadata; OSError when it cannot be read."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    path = Path(path)
-    with open(path, "rb") as f:
-        try:
-            metadata = RestrictedUnpickler(f).load()
-        except pickle.UnpicklingError as e:
-            raise CheckpointCorruptError(f"{path}: {e}") from None
-        except Exception as e:  # truncated, garbled, wrong arguments to an allowed class
-            raise CheckpointCorruptError(f"{path}: not a DCP metadata pickle ({e!r})") from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointCorruptError(f"{path}: holds a {type(metadata).__name__}, not DCP Metadata")
-    return metadata
-
-
-class RestrictedFileSystemReader(FileSystemReader):
-    """DCP's :class:`FileSystemReader` whose :meth:`read_metadata` unpickles through
-    :class:`RestrictedUnpickler` (the stock reader calls plain ``pickle.load``). Tensor data is
-    read by the stock ``read_data``, which uses ``torch.load(weights_only=True)``."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        path = Path(self._get_metadata_path(kwargs.get("rank")))
-        metadata = read_metadata_file(path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, except that non-tensor entries (optimizer hyper-parameters,
-    step counters stored as bytes) are read with ``torch.load(weights_only=True)``; the stock
-    planner uses ``weights_only=False``, i.e. unpickles whatever the shard holds."""
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
 
 # ----------------------------------------------------------------------------- helpers
 
