@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from course_lib import train_config
 from course_lib.train import train
