@@ -191,8 +191,10 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     if strategy.is_writer:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    # Rows are buffered (train.metrics_flush_s) and always flushed before a checkpoint is taken:
+    # a crash loses only rows the resumed run rewrites anyway.
     log = MetricsLog(out_dir / "metrics.jsonl", resume_step=start, tensorboard=t["tensorboard"],
-                     enabled=strategy.is_writer)
+                     enabled=strategy.is_writer, flush_every_s=t["metrics_flush_s"])
 
     mcfg = model.cfg
     tokens_per_step = t["micro_batch"] * t["grad_accum"] * d["seq_len"] * strategy.dp_size
@@ -206,6 +208,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     # A step's time runs from the end of the previous row to the end of its own, so logging and
     # checkpoint policy are inside it: the tokens/s logged is what an outside stopwatch sees.
     t_last = time.perf_counter()
+    bar_step, bar_time = start, t_last
     try:
         while step < t["max_steps"]:
             batches = [next(stream) for _ in range(t["grad_accum"])]
@@ -231,8 +234,10 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                                                       "rolled_back_to": loaded.step, "reason": decision.reason})
                     log.close()
                     log = MetricsLog(out_dir / "metrics.jsonl", resume_step=loaded.step,
-                                     tensorboard=t["tensorboard"], enabled=strategy.is_writer)
+                                     tensorboard=t["tensorboard"], enabled=strategy.is_writer,
+                                     flush_every_s=t["metrics_flush_s"])
                     step, saved_at, skipped, rollbacks = loaded.step, loaded.step, skipped + 1, rollbacks + 1
+                    bar_step, bar_time = step, time.perf_counter()
                     continue
                 decision.reason += " (no checkpoint yet: step skipped instead)"
             if decision.overflow:
@@ -263,12 +268,16 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                 log.flush()  # every row the checkpoint covers is on disk before it exists
                 checkpoints.save(step, state, _ckpt_metrics(last_loss))
                 saved_at = step
-            if bar is not None:
-                bar.update(1)
-                if step % t["log_every"] == 0 or step == t["max_steps"]:
-                    bar.set_postfix(loss=f"{last_loss:.3f}" if last_loss is not None else "n/a",
-                                    lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}",
-                                    mfu=f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a")
+            if bar is not None and (step % t["log_every"] == 0 or step == t["max_steps"]):
+                # Redrawn every log_every steps, with rates over that window (saves and slow steps
+                # included), not one step's.
+                window_tok_s = tokens_per_step * (step - bar_step) / max(now - bar_time, 1e-9)
+                bar.set_postfix(loss=f"{last_loss:.3f}" if last_loss is not None else "n/a",
+                                lr=f"{lr:.2e}", tok_s=f"{window_tok_s:,.0f}",
+                                mfu=f"{window_tok_s * flops_per_token / peak:.1%}" if peak else "n/a",
+                                refresh=False)
+                bar.update(step - bar.n)
+                bar_step, bar_time = step, now
         if saved_at != step:  # the end state, always (a finished run resumed again saves nothing)
             log.flush()
             checkpoints.save(step, state, _ckpt_metrics(last_loss))

@@ -45,6 +45,7 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "device": (str, "auto", ("auto", "cpu", "cuda")),
         "log_every": (int, 10, (1, None)),         # progress-bar refresh, in steps
         "progress": (bool, True, None),
+        "metrics_flush_s": (float, 1.0, (0.0, None)),  # seconds between metrics.jsonl writes; 0 = every row
         "tensorboard": (bool, False, None),
         "peak_flops": (float, 0.0, (0.0, None)),   # FLOP/s per device for MFU; 0 = look up/measure
     },

@@ -240,9 +240,15 @@ check(statistics.median(w for _, w, _ in timing["async"]) > med["async"],
 # `RESUME_STEPS` steps without interruption; train again in a separate process, `SIGKILL` it
 # mid-run, resume it with `--resume auto`, and compare every loss **exactly** (`==`, not approx).
 
+#
+# The trainer normally buffers `metrics.jsonl` for up to a second (and always writes it out before a
+# checkpoint, so a crash loses only rows the resumed run rewrites). Here we watch the rows to decide
+# when to kill, so `train.metrics_flush_s=0` writes each row the moment its step ends.
+
 # %%
 ARGS = ["--config", str(CONFIG), "--max-steps", str(RESUME_STEPS), "--save-every", str(SAVE_EVERY),
-        "--seed", str(SEED), "--no-progress", "--set", "train.peak_flops=1e12"]
+        "--seed", str(SEED), "--no-progress", "--set", "train.peak_flops=1e12",
+        "--set", "train.metrics_flush_s=0"]
 
 
 def trainer(out, *extra):
@@ -252,7 +258,7 @@ def trainer(out, *extra):
 
 def resumed_step(log):
     """The step a trainer's output says it resumed from ("resumed from step N"), or None."""
-    found = re.search(r"resumed from (?:step )?(\d+)", log)
+    found = re.search(r"resumed from step (\d+)", log)
     return int(found.group(1)) if found else None
 
 

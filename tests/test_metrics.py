@@ -212,21 +212,40 @@ def test_close_and_with_block_flush_even_on_exceptions(tmp_path):
         log.write(_row(2))
 
 
-def test_row_is_serialized_at_write_time(tmp_path):
+def test_row_is_copied_at_write_time(tmp_path):
     log = MetricsLog(tmp_path / "m.jsonl", flush_every_s=3600)
     row = _row(1)
     log.write(row)
     row["loss"] = -1.0  # the caller reuses its dict
+    row["extra"] = 1
     log.close()
-    assert read_rows(tmp_path / "m.jsonl")[0]["loss"] == 1.0
+    assert read_rows(tmp_path / "m.jsonl") == [_row(1)]
 
 
-@pytest.mark.parametrize("kwargs", [dict(flush_every_s=-1), dict(flush_every_s=float("nan")),
-                                    dict(flush_every_s=True), dict(flush_every_rows=0),
-                                    dict(flush_every_rows=2.5)])
-def test_bad_flush_settings_are_refused(tmp_path, kwargs):
-    with pytest.raises(ValueError):
+def test_a_value_json_cannot_hold_fails_at_write_not_at_flush(tmp_path):
+    path = tmp_path / "m.jsonl"
+    log = MetricsLog(path, flush_every_s=3600)
+    log.write(_row(1))
+    with pytest.raises(TypeError):
+        log.write({"step": 2, "loss": object()})
+    with pytest.raises(TypeError):
+        log.write({"step": 2, ("not", "a", "str"): 1.0})
+    log.write(_row(2))
+    log.close()
+    assert [r["step"] for r in _strict_lines(path)] == [1, 2]
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(flush_every_s=-1), ValueError, "flush_every_s must be >= 0"),
+    (dict(flush_every_s=float("nan")), ValueError, "flush_every_s must be a finite number"),
+    (dict(flush_every_s=True), TypeError, "flush_every_s must be a number"),
+    (dict(flush_every_rows=0), ValueError, "flush_every_rows must be >= 1"),
+    (dict(flush_every_rows=2.5), TypeError, "flush_every_rows must be an int"),
+])
+def test_bad_flush_settings_are_refused(tmp_path, kwargs, error, words):
+    with pytest.raises(error, match=words):
         MetricsLog(tmp_path / "m.jsonl", **kwargs)
+    assert not (tmp_path / "m.jsonl").exists()
 
 
 def test_disabled_log_writes_nothing(tmp_path):
@@ -263,12 +282,18 @@ def test_resume_keeps_rows_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path, 
 @pytest.mark.parametrize("flush_every_s", [0.0, 3600.0])
 def test_non_finite_values_become_null(tmp_path, flush_every_s):
     path = tmp_path / "m.jsonl"
+    np = pytest.importorskip("numpy")
     log = MetricsLog(path, flush_every_s=flush_every_s)
+    # plain scalars only (encoded at flush time), then a list and a numpy float (encoded at once)
     log.write({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "mfu": float("-inf"),
-               "norms": [1.0, float("nan")], "ok": 2.5, "flag": True, "note": None})
+               "ok": 2.5, "flag": True, "note": None})
+    log.write({"step": 2, "norms": [1.0, float("nan")], "loss": np.float64("nan"), "layer": {"a": np.inf}})
+    log.write({"step": 3, "loss": 0.5})
     log.close()
-    assert _strict_lines(path) == [{"step": 1, "loss": None, "grad_norm": None, "mfu": None,
-                                    "norms": [1.0, None], "ok": 2.5, "flag": True, "note": None}]
+    assert _strict_lines(path) == [
+        {"step": 1, "loss": None, "grad_norm": None, "mfu": None, "ok": 2.5, "flag": True, "note": None},
+        {"step": 2, "norms": [1.0, None], "loss": None, "layer": {"a": None}},
+        {"step": 3, "loss": 0.5}]
 
 
 def test_tensorboard_gets_the_cleaned_numbers(tmp_path, monkeypatch):

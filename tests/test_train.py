@@ -102,7 +102,7 @@ def test_bad_config_is_refused_before_any_file(tmp_path, capsys, args, words):
 
 def _cmd(out, *extra):
     return [sys.executable, "-m", "course_lib.train", "--config", str(TINY), "--out", str(out),
-            "--no-progress", "--set", "schedule.warmup_steps=3", *extra]
+            "--no-progress", "--set", "schedule.warmup_steps=3", "--set", "train.metrics_flush_s=0", *extra]
 
 
 def test_resume_after_sigkill_is_bit_exact(tmp_path):
