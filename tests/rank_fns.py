@@ -38,6 +38,11 @@ def crash_after_returning(rank, world_size):
     return rank * 7
 
 
+def tensors_back(rank, world_size):
+    """Tensors (and a dict of them) as a result: they must reach the caller whole."""
+    return {"rank": torch.full((3,), float(rank)), "big": torch.arange(100_000, dtype=torch.float32) * rank}
+
+
 def say_hello(rank, world_size):
     print(f"hello from rank {rank}")
     return None

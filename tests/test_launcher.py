@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import rank_fns
 from course_lib.parallel import launch
@@ -211,3 +212,11 @@ def test_one_hundred_back_to_back_runs_all_pass():
     for i in range(100):
         results = run_ranks(rank_fns.rank_and_sum, 2, i, show_output=False)
         assert [r["offset"] for r in results] == [i, i] and results[0]["sum"] == 1.0, i
+
+
+def test_tensors_come_back_from_the_ranks():
+    """Results travel as plain pickle bytes: multiprocessing's own pickler would send tensors as
+    shared-memory handles, which die with the rank (it leaves with os._exit right after)."""
+    out = run_ranks(rank_fns.tensors_back, 2)
+    assert [r["rank"].tolist() for r in out] == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+    assert torch.equal(out[1]["big"], torch.arange(100_000, dtype=torch.float32))

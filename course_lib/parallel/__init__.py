@@ -11,3 +11,17 @@ from course_lib.parallel.launch import (  # noqa: F401
     run_ranks,
     teardown,
 )
+
+# From-scratch data parallelism, imported on first use: `registry.py` (and the config validator)
+# import this package and must stay torch-free.
+_DDP_EXPORTS = {"NaiveDDP": "course_lib.parallel.data_parallel.naive_ddp",
+                "BucketedDDP": "course_lib.parallel.data_parallel.bucketed_ddp",
+                "ShardedOptimizer": "course_lib.parallel.data_parallel.zero"}
+
+
+def __getattr__(name):
+    if name in _DDP_EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_DDP_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

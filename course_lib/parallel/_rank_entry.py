@@ -84,14 +84,16 @@ def main(spec: RankSpec, payload: bytes, conn) -> None:
         fn, args, kwargs = pickle.loads(payload)
         result = fn(spec.rank, spec.world_size, *args, **kwargs)
         # Hand the result back *before* any teardown: a crash after this line cannot lose it.
-        conn.send(("ok", result, ""))
+        # Plain pickle bytes, not conn.send: multiprocessing's pickler sends tensors as shared-
+        # memory handles, which die with this process (it leaves with os._exit right after).
+        conn.send_bytes(pickle.dumps(("ok", result, "")))
         # Nobody tears down while a peer may still be inside a collective with it.
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - everything must reach the caller
         code = 1
         try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())))
         except Exception:  # noqa: BLE001 - the caller then reports "died without a result"
             pass
     finally:

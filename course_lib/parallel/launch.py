@@ -356,7 +356,7 @@ def _collect(procs, conns, relay: _OutputRelay, deadline: float, timeout: float,
         for conn in ready:
             rank = waiting.pop(conn)
             try:
-                kind, value, tb = conn.recv()
+                kind, value, tb = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 procs[rank].join(timeout=1)
                 relay.pump()
