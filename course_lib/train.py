@@ -152,6 +152,9 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     if info.world_size > 1 and t["strategy"] == "single":
         raise ConfigError(f"{info.world_size} ranks but train.strategy = 'single'; set "
                           "train.strategy = 'ddp' (--set train.strategy=ddp)")
+    if info.world_size == 1 and t["strategy"] != "single" and info.backend is None:
+        raise ConfigError(f"train.strategy = {t['strategy']!r} needs a process group: start with "
+                          f"torchrun --nproc-per-node N (or course_lib.parallel.run_ranks)")
     out_dir = Path(out_dir)
 
     # ---- everything that can fail on bad input is built before the first file is written

@@ -247,10 +247,30 @@ def test_ddp_with_sharded_checkpoints_resumes_exactly(tmp_path):
 
 # ------------------------------------------------------------------ one host read per step
 
-def test_ddp_makes_one_host_read_per_step_on_every_rank(tmp_path):
-    c = cfg("train.strategy='ddp'", "train.micro_batch=8", "checkpoint.async_save=false", steps=10)
+@pytest.mark.parametrize("strategy", ["ddp", "ddp-scratch"])
+def test_data_parallel_makes_one_host_read_per_step_on_every_rank(tmp_path, strategy):
+    c = cfg(f"train.strategy='{strategy}'", "train.micro_batch=8", "checkpoint.async_save=false", steps=10)
     per_step = run_ranks(rank_fns.host_reads_on_rank, 2, c, str(tmp_path), timeout=240)
     assert per_step == [1.0, 1.0], per_step
+
+
+def test_from_scratch_ddp_in_the_trainer_gives_torch_ddps_numbers(tmp_path):
+    """The learner's BucketedDDP behind the strategy interface: on 2 ranks the sums of two numbers
+    do not depend on the order, so the curves and the weights are identical to torch DDP's."""
+    runs = {}
+    for strategy in ("ddp", "ddp-scratch"):
+        c = cfg(f"train.strategy='{strategy}'", "train.micro_batch=8", "train.grad_accum=2", steps=12)
+        runs[strategy] = run_ranks(rank_fns.train_rank_digest, 2, c, str(tmp_path / strategy), timeout=240)
+    assert [r["digest"] for r in runs["ddp-scratch"]] == [r["digest"] for r in runs["ddp"]]
+    assert [r["loss"] for r in read_rows(tmp_path / "ddp-scratch" / "metrics.jsonl")] == \
+        [r["loss"] for r in read_rows(tmp_path / "ddp" / "metrics.jsonl")]
+
+
+def test_a_parallel_strategy_without_a_process_group_is_a_config_error(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["--config", str(TINY), "--out", str(out), "--set", "train.strategy='ddp-scratch'"]) == 2
+    assert "needs a process group: start with torchrun" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_fp16_makes_one_host_read_per_step_including_the_scaler(tmp_path, monkeypatch):

@@ -12,6 +12,8 @@ STRATEGIES: dict[str, tuple[str, str, str]] = {  # name -> (module, class, one-l
     "single": ("course_lib.parallel.strategy", "Single", "one process, the reference"),
     "ddp": ("course_lib.parallel.data_parallel.torch_ddp", "TorchDDP",
             "torch DistributedDataParallel: replicated weights, bucketed gradient all-reduce"),
+    "ddp-scratch": ("course_lib.parallel.data_parallel.scratch_ddp", "ScratchDDP",
+                    "the from-scratch BucketedDDP in place of torch DDP: the same numbers"),
 }
 
 

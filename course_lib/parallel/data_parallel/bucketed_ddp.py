@@ -31,7 +31,7 @@ from course_lib.parallel.data_parallel.naive_ddp import (
     require_group,
     trainable_params,
 )
-from course_lib.validate import check_number
+from course_lib.validate import check_bool, check_number
 
 MB = 2**20  # bytes: bucket sizes are in MiB
 
@@ -58,16 +58,21 @@ class BucketedDDP(nn.Module):
 
     Missing gradients (``.grad is None`` at sync, e.g. a parameter this rank did not use): the
     bucket holding one is launched at finish time with zeros in its place, so every rank issues
-    the same collectives; a parameter with no gradient on *any* rank (its flag sums to 0) keeps
-    ``.grad = None``, as it would in a single process. One Parameter reached by two names (tied
-    weights) has one hook and is reduced once.
+    the same collectives. With ``find_unused_parameters=True`` (the default here) a parameter with
+    no gradient on *any* rank (its flag sums to 0) keeps ``.grad = None``, as it would in a single
+    process; that costs one host read of the flags per bucket at sync. ``False`` (torch DDP's
+    default, what the trainer uses): no host read; every parameter gets the rank-mean gradient,
+    zeros for one nobody used. One Parameter reached by two names (tied weights) has one hook and
+    is reduced once.
 
     ``launched_in_backward``: how many bucket all-reduces the last sync started from hooks, i.e.
     overlapped with backward (the rest started in ``finish_gradient_synchronization``).
     """
 
-    def __init__(self, module: nn.Module, bucket_mb: float | None = 25.0, process_group=None):
+    def __init__(self, module: nn.Module, bucket_mb: float | None = 25.0, process_group=None,
+                 find_unused_parameters: bool = True):
         super().__init__()
+        self.find_unused_parameters = check_bool("find_unused_parameters", find_unused_parameters)
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if bucket_mb is not None:
@@ -156,7 +161,9 @@ class BucketedDDP(nn.Module):
         for bucket in self._buckets:
             bucket.handle.wait()
             bucket.flat[:bucket.numel].div_(self.world_size)
-            offset, flags = 0, bucket.flat[bucket.numel:].tolist()
+            flags = (bucket.flat[bucket.numel:].tolist() if self.find_unused_parameters
+                     else [1.0] * len(bucket.params))  # no host read: every parameter takes the mean
+            offset = 0
             for p, flag in zip(bucket.params, flags):
                 if flag > 0:  # some rank had a gradient: every rank takes the mean
                     avg = bucket.flat[offset:offset + p.numel()].view_as(p)
