@@ -16,7 +16,8 @@ from course_lib.parallel.launch import (  # noqa: F401
 # import this package and must stay torch-free.
 _DDP_EXPORTS = {"NaiveDDP": "course_lib.parallel.data_parallel.naive_ddp",
                 "BucketedDDP": "course_lib.parallel.data_parallel.bucketed_ddp",
-                "ShardedOptimizer": "course_lib.parallel.data_parallel.zero"}
+                "ShardedOptimizer": "course_lib.parallel.data_parallel.zero",
+                "SimpleFSDP": "course_lib.parallel.data_parallel.simple_fsdp"}
 
 
 def __getattr__(name):
