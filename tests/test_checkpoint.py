@@ -403,7 +403,12 @@ def test_sigkill_at_random_moments_during_saves(tmp_path, cycles):
         deadline = time.monotonic() + 60
         start_count = len(rows(run / "metrics.jsonl")) if (run / "metrics.jsonl").exists() else 0
         while time.monotonic() < deadline and proc.poll() is None:  # wait for training to be under way
-            if (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) > start_count:
+            going = (run / "metrics.jsonl").exists() and \
+                len((run / "metrics.jsonl").read_text().splitlines()) > start_count
+            # ...and, the first time, for one committed checkpoint: a kill before any exists leaves
+            # nothing to resume from, which proves nothing about saves (and the check below needs one).
+            saved = cycle > 0 or ((run / "ckpt").is_dir() and any(cio.NAME_RE.match(n) for n in os.listdir(run / "ckpt")))
+            if going and saved:
                 break
             time.sleep(0.01)
         if cycle % 2 == 0:
