@@ -409,7 +409,8 @@ print(f"{n_skipped} of {SCALER_STEPS} steps skipped; the first applied step ran 
 #
 # Gradient clipping rescales the gradients when their total norm exceeds `max_norm`. Under fp16
 # the gradients after `backward` are multiplied by the loss scale, so the order matters. A
-# course text clips right after `backward`, before the scaler unscales them. Do it both ways on
+# common mistake clips right after `backward` (`scaler.scale(loss).backward();
+# clip_grad_norm_(params, 1.0); scaler.step(opt)`), before the scaler unscales them. Do it both ways on
 # the same batch, `max_norm = 1.0`, loss scale 2^16:
 
 # %%

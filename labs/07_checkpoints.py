@@ -62,7 +62,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")  # child processes: one thread each,
 # %% [markdown]
 # ## 1. Naive vs atomic saving under `kill -9`
 #
-# The course texts save with `torch.save(state, "checkpoint.pt")`. `torch.save` opens the file
+# Many tutorials save with `torch.save(state, "checkpoint.pt")`. `torch.save` opens the file
 # (truncating the old one) and writes for as long as the state takes; a process killed in
 # between leaves a torn file, and the *previous* checkpoint is gone too: it was that file.
 #
@@ -136,8 +136,8 @@ print(f"naive: {n_bad_naive}/{KILL_CYCLES} checkpoints destroyed; atomic: 0/{KIL
 #
 # Checkpoints are large, so old ones are deleted. `keep_last=2, keep_best=1` keeps the two
 # newest plus the one with the best `loss` metric. Each save is verified (re-read, checksums,
-# loaded) **before** anything older is deleted: the course text prunes first and saves second,
-# so a crash in between leaves one checkpoint fewer than promised, and with `keep_last=1`, none.
+# loaded) **before** anything older is deleted: a common retention loop prunes first and saves second
+# (`os.remove(oldest); torch.save(state, newest)`), so a crash in between leaves one checkpoint fewer than promised, and with `keep_last=1`, none.
 
 # %%
 # NBVAL_CHECK_OUTPUT

@@ -11,7 +11,8 @@
 # | 2 | optimizer state, gradients | P_os+g |
 # | 3 | optimizer state, gradients, parameters | P_os+g+p |
 #
-# You will compute, with your own code, the course text's table: **what is sharded, the memory
+# You will compute, with your own code, the table of the ZeRO paper (Rajbhandari et al., 2020,
+# Figure 1): **what is sharded, the memory
 # per rank, and the communication volume per step** for each stage.
 #
 # Conventions: mixed-precision Adam as in the ZeRO paper: 2 bytes of parameters, 2 of gradients

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Exercise 04 — A custom attention pattern, checkpointed and benchmarked
 #
-# The course text's exercise: write a training step with a **custom attention pattern** and
+# The exercise: write a training step with a **custom attention pattern** and
 # **activation checkpointing**, prove it computes the same thing, and benchmark the strategies.
 # (Lab 04 measures TinyGPT's built-in strategies; here you build your own.)
 #

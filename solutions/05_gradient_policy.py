@@ -3,7 +3,7 @@
 #
 # Two pieces of a training run's safety net, written by you and checked against the real thing:
 #
-# 1. **Clipping, made computational** (the course text's exercise 3). You compute the global
+# 1. **Clipping, made computational** (a classic exercise). You compute the global
 #    gradient norm and the clip coefficient yourself, check them against
 #    `torch.nn.utils.clip_grad_norm_`, then measure how often clipping fires in two real training
 #    runs of the kit's trainer, and what that does to the step size.
@@ -281,7 +281,7 @@ def decide(history, grad_norm: float) -> str:
 rng = random.Random(0)
 calm = [0.8 * math.exp(-i / 200) + 0.2 + rng.gauss(0, 0.02) for i in range(60)]
 check(decide(calm, calm[-1]) == "continue", "a norm like the recent ones: 'continue'")
-check(decide(calm, 10 * calm[-1]) == "skip", "a norm 10x the recent ones (the course text's explosion): 'skip'")
+check(decide(calm, 10 * calm[-1]) == "skip", "a norm 10x the recent ones (a classic 'gradients x10' explosion): 'skip'")
 check(decide(calm, 3 * calm[-1]) == "lower_lr", "a norm 3x the recent ones: 'lower_lr'")
 check(decide(calm, float("nan")) == "skip", "a NaN norm: 'skip'")
 check(decide(calm[:5], 100.0) == "continue",

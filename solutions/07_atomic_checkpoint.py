@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Exercise 07 — An atomic checkpoint writer with safe retention
 #
-# The course texts save a checkpoint with `torch.save(state, path)` and keep the last few by
+# Many tutorials save a checkpoint with `torch.save(state, path)` and keep the last few by
 # deleting the oldest *before* saving the new one. Both are wrong:
 #
 # * `torch.save` truncates `path` and then writes; a process killed in between (`kill -9`, the
@@ -251,7 +251,7 @@ for i, (newest, ok, n, leftovers) in enumerate(rows):
 # %% [markdown]
 # **What you should see:** every row's newest checkpoint loads. The odd rows were killed while a
 # write was in progress: their leftover column shows your temporary file (a restarted run would
-# delete it; it never has a checkpoint's name, so nothing ever loads it). With the course text's
+# delete it; it never has a checkpoint's name, so nothing ever loads it). With a plain
 # `torch.save(state, path)` those rows would show a newest file that does not load.
 
 # %%
