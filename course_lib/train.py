@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -242,7 +243,9 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                     step, saved_at, skipped, rollbacks = loaded.step, loaded.step, skipped + 1, rollbacks + 1
                     bar_step, bar_time = step, time.perf_counter()
                     continue
-                decision.reason += " (no checkpoint yet: step skipped instead)"
+                if strategy.is_writer:
+                    warnings.warn(f"step {step}: roll-back asked for ({decision.reason}) but no checkpoint "
+                                  f"exists yet; the step is skipped instead", RuntimeWarning, stacklevel=2)
             if decision.overflow:
                 strategy.optimizer_step(policy, found_inf=True)  # fp16: no step, the scale halves
             elif decision.skip or decision.rollback:

@@ -65,7 +65,6 @@ def train_rank_digest(rank, world_size, cfg, out_dir, faults=(), slow_save_s=0.0
     check that the replicas are bit-identical. ``slow_save_s``: the background half of every
     checkpoint save first sleeps this long (slow storage), so a save is still in flight when the
     next steps run."""
-    from course_lib.parallel.checkpointing import param_digest
     from course_lib.train import train
 
     if slow_save_s:
@@ -87,7 +86,6 @@ def train_rank_digest(rank, world_size, cfg, out_dir, faults=(), slow_save_s=0.0
 
 def resume_rank_digest(rank, world_size, cfg, out_dir):
     """One rank of a resumed run (``resume=True``)."""
-    from course_lib.parallel.checkpointing import param_digest
     from course_lib.train import train
 
     result = train(cfg, out_dir, resume=True)
@@ -108,3 +106,18 @@ def host_reads_on_rank(rank, world_size, cfg, out_dir):
         train_mod.train(overrides, os.path.join(out_dir, f"r{steps}"))
 
     return reads_per_step(run, steps=10)
+
+
+def param_digest(model) -> str:
+    """A sha256 over every parameter and buffer (names, shapes and bytes, full tensors for
+    DTensors): equal digests on two ranks mean bit-identical replicas."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        t = t.detach().to("cpu").contiguous()
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

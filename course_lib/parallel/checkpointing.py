@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 
@@ -150,17 +149,3 @@ class ShardedCheckpoints:
     def close(self) -> None:
         """Nothing to finish (synchronous saves)."""
 
-
-def param_digest(model: nn.Module) -> str:
-    """A sha256 over every parameter and buffer (names, shapes and bytes, full tensors for
-    DTensors): equal digests on two ranks mean bit-identical replicas."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t
-        t = t.detach().to("cpu").contiguous()
-        h.update(name.encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
