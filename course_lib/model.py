@@ -194,7 +194,7 @@ class TinyGPT(nn.Module):
       residual stream does not grow with depth.
     - `zero_out_proj`: those residual projections start at zero; every block is the identity at
       step 0 and learns its way in.
-    - `kaiming`, `xavier`, `small`: the course texts' alternatives, for comparison. kaiming is
+    - `kaiming`, `xavier`, `small`: alternatives common in tutorials, for comparison. kaiming is
       He-normal (fan_in, ReLU gain), xavier is Glorot-uniform, small is N(0, sqrt(2/(5C))).
     """
 

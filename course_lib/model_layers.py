@@ -188,7 +188,7 @@ def init_linear_(module: nn.Linear, scheme: str, std: float, residual_std: float
     w = module.weight
     residual = getattr(module, "is_residual_projection", False)
     if scheme == "kaiming":
-        # The texts' snippet: He-normal with fan_in and the ReLU gain, i.e. std = sqrt(2 / fan_in).
+        # The usual tutorial snippet: He-normal with fan_in and the ReLU gain, i.e. std = sqrt(2 / fan_in).
         nn.init.kaiming_normal_(w, mode="fan_in", nonlinearity="relu")
     elif scheme == "xavier":
         nn.init.xavier_uniform_(w)  # U(-a, a), a = sqrt(6 / (fan_in + fan_out))

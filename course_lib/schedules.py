@@ -9,7 +9,7 @@ Step indexing: `step` is the 0-based index of the optimizer step the lr is used 
 applies factor(0) at construction and factor(s) after its s-th step() call, so
 `make_scheduler` and `Schedule.__call__` agree step for step.
 
-Phases, with W = warmup_steps and T = total_steps (both explicit: a seed text's schedule read an
+Phases, with W = warmup_steps and T = total_steps (both explicit: a tutorial schedule read an
 undefined global `total_steps`; here a missing one is a TypeError, a bad one a ValueError):
 
 - warmup, steps 0 .. W-1: lr = max_lr * w(step), from near 0 up to max_lr. `warmup_convention`:

@@ -1,6 +1,6 @@
 """CheckpointManager: atomic, verified, async checkpoints with retention and a mirror tier.
 
-What the seed texts get wrong and this fixes: ``torch.save`` straight to the final name (a crash
+What common tutorial code gets wrong and this fixes: ``torch.save`` straight to the final name (a crash
 leaves a torn "latest"); retention that deletes old files *before* the new one is known good;
 ``torch.load`` that unpickles whatever is on disk; no way back from a corrupt file.
 

@@ -1,6 +1,6 @@
 """Second checkpoint tier: copy verified checkpoints in the background to any fsspec URL.
 
-The course texts' "local NVMe, then async copy to shared storage" and "cloud storage as secondary
+The usual advice, "local NVMe, then async copy to shared storage" and "cloud storage as secondary
 backup": a lost node or disk must not lose the run. Works with any fsspec filesystem - ``file://``
 (NFS, a second disk), ``s3://`` (with ``s3fs``; tested against a real S3 server on loopback),
 ``gs://``, ``memory://``...

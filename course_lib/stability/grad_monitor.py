@@ -1,6 +1,6 @@
 """Gradient monitor: per-parameter and per-layer gradient norms with one device synchronization.
 
-The seed text calls ``.item()`` per parameter, which stalls a GPU once per tensor (hundreds of
+A common tutorial loop calls ``.item()`` per parameter, which stalls a GPU once per tensor (hundreds of
 times a step). Here every norm is computed on the device with ``torch._foreach_norm`` (one fused
 kernel per device and dtype), the norms and the loss are stacked, and a single ``tolist()`` brings
 them to the host; the global norm and the per-layer norms are then host arithmetic.

@@ -1,6 +1,6 @@
 """Non-finite guard: a NaN/Inf loss or gradient never reaches the optimizer.
 
-The seed text's handler saved a diagnostic and *carried on*, applying the NaN update. Here a bad
+A common tutorial handler saved a diagnostic and *carried on*, applying the NaN update. Here a bad
 step is skipped (the caller leaves ``optimizer.step()`` out), a diagnostic bundle is written so the
 step can be replayed, and after ``max_consecutive`` bad steps in a row the run stops with a message
 that says what to look at - a run that only produces NaNs is burning money.

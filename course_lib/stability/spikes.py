@@ -4,7 +4,7 @@ Why median/MAD: one spike of 100x moves a rolling mean and standard deviation so
 few spikes hide behind it; the median and the median absolute deviation (MAD) of the window barely
 move. ``scale = 1.4826 * MAD`` estimates the standard deviation of Gaussian noise.
 
-What enters the window (the seed text's detector stops updating after a spike; this one never does):
+What enters the window (a common rolling mean/std detector stops updating after a spike; this one never does):
 
 * a normal value enters as it is;
 * a spike enters *winsorized*, clipped to the detection bound. The window still advances every step

@@ -1,7 +1,7 @@
 """Training stability: gradient monitor, clip controller and the :class:`Stabilizer` facade.
 
 The trainer calls the stabilizer once per step, after ``backward`` (and after
-``GradScaler.unscale_`` - clipping scaled gradients is one of the seed texts' bugs)::
+``GradScaler.unscale_`` - clipping scaled gradients is a common tutorial bug)::
 
     loss = stab.on_loss(loss, step)                  # fault injection point (no-op without faults)
     loss.backward()                                  # or scaler.scale(loss).backward(); scaler.unscale_(opt)
@@ -16,7 +16,7 @@ The trainer calls the stabilizer once per step, after ``backward`` (and after
 One device synchronization per step: the loss and every parameter's gradient norm are stacked on
 the device and copied to the host with a single ``tolist()``; everything else (global norm,
 per-layer norms, the spike and NaN decisions, the clip coefficient) is host arithmetic on those
-numbers, and clipping is an asynchronous ``_foreach_mul_``. The seed text's ``.item()`` per
+numbers, and clipping is an asynchronous ``_foreach_mul_``. A tutorial's ``.item()`` per
 parameter stalls the GPU once per tensor. ``sync_count`` counts the transfers so tests can check.
 Use ``decision.loss`` for logging instead of calling ``loss.item()`` again.
 """
