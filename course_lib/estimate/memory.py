@@ -8,7 +8,7 @@ The literature disagrees on bytes per parameter, so the recipe is an explicit, n
 | ``mixed-adam-fp32-grads`` | 2 + (2+4) + 4 + 8 | 20 | Ultra-Scale Playbook: fp32 gradient accumulation adds 4N |
 | ``fp32-adam`` | 4 + 4 + 0 + 8 | 16 | Ultra-Scale Playbook: full precision, m_params + m_grad + m_opt |
 | ``fp32-sgd-momentum`` | 4 + 4 + 0 + 4 | 12 | one fp32 momentum buffer (torch.optim.SGD, momentum > 0) |
-| ``seed`` | 2 + 2 + 0 + 8 | 12 | the course seed text; it leaves out the fp32 master copy |
+| ``seed`` | 2 + 2 + 0 + 8 | 12 | a widely quoted rule of thumb; it leaves out the fp32 master copy |
 
 ZeRO stages shard over the data-parallel degree `dp` exactly as the ZeRO paper's Figure 1:
 stage 1 shards the optimizer state (master weights and moments, the paper's K), stage 2 also the
@@ -65,7 +65,7 @@ RECIPES: dict[str, PrecisionRecipe] = {
     "fp32-sgd-momentum": PrecisionRecipe(
         4, 4, 0, 4, "fp32-sgd-momentum", "fp32 weights and grads plus one fp32 momentum buffer (torch.optim.SGD)"),
     "seed": PrecisionRecipe(
-        2, 2, 0, 8, "seed", "the course seed text's 2 + 2 + 8; omits the fp32 master copy the ZeRO paper counts"),
+        2, 2, 0, 8, "seed", "a widely quoted 2 + 2 + 8 rule of thumb; omits the fp32 master copy the ZeRO paper counts"),
 }
 
 
