@@ -13,8 +13,8 @@
 # The first three scale with the parameter count N; activations scale with the tokens in flight
 # (micro-batch x sequence length) and the model's width and depth. This lab:
 #
-# 1. recomputes the course text's 7B example, and corrects it against the ZeRO paper and
-#    Korthikanti et al.;
+# 1. recomputes a widely quoted back-of-envelope budget for a 7B model, and corrects it against
+#    the ZeRO paper (Rajbhandari et al., 2020) and Korthikanti et al. (2022);
 # 2. shows what ZeRO sharding and activation recomputation do to each component;
 # 3. gives you a calculator to play with;
 # 4. measures the same quantities on a small model on this machine, next to the estimate.
@@ -44,9 +44,9 @@ SMOKE = course_lib.smoke(SMOKE)
 TINY_SEQ, TINY_BATCH = (32, 2) if SMOKE else (128, 8)  # the model we measure on this CPU
 
 # %% [markdown]
-# ## 1. The course text's 7B example, recomputed
+# ## 1. A rule-of-thumb 7B budget, recomputed
 #
-# The course text budgets a 7B model trained with AdamW in mixed precision with two rules:
+# A quick budget often quoted for a 7B model trained with AdamW in mixed precision uses two rules:
 #
 # * **12 bytes per parameter** for weights + gradients + optimizer: 2 (bf16 weights) + 2 (bf16
 #   gradients) + 8 (Adam's two fp32 moments). In `course_lib.estimate` this is recipe `"seed"`.
@@ -63,7 +63,7 @@ N, L, h, a = shape.num_params(), shape.n_layers, shape.d_model, shape.n_heads
 s, b = SEQ, MICRO_BATCH
 text_state = estimate.model_state_bytes(N, recipe="seed")  # 2 + 2 + 8
 zero_state = estimate.model_state_bytes(N, recipe="mixed-adam")  # 2 + 2 + 4 + 8 (ZeRO paper)
-text_acts = 34 * s * b * h * L  # the course text's rule
+text_acts = 34 * s * b * h * L  # the rule of thumb
 korthikanti_acts = L * estimate.activation_bytes_per_layer(seq_len=s, micro_batch=b, d_model=h, n_heads=a)
 
 rows = [("parameters (bf16)", text_state.params, zero_state.params),
@@ -72,11 +72,11 @@ rows = [("parameters (bf16)", text_state.params, zero_state.params),
         (f"activations, {L} layers", text_acts, korthikanti_acts)]
 rows.append(("total", sum(r[1] for r in rows), sum(r[2] for r in rows)))
 print(f"{MODEL}: N = {N:,} parameters, s = {s}, b = {b}, h = {h}, a = {a}, L = {L}\n")
-print(f"{'':<24}{'course text':>14}{'corrected':>14}{'corrected':>14}")
+print(f"{'':<24}{'rule of thumb':>14}{'corrected':>14}{'corrected':>14}")
 for name, text, fixed in rows:
     print(f"{name:<24}{format_bytes(text, 'GB', 1):>14}{format_bytes(fixed, 'GB', 1):>14}"
           f"{format_bytes(fixed, 'GiB', 1):>14}")
-print(f"\nbytes per parameter of model state: course text {text_state.total / N:g}, "
+print(f"\nbytes per parameter of model state: rule of thumb {text_state.total / N:g}, "
       f"ZeRO paper {zero_state.total / N:g}")
 
 # %% [markdown]
@@ -86,13 +86,13 @@ print(f"\nbytes per parameter of model state: course text {text_state.total / N:
 # * **The optimizer line.** Mixed-precision Adam keeps an **fp32 master copy** of the weights and
 #   applies each update to it: a bf16 weight has 8 mantissa bits and would round most small
 #   updates away (lab 03 shows this). The ZeRO paper (Sec. 3.1) counts K = 12 bytes of optimizer
-#   state per parameter: master weights 4 + momentum 4 + variance 4. The course text's 8 counts
+#   state per parameter: master weights 4 + momentum 4 + variance 4. The rule of thumb's 8 counts
 #   only the two moments.
 # * **The activation line.** Korthikanti et al. count 34 bytes per token per hidden unit per
 #   layer for every tensor of size s x b x h (matmul inputs, norm inputs, GELU, dropout masks)
 #   **plus 5 a s / h** for the attention scores: per score the softmax output (2 bytes), its
-#   dropout mask (1) and the dropped-out copy (2), a x s x s scores per sequence. The course text's
-#   rule leaves this term out. That is right only when the attention scores are never stored:
+#   dropout mask (1) and the dropped-out copy (2), a x s x s scores per sequence. The rule of
+#   thumb leaves this term out. That is right only when the attention scores are never stored:
 #   with **selective recomputation** (recompute them in backward) or a fused **flash attention**
 #   kernel. At long sequences the term dominates.
 
@@ -106,7 +106,7 @@ check(extra_acts == 5 * a * s * s * b * L, "the activation difference should be 
 print(f"missing master copy: 4 x N = {format_bytes(extra_state, 'GB', 1)}")
 print(f"missing attention scores: 5 a s^2 b L = {format_bytes(extra_acts, 'GB', 1)}; at s = {s} the "
       f"score term 5as/h = {5 * a * s / h:g} vs the 34 of everything else")
-for label, parts in [("course text", dict(zip(("params", "grads", "optimizer", "activations"),
+for label, parts in [("rule of thumb", dict(zip(("params", "grads", "optimizer", "activations"),
                                                [r[1] for r in rows[:4]]))),
                      ("corrected", dict(zip(("params", "grads", "optimizer", "activations"),
                                             [r[2] for r in rows[:4]])))]:
@@ -114,7 +114,7 @@ for label, parts in [("course text", dict(zip(("params", "grads", "optimizer", "
 
 # %% [markdown]
 # **What you should see:** the two corrections, each exactly the missing term, and the largest
-# component *changes*: by the course text's rules the optimizer state dominates; with the
+# component *changes*: by the rule of thumb the optimizer state dominates; with the
 # attention scores stored (no recomputation, no flash attention) the activations do.
 #
 # Korthikanti's formula is itself a model of one implementation (Megatron: GELU MLP of width 4h,

@@ -12,7 +12,8 @@
 # 3. their step time, and the memory-vs-time trade-off;
 # 4. what a sliding-window mask really costs when the attention kernel is dense;
 # 5. where offloaded bytes go, counted tensor by tensor;
-# 6. a **memory leak** from a course text: tensors kept alive across steps, measured next to its fix;
+# 6. a **memory leak** common in tutorial training loops: tensors kept alive across steps, measured
+#    next to its fix;
 # 7. **gradient accumulation**: k micro-batches give exactly the gradient of one big batch, if the
 #    losses are averaged the right way; two ways to get it wrong;
 # 8. the same trade-offs at the scale of a 7B model, from the estimators.
@@ -410,7 +411,7 @@ check(dup > 1, "the q, k and v projections save the same input three times, so s
 # %% [markdown]
 # ## 6. A memory leak: tensors kept alive across steps
 #
-# A course text logs its loss with `losses.append(loss)`. `loss` is a tensor with a `grad_fn`:
+# Many tutorial loops log the loss with `losses.append(loss)`. `loss` is a tensor with a `grad_fn`:
 # keeping it keeps its whole autograd graph alive, and whatever that graph still holds. How much
 # is that? We count two things exactly:
 #
@@ -455,7 +456,7 @@ def graph_nodes(kept):
 
 
 LOOPS = {
-    "train: losses.append(loss)": "the course text",
+    "train: losses.append(loss)": "a common tutorial loop",
     "train: losses.append(loss.detach())": "its fix (call .item() when you log)",
     "train: backward(retain_graph=True) + append(loss)": "backward keeps the saved tensors",
     "eval, grad on: losses.append(loss)": "no backward ever frees them",
@@ -519,11 +520,11 @@ check(bug[0] == [0] * LEAK_STEPS and bug[1][-1] > bug[1][0] > 0 and fix == ([0] 
       "in a plain training loop backward frees the saved tensors: the kept losses should hold a growing "
       "number of graph nodes but no saved bytes, and the detached losses nothing at all")
 per_step = (bug[1][-1] - bug[1][0]) / (LEAK_STEPS - 1)
-print(f"the course text's loop keeps {per_step:.0f} more graph nodes every step and no saved tensors; "
+print(f"the tutorial loop keeps {per_step:.0f} more graph nodes every step and no saved tensors; "
       f"the evaluation loop keeps {format_bytes(full_leak[-1], 'MiB', 1)} after {LEAK_STEPS} steps")
 
 # %% [markdown]
-# **What you should see:** two kinds of leak. In the course text's training loop `backward()`
+# **What you should see:** two kinds of leak. In the tutorial training loop `backward()`
 # already freed the saved tensors, so `losses.append(loss)` keeps "only" every step's graph: a
 # growing list of nodes in host memory, and a trap (`sum(losses).backward()` would fail, and
 # `torch.stack(losses).mean()` builds yet another graph). The same line in an evaluation loop that

@@ -10,7 +10,7 @@
 # 2. **warmup**: the same high learning rate with and without it;
 # 3. **NaN and Inf**: caught, the step skipped, a diagnostic bundle written, the run aborted when
 #    it keeps happening;
-# 4. **spike detection**: the course text's detector next to ours, on a curve with planted spikes;
+# 4. **spike detection**: a popular rolling mean/std detector next to ours, on a curve with planted spikes;
 # 5. **initialisation**: six init schemes, layer by layer and in training;
 # 6. **bounded embeddings**;
 # 7. **the chapter-17 exercise**: gradients x10 at step 500, caught and recovered, next to an
@@ -264,7 +264,8 @@ print(f"two skipped updates: the run ends {gap:+.4f} nats from the clean run's e
 # a NaN/None loss or gradient norm, and the run goes on as if they had not happened, two updates
 # short (while the loss still falls fast that is visible: it ends where the clean run was two
 # steps earlier). The Inf bundle names the one tensor we broke: in a real run that is where you
-# start looking, and the saved batch lets you replay the step. The course text's handler wrote a diagnostic and *applied the step anyway*.
+# start looking, and the saved batch lets you replay the step. A common handler (`if not torch.isfinite(loss): save_diagnostics(...)`, then `optimizer.step()`
+# as usual) writes a diagnostic and *applies the step anyway*.
 #
 # A run that produces only NaNs is burning money; after `max_consecutive_bad` (3 in the config)
 # non-finite steps in a row the trainer stops and says what to look at:
@@ -282,7 +283,7 @@ check(aborted is not None and "3 consecutive non-finite steps (10..12)" in abort
 check(len(dead_rows) == 12, f"the run should stop at the third bad step, after 12 logged steps, got {len(dead_rows)}")
 
 # %% [markdown]
-# ## 4. Spike detection: the course text's detector and ours
+# ## 4. Spike detection: a rolling mean/std detector and ours
 #
 # A spike detector compares each step's loss (or gradient norm) with the recent past. The course
 # text keeps a rolling window of the last values and flags a value above `mean + k x std`; a
@@ -301,8 +302,8 @@ check(len(dead_rows) == 12, f"the run should stop at the third bad step, after 1
 WINDOW, THRESHOLD, MIN_SAMPLES = 64, 6.0, 16
 
 
-class SeedTextDetector:
-    """The course text's detector: rolling mean/std; a flagged value never enters the window."""
+class MeanStdDetector:
+    """The detector many tutorials show: rolling mean/std; a flagged value never enters the window."""
 
     def __init__(self):
         self.values = deque(maxlen=WINDOW)
@@ -319,7 +320,7 @@ class SeedTextDetector:
         return False, bound
 
 
-class AppendEveryValue(SeedTextDetector):
+class AppendEveryValue(MeanStdDetector):
     """The obvious patch: every value enters the window, spikes included."""
 
     def update(self, step, x):
@@ -349,7 +350,7 @@ curve = [2.0 * math.exp(-i / 300) + 0.3 + (SHIFT if i >= SHIFT_AT else 0.0) + rn
 PLANTED = {150: 3.0, 300: 1.6, 320: 2.0, 500: 5.0, 530: 1.5, 900: 2.0, 1000: 1.6}
 for i, factor in PLANTED.items():
     curve[i] *= factor
-detectors = {"course text (mean/std, spikes kept out)": SeedTextDetector(),
+detectors = {"rolling mean/std, spikes kept out": MeanStdDetector(),
              "mean/std, every value appended": AppendEveryValue(), "ours (median/MAD, clipped, patience)": Ours()}
 flags, bounds = {}, {}
 for name, det in detectors.items():
@@ -396,7 +397,7 @@ plt.show()
 # %%
 seed_name, append_name, ours_name = detectors
 check(len(table[seed_name]["false"]) > 50 and table[seed_name]["frozen"] > 50,
-      "the course text's detector should freeze after the level shift and flag every step for a long time")
+      "the mean/std detector should freeze after the level shift and flag every step for a long time")
 check(table[append_name]["missed"] != [], "appending every value should let an earlier spike mask a later one")
 check(table[ours_name]["missed"] == [], "our detector should find every planted spike")
 check(set(table[ours_name]["false"]) <= set(after_shift),
@@ -404,7 +405,7 @@ check(set(table[ours_name]["false"]) <= set(after_shift),
 check(table[ours_name]["frozen"] == 0, "our window should take a value at every step")
 
 # %% [markdown]
-# **What you should see:** the course text's detector finds the planted spikes, but after the
+# **What you should see:** the mean/std detector finds the planted spikes, but after the
 # level shift its bound stays where it was (flat blue line), the window stops taking values, and
 # it flags step after step (under a skip policy, every one of those steps is thrown away) until
 # the falling curve happens to come back under the stale bound. Appending every value fixes the
@@ -419,7 +420,7 @@ check(table[ours_name]["frozen"] == 0, "our window should take a value at every 
 # gradients are, layer by layer. TinyGPT has six schemes (`ModelConfig.init`): `normal` (every
 # matrix N(0, 0.02), GPT-2's base), `scaled_residual` (GPT-2: the two projections that write into
 # the residual stream get 0.02 / sqrt(2 x layers)), `zero_out_proj` (those projections start at
-# zero: every block starts as the identity), and the course text's `kaiming` (He-normal),
+# zero: every block starts as the identity), and the `kaiming` (He-normal) init many tutorials use,
 # `xavier` (Glorot-uniform) and `small` (N(0, sqrt(2 / 5d))). One forward and backward pass
 # through an 8-block model with each:
 
@@ -496,15 +497,15 @@ init_mean = {s: statistics.fmean(r["loss"] for r in rows) for s, rows in init_ru
 check(all(math.isfinite(v) and v < math.log(task.vocab_size) for v in init_tail.values()),
       "every scheme should at least start to learn (loss below the uniform guess)")
 check(min(init_mean["kaiming"], init_mean["xavier"]) > init_mean["scaled_residual"] + 0.05,
-      "the texts' kaiming and xavier inits should learn visibly slower than GPT-2's scaled residual init")
+      "kaiming and xavier inits should learn visibly slower than GPT-2's scaled residual init")
 print("mean loss over the run: " + ", ".join(f"{s} {v:.3f}" for s, v in sorted(init_mean.items(), key=lambda kv: kv[1])))
 
 # %% [markdown]
 # **What you should see:** the three GPT-style inits (`normal`, `scaled_residual`,
-# `zero_out_proj`) learn at about the same speed here. The texts' `kaiming` and `xavier` are far
+# `zero_out_proj`) learn at about the same speed here. `kaiming` and `xavier` are far
 # behind from the first steps and barely clip (their gradients are an order of magnitude smaller,
 # as the layer plot showed): their large residual stream has to be worn down before the blocks'
-# contributions count. The texts' `small` does as well as the GPT-style inits or a little better
+# contributions count. `small` does as well as the GPT-style inits or a little better
 # on this shallow model (its larger embeddings give the first steps more to work with), but its
 # residual stream grew 3.5x over 8 blocks in the plot above. At 4-6 blocks the residual scaling
 # makes little difference to the speed; it is what keeps the stream flat in a 48- or 96-block
@@ -601,7 +602,7 @@ check(all(abs(r["broken_else"] - r["clean_else"]) < 0.05 for r in bound_rows.val
 #
 # ## 7. The chapter-17 exercise: gradients x10 at step 500
 #
-# The course text's exercise: inject a gradient explosion (every gradient x10) at step 500 and
+# A classic exercise: inject a gradient explosion (every gradient x10) at step 500 and
 # check that the safety net catches it and the run recovers **without losing its earlier
 # progress**. Four runs, identical except for the fault and the spike policy:
 #

@@ -9,7 +9,7 @@
 # 1. plots every schedule in `course_lib.schedules`: linear, cosine and constant after warmup,
 #    and warmup-stable-decay (WSD) with its decay shapes;
 # 2. compares the three warmup indexing conventions the literature uses, step by step;
-# 3. shows a bug from a course text (a schedule reading an undefined `total_steps`) next to ours;
+# 3. shows a bug seen in tutorial code (a schedule reading an undefined `total_steps`), next to ours;
 # 4. trains TinyGPT with cosine, WSD and a constant rate and compares the loss curves;
 # 5. resumes a run, wrongly and rightly, and shows what a scheduler must restore.
 #
@@ -179,22 +179,22 @@ check(torch.equal(before, layer.weight) and int(state["step"]) == 1 and state["e
 #
 # ## 3. A failure mode: a schedule reading an undefined `total_steps`
 #
-# One of the course's seed texts has a cosine schedule of this shape: its decay branch divides
+# Tutorial code sometimes has a cosine schedule of this shape (shown in full below): its decay branch divides
 # by `total_steps`, which the function neither defines nor receives.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-def seed_text_lr(step, warmup_steps=100, max_lr=1e-3, min_lr=1e-4):
-    """The seed text's schedule (its shape, bug included): `total_steps` is never defined."""
+def flawed_lr(step, warmup_steps=100, max_lr=1e-3, min_lr=1e-4):
+    """The flawed schedule (its shape, bug included): `total_steps` is never defined."""
     if step < warmup_steps:
         return max_lr * step / warmup_steps
     progress = (step - warmup_steps) / (total_steps - warmup_steps)  # noqa: F821 - the bug
     return min_lr + 0.5 * (max_lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-print(f"step 50: {seed_text_lr(50):.2e}   (warmup: works)")
+print(f"step 50: {flawed_lr(50):.2e}   (warmup: works)")
 try:
-    seed_text_lr(150)
+    flawed_lr(150)
 except NameError as exc:
     print(f"step 150: NameError: {exc}   (first step after warmup: crashes)")
 
@@ -207,8 +207,8 @@ except NameError as exc:
 # NBVAL_CHECK_OUTPUT
 total_steps = 300  # a leftover global from an earlier, shorter experiment
 for step in (150, 300, 500, 700, 999):
-    print(f"step {step:>4}: seed text {seed_text_lr(step):.2e}   ours (T=1000) {schedules['cosine'](step):.2e}")
-leftover = [seed_text_lr(s) for s in range(T)]
+    print(f"step {step:>4}: flawed {flawed_lr(step):.2e}   ours (T=1000) {schedules['cosine'](step):.2e}")
+leftover = [flawed_lr(s) for s in range(T)]
 del total_steps
 
 # %%
@@ -216,7 +216,7 @@ check(leftover[300] == FLOOR and max(leftover[301:]) > 0.9 * PEAK,
       "with the leftover global the seed schedule should reach its floor at step 300 and then climb "
       "back towards max_lr: cos(pi * progress) rises again once progress > 1")
 fig, ax = plt.subplots(figsize=(7, 3.5))
-plots.plot_schedules(ax, {"seed text, leftover total_steps=300": leftover,
+plots.plot_schedules(ax, {"flawed, leftover total_steps=300": leftover,
                          "ours, total_steps=1000": schedules["cosine"]},
                      steps=T, title="the same cosine, one reading a leftover global")
 plt.show()
