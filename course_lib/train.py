@@ -45,6 +45,7 @@ class TrainResult:
     model: Any = field(default=None, repr=False)
     device: str = "cpu"          # where this rank computed, e.g. "cuda:1"
     backend: str | None = None   # process-group backend (None: one process)
+    strategy: Any = field(default=None, repr=False)  # the strategy (e.g. strategy.full_weights())
 
 
 def choose_device(wanted: str, local_rank: int = 0, local_world_size: int = 1) -> torch.device:
@@ -145,7 +146,6 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     from course_lib.model import TinyGPT
     from course_lib.parallel.checkpointing import TrainState
     from course_lib.parallel.registry import make_strategy
-    from course_lib.precision import make_policy
     from course_lib.schedules import Schedule, make_scheduler
 
     t, d, o, s, ck = (cfg[k] for k in ("train", "data", "optim", "schedule", "checkpoint"))
@@ -166,7 +166,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     # generator, so a resume continues every rank's own stream.
     torch.manual_seed(rank_seed(t["seed"], info.rank))
     stabilizer = _stabilizer(cfg, faults, out_dir, info.rank, model)
-    strategy = make_strategy(t["strategy"], info, device)
+    strategy = make_strategy(t["strategy"], info, device, cfg)
     strategy.setup(model, lambda m: torch.optim.AdamW(m.param_groups(o["weight_decay"]), lr=o["lr"],
                                                       betas=(o["beta1"], o["beta2"]), eps=o["eps"]))
     options = {"vocab_size": d["vocab_size"]} if d["task"] != "text" else (
@@ -179,7 +179,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                         min_lr=o["min_lr"], warmup_convention=s["warmup_convention"],
                         decay_steps=(s["decay_steps"] or None) if s["kind"] == "wsd" else None)
     scheduler = make_scheduler(strategy.optimizer, schedule)
-    policy = make_policy(t["precision"], device)
+    policy = strategy.precision_policy(t["precision"])
     state = TrainState(strategy.model, strategy.optimizer, scheduler, policy, stream,
                        {"stabilizer": stabilizer})
 
@@ -195,6 +195,8 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     if strategy.is_writer:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+        for name, text in strategy.run_files().items():  # e.g. DeepSpeed's generated ds_config.json
+            (out_dir / name).write_text(text)
     # Rows are buffered (train.metrics_flush_s) and always flushed before a checkpoint is taken:
     # a crash loses only rows the resumed run rewrites anyway.
     log = MetricsLog(out_dir / "metrics.jsonl", resume_step=start, tensorboard=t["tensorboard"],
@@ -222,7 +224,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             policy.unscale_(strategy.optimizer)  # clip and measure true gradients, never scaled ones
             scale = policy.scale_tensor()
             decision = stabilizer.after_backward(  # the one host read of the step
-                strategy.model, mean_loss, step, optimizer=strategy.optimizer, scaler=policy.scaler,
+                strategy.model if strategy.grads_visible else None, mean_loss, step, optimizer=strategy.optimizer, scaler=policy.scaler,
                 batch=batches[-1], extra=[scale] if scale is not None else None,
                 reduce_sq=strategy.reduce_grad_sq)
             lr = scheduler.get_last_lr()[0] * decision.lr_factor
@@ -263,6 +265,8 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                    "step_seconds": seconds}
             if scale is not None:
                 row["loss_scale"] = decision.extra[0]  # the scale this step's backward used
+            if not strategy.grads_visible:  # the engine measured (and clipped) inside its step
+                row["grad_norm"] = strategy.grad_norm_after_step()
             if decision.rollbacks_accepted:
                 _append_event(out_dir, strategy, {**decision.log_row(), "event": "level_accepted",
                                                   "after_rollbacks": decision.rollbacks_accepted})
@@ -292,7 +296,8 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             bar.close()
         log.close()
         checkpoints.close()  # waits for an async save: the last checkpoint is never lost
-    return TrainResult(step, start, last_loss, skipped, out_dir, rollbacks, model, str(device), info.backend)
+    return TrainResult(step, start, last_loss, skipped, out_dir, rollbacks, model, str(device), info.backend,
+                       strategy)
 
 
 def _ckpt_metrics(last_loss: float | None) -> dict:

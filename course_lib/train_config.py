@@ -8,6 +8,8 @@
     [stability] max_grad_norm, spike_policy, lr_factor, lr_steps, max_consecutive_bad, detect_spikes,
               max_rollbacks, rollback_limit
     [checkpoint] save_every, keep_last, async_save, mirror, format
+    [parallel] bucket_mb, reshard_after_forward, cpu_offload, zero_stage, offload_optimizer,
+              offload_param (read by the strategy named in train.strategy)
 
 Every unknown section or key, wrong type or out-of-range value is a ``ConfigError`` naming it
 (with a "did you mean" for typos), raised before any file is written or model is built.
@@ -86,6 +88,14 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "mirror": (str, "", None),                 # fsspec URL of a second tier; "" = none
         "format": (str, "auto", ("auto", "full", "sharded")),  # auto = what the strategy needs
     },
+    "parallel": {
+        "bucket_mb": (float, 25.0, (0.0, None)),   # ddp-scratch, zero1: MiB per gradient bucket; 0 = one bucket
+        "reshard_after_forward": (bool, True, None),  # fsdp: True = ZeRO-3-like, False = ZeRO-2-like
+        "cpu_offload": (bool, False, None),        # fsdp: parameters, gradients and optimizer on the CPU
+        "zero_stage": (int, 2, (0, 3)),            # deepspeed: ZeRO stage
+        "offload_optimizer": (str, "none", ("none", "cpu")),  # deepspeed: optimizer state + step on the CPU
+        "offload_param": (str, "none", ("none", "cpu")),      # deepspeed: parameters on the CPU (stage 3)
+    },
     "model": {"preset": (str, "tiny", None)},      # plus any ModelConfig field, checked there
 }
 
@@ -163,6 +173,13 @@ def _cross_checks(cfg: dict) -> None:
     if cfg["checkpoint"]["format"] == "sharded" and cfg["checkpoint"]["mirror"]:
         raise ConfigError("checkpoint.mirror works with full checkpoints only; sharded (DCP) "
                           "checkpoints stay in the run folder")
+    par = cfg["parallel"]
+    if t["strategy"] == "deepspeed" and par["offload_param"] != "none" and par["zero_stage"] != 3:
+        raise ConfigError(f"parallel.offload_param = {par['offload_param']!r} needs parallel.zero_stage = 3 "
+                          f"(got {par['zero_stage']}): only ZeRO-3 partitions the parameters it could offload")
+    if t["strategy"] == "deepspeed" and par["offload_optimizer"] != "none" and par["zero_stage"] == 0:
+        raise ConfigError("parallel.offload_optimizer needs parallel.zero_stage >= 1 (ZeRO-Offload "
+                          "moves the partitioned optimizer state; stage 0 does not partition it)")
     if cfg["stability"]["spike_policy"] == "rollback" and cfg["checkpoint"]["save_every"] == 0:
         raise ConfigError("stability.spike_policy = 'rollback' needs checkpoint.save_every > 0 "
                           "(there must be a checkpoint to roll back to)")

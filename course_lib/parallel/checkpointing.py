@@ -62,6 +62,7 @@ class FullCheckpoints:
         """Collective: gather every rank's RNG and data position, then the writer saves."""
         from course_lib.checkpoint.state import capture_rank_state
 
+        state = self.strategy.checkpoint_state(state, saving=True)  # collective: gather shards to the writer
         ranks = self.strategy.gather_to_writer(capture_rank_state(state.data))
         if self.strategy.is_writer:
             self.manager.save(step, model=state.model, optimizer=state.optimizer, scheduler=state.scheduler,
@@ -76,6 +77,7 @@ class FullCheckpoints:
         from course_lib.checkpoint import CheckpointLoadError
 
         s = self.strategy
+        state = s.checkpoint_state(state, saving=False)  # full-layout views where weights are sharded
         objects = dict(model=state.model, optimizer=state.optimizer, scheduler=state.scheduler,
                        scaler=state.scaler, data=state.data if restore_data else None,
                        stateful=state.stateful)

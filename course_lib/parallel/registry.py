@@ -14,6 +14,16 @@ STRATEGIES: dict[str, tuple[str, str, str]] = {  # name -> (module, class, one-l
             "torch DistributedDataParallel: replicated weights, bucketed gradient all-reduce"),
     "ddp-scratch": ("course_lib.parallel.data_parallel.scratch_ddp", "ScratchDDP",
                     "the from-scratch BucketedDDP in place of torch DDP: the same numbers"),
+    "zero1": ("course_lib.parallel.data_parallel.zero_strategy", "Zero1",
+              "the from-scratch ZeRO-1: optimizer state sharded, gradients reduce-scattered"),
+    "zero2": ("course_lib.parallel.data_parallel.zero_strategy", "Zero2",
+              "the from-scratch ZeRO-2: as zero1, and each rank keeps only its own gradients"),
+    "fsdp-scratch": ("course_lib.parallel.data_parallel.fsdp_scratch_strategy", "FSDPScratch",
+                     "the from-scratch ZeRO-3 (SimpleFSDP): weights sharded, gathered per layer"),
+    "fsdp": ("course_lib.parallel.data_parallel.fsdp2", "FSDP2",
+             "torch FSDP2 fully_shard per block: parallel.reshard_after_forward, parallel.cpu_offload"),
+    "deepspeed": ("course_lib.parallel.data_parallel.deepspeed_engine", "DeepSpeedStrategy",
+                  "the DeepSpeed engine, ZeRO stage parallel.zero_stage (0-3), optional CPU offload"),
 }
 
 
@@ -22,10 +32,11 @@ def strategy_names() -> tuple[str, ...]:
     return tuple(STRATEGIES)
 
 
-def make_strategy(name: str, info: Any, device: Any):
+def make_strategy(name: str, info: Any, device: Any, cfg: dict | None = None):
     """Build the strategy called ``name`` for this rank (``info``: DistInfo, ``device``: where
-    the model computes). ValueError naming the accepted names otherwise."""
+    the model computes, ``cfg``: the validated trainer config, None for the defaults).
+    ValueError naming the accepted names otherwise."""
     if name not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {name!r}")
     module, cls, _ = STRATEGIES[name]
-    return getattr(importlib.import_module(module), cls)(info, device)
+    return getattr(importlib.import_module(module), cls)(info, device, cfg)

@@ -40,7 +40,9 @@ class Strategy:
     """One process, no communication: the reference implementation of every method.
 
     ``info``: where this process sits (:class:`~course_lib.parallel.launch.DistInfo`);
-    ``device``: where the model computes. After :meth:`setup`: ``model`` is the plain module (its
+    ``device``: where the model computes; ``cfg``: the validated trainer config
+    (:mod:`course_lib.train_config`; strategies read their ``[parallel]`` keys from it, None
+    means the defaults). After :meth:`setup`: ``model`` is the plain module (its
     parameter names are the checkpoint's), ``module`` is what forward is called on (the wrapper),
     ``optimizer`` the optimizer over the (possibly sharded) parameters."""
 
@@ -49,8 +51,15 @@ class Strategy:
     #: saves its shards through DCP (``course_lib.checkpoint.dcp``), no rank gathers the model.
     checkpoint_format = "full"
 
-    def __init__(self, info: DistInfo, device: torch.device):
+    #: False when an engine keeps the gradients out of ``p.grad`` (DeepSpeed ZeRO): the
+    #: stabilizer then judges the loss only and the engine clips.
+    grads_visible = True
+
+    def __init__(self, info: DistInfo, device: torch.device, cfg: dict | None = None):
+        from course_lib import train_config
+
         self.info, self.device = info, torch.device(device)
+        self.cfg = cfg if cfg is not None else train_config.defaults()
         self.model: nn.Module | None = None
         self.module: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -158,7 +167,37 @@ class Strategy:
         dist.gather_object(obj, out, dst=0)
         return out
 
+    def precision_policy(self, precision: str):
+        """The :class:`~course_lib.precision.PrecisionPolicy` the trainer's loop uses for
+        ``train.precision`` (autocast, loss scaling). Engines that cast and scale themselves
+        (DeepSpeed's bf16/fp16 sections) return an fp32 policy so nothing is done twice."""
+        from course_lib.precision import make_policy
+
+        return make_policy(precision, self.device)
+
+    def run_files(self) -> dict[str, str]:
+        """Files the writer rank puts in the run folder next to ``config.json`` (name -> text),
+        e.g. DeepSpeed's generated ``ds_config.json``. Built (and validated) in :meth:`setup`."""
+        return {}
+
+    def grad_norm_after_step(self) -> float | None:
+        """The gradient norm an engine measured inside its step, for strategies with
+        ``grads_visible = False`` (None otherwise: the stabilizer measured it)."""
+        return None
+
     # ------------------------------------------------------------------ checkpoints
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """``{name: full tensor}`` of the model's parameters and buffers in the unsharded layout
+        (what a single-process model's ``state_dict`` holds), on every rank. A collective where
+        the weights are sharded: every rank must call it."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def checkpoint_state(self, state: Any, *, saving: bool) -> Any:
+        """The :class:`~course_lib.parallel.checkpointing.TrainState` full checkpoints save and load
+        through. Called on every rank before a save (``saving=True``: may communicate, e.g. to
+        consolidate a sharded optimizer on the writer) and before a load. Here: ``state`` itself."""
+        return state
+
     def checkpointer(self, root: Any, *, every_steps: int | None, keep_last: int, async_save: bool,
                      mirror: str | None, format: str = "auto"):
         """The object the trainer saves and loads through (see :mod:`course_lib.parallel.checkpointing`):
@@ -179,8 +218,8 @@ class Single(Strategy):
 
     name = "single"
 
-    def __init__(self, info: DistInfo, device: torch.device):
+    def __init__(self, info: DistInfo, device: torch.device, cfg: dict | None = None):
         if info.world_size > 1:
             raise ValueError(f"{info.world_size} ranks but strategy 'single'; set train.strategy = 'ddp' "
                              "(--set train.strategy=ddp)")
-        super().__init__(info, device)
+        super().__init__(info, device, cfg)

@@ -25,7 +25,7 @@ class GradStats:
     ``finite`` (loss and every gradient finite)."""
 
     loss: float | None
-    total_norm: float
+    total_norm: float | None  # None: no gradients measured (loss-only stats)
     param_norms: dict[str, float]
     layer_norms: dict[str, float]
     finite: bool
@@ -79,10 +79,13 @@ class GradientMonitor:
 
         ``extra``: other one-element device tensors the caller needs on the host this step (the
         fp16 loss scale); they ride along in the same transfer and come back as ``GradStats.extra``
-        (floats, same order). ``reduce_sq``: for parameters sharded by hand (ZeRO-2/3 flat
-        shards), a function that takes the stacked per-tensor *squared* norms of this rank's shards
-        and returns them summed over the shard group, on the device (a collective, not a host
-        read). DTensor gradients (FSDP2, TP) need no hook: their norms are completed here."""
+        (floats, same order). ``reduce_sq``: for gradients sharded by hand (ZeRO-1/2/3 from
+        scratch), a function that takes the stacked per-tensor *squared* norms of this rank's
+        gradients and completes them over the shard group on the device (a collective, not a host
+        read). It returns either the per-tensor vector (same length; the global norm is its sum),
+        or a pair ``(per_tensor, total_sq)`` when ranks hold different tensors (ZeRO-2 keeps only
+        the gradients a rank owns: per-tensor norms are already whole, only the total needs every
+        rank). DTensor gradients (FSDP2, TP) need no hook: their norms are completed here."""
         named = [(n, p.grad, layer) for n, p, layer in self._params(model) if p.grad is not None]
         if not named:
             raise ValueError("the model has no gradients; call after backward()")
@@ -101,18 +104,28 @@ class GradientMonitor:
             if not self._plain or any(t.device != device for t in head):
                 norms = [n if n.device == device else n.to(device) for n in norms]
                 head = [t if t.device == device else t.to(device) for t in head]
+            total_sq = None
             if reduce_sq is not None:
-                norms = list(reduce_sq(torch.stack(norms).square()).sqrt())
+                out = reduce_sq(torch.stack(norms).square())
+                per_sq, total_sq = out if isinstance(out, tuple) else (out, None)
+                if per_sq.numel() != len(norms):
+                    raise ValueError(f"reduce_sq returned {per_sq.numel()} per-tensor values for "
+                                     f"{len(norms)} gradients")
+                norms = list(per_sq.sqrt())
+                if total_sq is not None:
+                    head.append(total_sq.reshape(()).float())
             values = torch.stack([*head, *norms]).tolist()  # one kernel, one transfer
         self.sync_count += 1  # the one device synchronization of the step (tolist above)
         loss_value = values.pop(0) if loss is not None else None
         extra_values = [values.pop(0) for _ in extra]
+        reduced_total = math.sqrt(max(values.pop(0), 0.0)) if total_sq is not None else None
         param_norms = {}
         sq: dict[str, float] = {}
         for (name, _, layer), v in zip(named, values):
             param_norms[name] = v
             sq[layer] = sq.get(layer, 0.0) + v * v
         layer_norms = {k: math.sqrt(v) for k, v in sq.items()}
-        total = math.sqrt(sum(v * v for v in values))
+        # A reduced total already carries any rank's NaN/inf: every rank decides alike.
+        total = reduced_total if reduced_total is not None else math.sqrt(sum(v * v for v in values))
         finite = math.isfinite(total) and (loss_value is None or math.isfinite(loss_value))
         return GradStats(loss_value, total, param_norms, layer_norms, finite, grads, extra_values)

@@ -142,7 +142,8 @@ class NonFiniteGuard:
 
     def _grad_stats(self, model: nn.Module, param_norms: dict[str, float]) -> dict[str, dict]:
         """Per-tensor NaN count, Inf count and max |finite value|, in one host transfer."""
-        named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None] \
+            if model is not None else []  # None: an engine keeps the gradients (DeepSpeed)
         if not named:
             return {}
         rows = []

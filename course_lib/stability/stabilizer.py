@@ -35,7 +35,7 @@ from torch import nn
 from ..validate import check_choice, check_int
 
 from .faults import FaultInjector
-from .grad_monitor import GradientMonitor
+from .grad_monitor import GradientMonitor, GradStats
 from .nonfinite import NonFiniteGuard
 from .spikes import SpikeAction, SpikeDetector, SpikePolicy, decide
 
@@ -139,7 +139,7 @@ class StepDecision:
 
     step: int
     loss: float | None
-    grad_norm: float
+    grad_norm: float | None  # None: the engine keeps the gradients (see Stabilizer._loss_only)
     skip: bool = False
     rollback: bool = False
     lr_factor: float = 1.0
@@ -230,15 +230,18 @@ class Stabilizer:
         ``decision.extra``). Raises :class:`NonFiniteError` after too many consecutive non-finite
         steps, :class:`RollbackLimitError` when ``rollback_limit="error"`` and a spike survived
         ``max_rollbacks`` roll-backs."""
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module or None, got {type(model).__name__}")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("loss must be a one-element torch.Tensor")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
-        if self.faults:
-            self.faults.on_grads(model, step)
-        stats = self.monitor.measure(model, loss, extra=extra, reduce_sq=reduce_sq)
+        if model is None:  # the engine owns the gradients (DeepSpeed ZeRO): judge the loss only
+            stats = self._loss_only(loss, extra)
+        else:
+            if self.faults:
+                self.faults.on_grads(model, step)
+            stats = self.monitor.measure(model, loss, extra=extra, reduce_sq=reduce_sq)
         d = StepDecision(step, stats.loss, stats.total_norm, layer_norms=stats.layer_norms, extra=stats.extra)
         if not stats.finite:
             kind, bundle = self.guard.record_bad(step, loss=stats.loss, param_norms=stats.param_norms,
@@ -252,7 +255,7 @@ class Stabilizer:
         checks = {}
         if "loss" in self.detectors:
             checks["loss"] = self.detectors["loss"].update(stats.loss)
-        if "grad_norm" in self.detectors:
+        if "grad_norm" in self.detectors and model is not None:
             checks["grad_norm"] = self.detectors["grad_norm"].update(stats.total_norm)
         d.level_shift = any(c.level_shift for c in checks.values())
         if d.level_shift:
@@ -273,9 +276,21 @@ class Stabilizer:
         if self._cut_left > 0 and not d.skip:
             d.lr_factor = self._cut_factor
             self._cut_left -= 1
-        if not d.skip:
+        if not d.skip and model is not None:
             d.clipped, d.clip_coef = self.clip.clip_(stats.grads, stats.total_norm)
         return d
+
+    def _loss_only(self, loss: torch.Tensor, extra: list[torch.Tensor] | None) -> GradStats:
+        """Stats without gradients, for engines that keep them out of ``p.grad`` (DeepSpeed ZeRO
+        partitions them inside its optimizer): the loss and ``extra`` in one host read; the
+        gradient norm is unknown (``grad_norm`` None in the log), clipping is the
+        engine's, and the gradient-norm spike detector does not run."""
+        with torch.no_grad():
+            values = torch.stack([t.detach().float().reshape(()).to(loss.device)
+                                  for t in [loss, *(extra or [])]]).tolist()
+        self.monitor.sync_count += 1
+        value = values.pop(0)
+        return GradStats(value, None, {}, {}, math.isfinite(value), [], values)
 
     def note_rollback(self, step: int) -> None:
         """The trainer rolled back because of a spike at ``step``. Roll-backs are *consecutive*

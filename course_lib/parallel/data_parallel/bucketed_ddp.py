@@ -17,10 +17,29 @@ same sequence even if a gradient is late or missing on one of them.
 
 Gradient accumulation: inside ``with model.no_sync():`` the hooks do nothing (gradients just add
 up in ``.grad``); the first backward after it reduces the accumulated sums.
+
+Timeline (``record_timeline=True``, off by default): every sync appends events to
+:attr:`BucketedDDP.timeline`, so a lab can draw when each bucket was ready, launched and finished
+next to backward compute. Each event is a dict ``{"event", "t", "bucket", "bytes"}``: ``t`` in
+seconds from ``time.perf_counter()`` (this process's clock), ``bucket`` the bucket index (launch
+order; ``None`` for whole-sync events), ``bytes`` the bucket's flat buffer in bytes (gradients plus
+flags; 0 for whole-sync events). Events:
+
+* ``"ready"``: the bucket's last gradient arrived (its hook ran); ``"launch"``: its async all-reduce
+  was started (``in_backward``: from a hook, i.e. overlapping backward, or from the finish);
+* ``"complete"``: the all-reduce was found finished, ``how="poll"`` (``work.is_completed()``, polled
+  at every later hook and at the start of the finish: an upper bound on the true finish time) or
+  ``how="wait"`` (``work.wait()`` returned);
+* ``"finish_start"`` / ``"finish_end"``: :meth:`~BucketedDDP.finish_gradient_synchronization`
+  entered / left.
+
+Clear it with ``model.timeline.clear()`` between steps you do not want. When off, ``timeline`` is
+``None`` and the only cost is one ``is None`` test per hook.
 """
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -47,6 +66,7 @@ class _Bucket:
                                 device=params[0].device)
         self.ready = 0
         self.handle = None
+        self.seen_done = False  # timeline only: completion already recorded for this launch
 
 
 class BucketedDDP(nn.Module):
@@ -67,12 +87,16 @@ class BucketedDDP(nn.Module):
 
     ``launched_in_backward``: how many bucket all-reduces the last sync started from hooks, i.e.
     overlapped with backward (the rest started in ``finish_gradient_synchronization``).
+
+    ``record_timeline``: append timing events to :attr:`timeline` (a list of dicts, see the module
+    docstring); ``False`` (the default): ``timeline`` is ``None`` and nothing is recorded.
     """
 
     def __init__(self, module: nn.Module, bucket_mb: float | None = 25.0, process_group=None,
-                 find_unused_parameters: bool = True):
+                 find_unused_parameters: bool = True, record_timeline: bool = False):
         super().__init__()
         self.find_unused_parameters = check_bool("find_unused_parameters", find_unused_parameters)
+        self.timeline: list[dict] | None = [] if check_bool("record_timeline", record_timeline) else None
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if bucket_mb is not None:
@@ -122,11 +146,31 @@ class BucketedDDP(nn.Module):
         finally:
             self._sync = old
 
+    def _record(self, event: str, bucket: int | None = None, **extra) -> None:
+        """Append one timeline event (only called when recording is on)."""
+        nbytes = 0 if bucket is None else self._buckets[bucket].flat.numel() * \
+            self._buckets[bucket].flat.element_size()
+        self.timeline.append({"event": event, "t": time.perf_counter(), "bucket": bucket,
+                              "bytes": nbytes, **extra})
+
+    def _poll_in_flight(self) -> None:
+        """Timeline only: stamp buckets whose all-reduce has finished since the last look."""
+        for i in range(self._next):
+            bucket = self._buckets[i]
+            if bucket.handle is not None and not bucket.seen_done and bucket.handle.is_completed():
+                bucket.seen_done = True
+                self._record("complete", i, how="poll")
+
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._sync:
             return
-        bucket = self._buckets[self._where[p]]
+        index = self._where[p]
+        bucket = self._buckets[index]
         bucket.ready += 1
+        if self.timeline is not None:
+            self._poll_in_flight()
+            if bucket.ready == len(bucket.params):
+                self._record("ready", index)
         if bucket.ready == len(bucket.params):
             while self._next < len(self._buckets) and \
                     self._buckets[self._next].ready == len(self._buckets[self._next].params):
@@ -134,7 +178,7 @@ class BucketedDDP(nn.Module):
                 self._launched_now += 1
 
     @torch.no_grad()
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: _Bucket, in_backward: bool = True) -> None:
         """Copy the bucket's gradients (zeros where missing) and flags in, start the all-reduce."""
         offset, flags = 0, bucket.flat[bucket.numel:]
         for i, p in enumerate(bucket.params):
@@ -147,6 +191,9 @@ class BucketedDDP(nn.Module):
             offset += p.numel()
         bucket.handle = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM,
                                         group=self.process_group, async_op=True)
+        if self.timeline is not None:
+            bucket.seen_done = False
+            self._record("launch", self._next, in_backward=in_backward)
         self._next += 1
 
     @torch.no_grad()
@@ -156,10 +203,17 @@ class BucketedDDP(nn.Module):
         if not self._sync:
             raise RuntimeError("finish_gradient_synchronization() was called inside no_sync(): "
                                "call it after the backward of the first micro-batch outside it")
+        recording = self.timeline is not None
+        if recording:
+            self._record("finish_start")
+            self._poll_in_flight()
         while self._next < len(self._buckets):
-            self._launch(self._buckets[self._next])
-        for bucket in self._buckets:
+            self._launch(self._buckets[self._next], in_backward=False)
+        for index, bucket in enumerate(self._buckets):
             bucket.handle.wait()
+            if recording and not bucket.seen_done:
+                bucket.seen_done = True
+                self._record("complete", index, how="wait")
             bucket.flat[:bucket.numel].div_(self.world_size)
             flags = (bucket.flat[bucket.numel:].tolist() if self.find_unused_parameters
                      else [1.0] * len(bucket.params))  # no host read: every parameter takes the mean
@@ -174,3 +228,5 @@ class BucketedDDP(nn.Module):
                 offset += p.numel()
             bucket.handle, bucket.ready = None, 0
         self.launched_in_backward, self._launched_now, self._next = self._launched_now, 0, 0
+        if recording:
+            self._record("finish_end")

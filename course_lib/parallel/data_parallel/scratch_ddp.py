@@ -18,11 +18,11 @@ class ScratchDDP(TorchDDP):
     """torch DDP's strategy with the from-scratch :class:`BucketedDDP` as the wrapper."""
 
     name = "ddp-scratch"
-    bucket_mb = 25.0  # MiB per bucket, as torch DDP's default
 
     def wrap(self, model: nn.Module) -> nn.Module:
         # No host read of "who has a gradient" flags: the trainer's step makes exactly one.
-        return BucketedDDP(model, bucket_mb=self.bucket_mb, find_unused_parameters=False)
+        mb = self.cfg["parallel"]["bucket_mb"]  # 0 = one bucket
+        return BucketedDDP(model, bucket_mb=mb or None, find_unused_parameters=False)
 
     def forward_backward(self, batches, **step) -> torch.Tensor:
         loss = super().forward_backward(batches, **step)

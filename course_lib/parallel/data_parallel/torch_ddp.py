@@ -20,11 +20,11 @@ class TorchDDP(Strategy):
 
     name = "ddp"
 
-    def __init__(self, info: DistInfo, device: torch.device):
+    def __init__(self, info: DistInfo, device: torch.device, cfg: dict | None = None):
         if not dist.is_initialized():
-            raise RuntimeError("strategy 'ddp' needs a process group: start with torchrun (or "
+            raise RuntimeError(f"strategy {self.name!r} needs a process group: start with torchrun (or "
                                "course_lib.parallel.run_ranks) and call init_distributed() first")
-        super().__init__(info, device)
+        super().__init__(info, device, cfg)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         ids = [self.device.index] if self.device.type == "cuda" else None

@@ -51,8 +51,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     updated parameters (broadcast from each owner).
     Hyperparameters live in :attr:`param_groups` (all parameters, full option set): an lr
     scheduler on this object changes them, and they are copied into the local optimizer before
-    each step. Not yet supported: ``state_dict``/``load_state_dict`` (they raise; each rank's
-    shard would have to be gathered or saved per rank).
+    each step. Checkpoints: :meth:`consolidate_state_dict` (collective) then :meth:`state_dict` on
+    that rank gives the unsharded optimizer's full state; :meth:`load_state_dict` on every rank
+    keeps each rank's own shard of it.
     """
 
     def __init__(self, params, optimizer_cls: type, *, reduce_scatter_grads: bool = False,
@@ -72,6 +73,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._owner: dict[torch.Tensor, int] = {}  # parameter -> owning rank in the group
         self._load = [0] * self._world  # elements owned per rank so far
         self._local = None  # Optimizer.__init__ calls add_param_group before the local one exists
+        self._reduced = False  # reduce_gradients() already ran for this step
+        self._consolidated: dict | None = None  # full state on the destination rank, see consolidate_state_dict
         # The wrapped class's own defaults (lr, betas, ...) so param_groups carry every option.
         probe = optimizer_cls([torch.zeros(1, requires_grad=True)], **kwargs)
         super().__init__(params, dict(probe.defaults))
@@ -117,7 +120,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.no_grad()
-    def _reduce_scatter_grads(self, by_owner: list[list[torch.Tensor]]) -> None:
+    def reduce_gradients(self, free_unowned: bool | None = None) -> None:
+        """Reduce-scatter this step's *local* gradients now (a collective: every rank calls it):
+        each owner gets the rank-average of its parameters' gradients. ``free_unowned``: True
+        (ZeRO-2, the default when ``reduce_scatter_grads``) sets every other gradient to None;
+        False (ZeRO-1 sent as the ZeRO paper does: reduce-scatter + parameter gather, 2 Psi per
+        step instead of an all-reduce's 2 Psi plus the gather) zeroes them in place, so the full
+        gradient buffers stay allocated as ZeRO-1 keeps them. :meth:`step` then does not reduce
+        again. Call it after the last micro-batch's backward, before measuring or clipping: the
+        trainer measures the gradient norm on the reduced gradients."""
+        if free_unowned is None:
+            free_unowned = self._zero2
+        self._reduce_scatter_grads(self._by_owner(), free_unowned=free_unowned)
+        self._reduced = True
+
+    @torch.no_grad()
+    def _reduce_scatter_grads(self, by_owner: list[list[torch.Tensor]], free_unowned: bool = True) -> None:
         # One flat buffer per owner (sizes differ: whole-parameter shards), and one list-form
         # reduce_scatter: rank r receives the sum of every rank's buffer r. gloo supports this
         # list form with uneven sizes in torch 2.13 (checked), so no per-owner dist.reduce
@@ -138,10 +156,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         recv.div_(self._world)  # the average; exact when N is a power of two
         for p, g in zip(mine, _unflatten_dense_tensors(recv, mine) if mine else []):
             p.grad = g.view_as(p)
-        for ps in by_owner:  # everything this rank does not own: freed
+        for ps in by_owner:  # everything this rank does not own: freed (ZeRO-2) or zeroed (ZeRO-1)
             for p in ps:
-                if self._owner[p] != self._rank or id(p) not in keep:
+                if id(p) not in keep:
                     p.grad = None
+                elif self._owner[p] != self._rank:
+                    if free_unowned:
+                        p.grad = None
+                    elif p.grad is None:
+                        p.grad = torch.zeros_like(p)  # every rank holds the same set of gradients
+                    else:
+                        p.grad.zero_()
 
     @torch.no_grad()
     def _broadcast_params(self, by_owner: list[list[torch.Tensor]]) -> None:
@@ -171,8 +196,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 len({p.device for ps in by_owner for p in ps}) > 1:
             raise ValueError("ShardedOptimizer flattens per owner: all parameters must share one "
                              "dtype and device")
-        if self._zero2:
+        if self._zero2 and not self._reduced:
             self._reduce_scatter_grads(by_owner)
+        self._reduced = False
         for group, local in zip(self.param_groups, self._local.param_groups):
             for key, value in group.items():  # lr schedulers write here: hand it on
                 if key not in ("params", "param_names"):
@@ -181,9 +207,70 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._broadcast_params(by_owner)
         return loss
 
-    def state_dict(self):
-        raise NotImplementedError("ShardedOptimizer.state_dict is not implemented yet: each rank "
-                                  "holds only its shard (self.state); gather or save per rank")
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients; the next :meth:`step` reduces again (unless
+        :meth:`reduce_gradients` runs first)."""
+        super().zero_grad(set_to_none=set_to_none)
+        self._reduced = False
 
-    def load_state_dict(self, state_dict):
-        raise NotImplementedError("ShardedOptimizer.load_state_dict is not implemented yet")
+    # ---- checkpoints ------------------------------------------------------------------------
+    def _flat_params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collective: gather every rank's optimizer shard to rank ``to`` (a rank of the process
+        group), where :meth:`state_dict` then returns the *full* state, in the layout of the
+        unsharded optimizer (parameters numbered across all groups), loadable by it. Memory: the
+        whole optimizer state, on the CPU of one rank, for the duration of a save."""
+        index = {p: i for i, p in enumerate(self._flat_params())}
+        mine = {index[p]: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+                for p, st in self._local.state.items()}
+        shards = [None] * self._world if self._rank == to else None
+        dist.gather_object(mine, shards, dst=self._global(to), group=self._pg)
+        if self._rank != to:
+            self._consolidated = None
+            return
+        state = {}
+        for shard in shards:
+            state.update(shard)
+        groups, start = [], 0
+        for group in self.param_groups:
+            g = {k: v for k, v in group.items() if k != "params"}
+            g["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            groups.append(g)
+        self._consolidated = {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def state_dict(self) -> dict:
+        """The full optimizer state (as the unsharded optimizer would save it), on the rank that
+        called :meth:`consolidate_state_dict` last. Elsewhere, or before consolidating, a
+        RuntimeError: each rank alone holds only its shard."""
+        if self._consolidated is None:
+            raise RuntimeError("ShardedOptimizer.state_dict: call consolidate_state_dict(to=rank) on every "
+                               "rank first (each rank holds only its shard); the full state is on that rank")
+        out, self._consolidated = self._consolidated, None  # one save per consolidation
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a *full* optimizer state (from :meth:`state_dict` or from the unsharded
+        optimizer) on every rank: each keeps the state of the parameters it owns and the group
+        options (lr, betas, ...). Groups must match in number and size."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups) or any(
+                len(g["params"]) != len(live["params"]) for g, live in zip(groups, self.param_groups)):
+            raise ValueError("state_dict does not match this optimizer's parameter groups (count or sizes)")
+        saved = state_dict.get("state", {})
+        local_groups, local_state, n = [], {}, 0
+        for g, live in zip(groups, self.param_groups):
+            opts = {k: v for k, v in g.items() if k != "params"}
+            live.update(opts)  # hyperparameters for every parameter
+            ids = []
+            for idx, p in zip(g["params"], live["params"]):
+                if self._owner[p] == self._rank:
+                    if idx in saved:
+                        local_state[n] = saved[idx]
+                    ids.append(n)
+                    n += 1
+            local_groups.append({**opts, "params": ids})
+        self._local.load_state_dict({"state": local_state, "param_groups": local_groups})
+        self.state = self._local.state

@@ -1,0 +1,305 @@
+"""Checkpoints of the ``deepspeed`` strategy: DeepSpeed's own shards, committed the kit's way.
+
+A checkpoint is a directory ``step_000000120`` (the kit's names, :func:`course_lib.checkpoint.io.fresh_name`)
+holding
+
+* what ``engine.save_checkpoint`` writes: ``mp_rank_00_model_states.pt`` (rank 0: module weights,
+  and the optimizer state at ZeRO-0) and one ``zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank
+  (its partition of the fp32 master weights and Adam moments; ZeRO >= 1 or bf16);
+* ``rank{R}.pt`` per rank, written by the kit next to them (``torch.load(weights_only=True)``): that
+  rank's RNG streams and data position, and on rank 0 the state shared by every rank (scheduler,
+  precision policy, stabilizer). DeepSpeed's ``client_state`` is not used: it is rank 0's only, and
+  every rank has its own RNG and data position;
+* ``manifest.json`` (format ``course_lib.checkpoint.deepspeed/1``): step, save sequence, world size,
+  ZeRO stage, metrics, and the sha256 and size of every file.
+
+Atomicity, agreement and retention are those of :mod:`course_lib.checkpoint.dcp`, reusing its
+helpers: rank 0 picks a fresh name and a ``.tmp-*`` directory and broadcasts them; every rank
+serializes its ``rank{R}.pt`` (errors exchanged), DeepSpeed writes its shards with the temp
+directory as the *tag* (``save_latest=False``: no ``latest`` file), the ranks exchange errors, and
+rank 0 seals the directory with :func:`course_lib.checkpoint.io.commit_dir` (hash and fsync every
+file, manifest, rename, fsync), re-reads it and only then prunes to ``keep_last``.
+
+Loading: rank 0 verifies candidates newest first (checksums; every ``rank{R}.pt`` parses with
+``weights_only=True``; DeepSpeed's files present for the saved world size), falling back past a
+corrupt one with a warning, and broadcasts the name; every rank then calls ``engine.load_checkpoint``
+on exactly that one and restores its own ``rank{R}.pt``. A ZeRO checkpoint is tied to the world size
+it was saved with: another world size is refused (CheckpointLoadError), never silently resharded.
+DeepSpeed reads its own ``.pt`` files with ``torch.load(weights_only=False)``: the checksums catch
+damage, not a forged file (see ``docs/CHECKPOINTS.md``, "What is trusted").
+
+:func:`deepspeed_to_state_dict` turns a checkpoint into a plain ``{name: fp32 tensor}`` state dict
+(DeepSpeed's ``zero_to_fp32``) that loads into a single-process model.
+"""
+from __future__ import annotations
+
+import io
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from course_lib.checkpoint import io as cio
+from course_lib.checkpoint.dcp import _agree, _broadcast, _describe
+from course_lib.checkpoint.io import CheckpointCorruptError, CheckpointError, CheckpointLoadError
+from course_lib.checkpoint.state import LoadResult, capture_rng, restore_rng_state
+from course_lib.validate import check_int
+
+DS_FORMAT = "course_lib.checkpoint.deepspeed/1"
+MODEL_STATES = "mp_rank_00_model_states.pt"
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+
+def _zero_file(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def _ds_dirs(root: Path) -> tuple[list[tuple[int, str, dict]], dict[str, str]]:
+    """``([(seq, name, manifest)] newest first, {name: why unreadable})`` under ``root``."""
+    good, damaged = cio.scan(root, DS_FORMAT)
+    return sorted(((m.get("seq", 0), n, m) for n, m in good.items()), reverse=True), damaged
+
+
+# ----------------------------------------------------------------------------- save
+
+def save_deepspeed(root: str | Path, step: int, engine: Any, *, shared: dict[str, Any] | None = None,
+                   per_rank: dict[str, Any] | None = None, metrics: dict | None = None,
+                   keep_last: int = 3) -> Path:
+    """Collective: save ``engine`` (every rank's shards) plus the kit's per-rank and shared state
+    as checkpoint ``step`` under ``root``; keep the ``keep_last`` newest. Returns the final path.
+    A failure on any rank raises CheckpointError on every rank and commits nothing."""
+    check_int("step", step, 0)
+    check_int("keep_last", keep_last, 1)
+    root, rank = Path(root), dist.get_rank()
+    plan: Any = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            cio.cleanup_temp(root)
+            existing, _ = _ds_dirs(root)
+            name = cio.fresh_name(root, step)
+            tmp = cio.new_temp_dir(root, name)
+            plan = ("ok", name, str(tmp), 1 + max([s for s, _, _ in existing] + [0]))
+        except Exception as e:  # the others wait for the plan: tell them
+            plan = ("error", _describe(e), None, None)
+    kind, name, tmp, seq = _broadcast(plan, None)
+    if kind == "error":
+        raise CheckpointError(f"deepspeed save of step {step} failed on rank 0: {name}")
+    tmp = Path(tmp)
+
+    def fail(failed: list[tuple[int, str]]) -> None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"deepspeed save of step {step} failed on "
+                              + "; ".join(f"rank {r}: {e}" for r, e in failed)
+                              + f". Nothing was committed under {root}")
+
+    error = None
+    try:  # local work only: a failing rank must not leave the others in a collective
+        buf = io.BytesIO()
+        torch.save({"rng": capture_rng(),
+                    "per_rank": {k: v.state_dict() for k, v in (per_rank or {}).items()},
+                    "shared": {k: v.state_dict() for k, v in (shared or {}).items()} if rank == 0 else {}}, buf)
+    except Exception as e:
+        error = _describe(e)
+    failed = _agree(error, None)
+    if failed:
+        fail(failed)
+    error = None
+    try:
+        # Collective inside (barriers); the temp directory is DeepSpeed's tag, so its files land
+        # directly in it. save_latest=False: the kit's manifest, not a 'latest' file, says what exists.
+        engine.save_checkpoint(str(root), tag=tmp.name, client_state={}, save_latest=False)
+        cio.write_durable(tmp / _rank_file(rank), buf.getvalue())
+    except Exception as e:
+        error = _describe(e)
+    failed = _agree(error, None)
+    if failed:
+        fail(failed)
+    error = None
+    if rank == 0:
+        try:
+            manifest = {"format": DS_FORMAT, "step": step, "seq": seq, "created_unix": time.time(),
+                        "world_size": dist.get_world_size(), "zero_stage": int(engine.zero_optimization_stage()),
+                        "metrics": dict(metrics or {})}
+            final = cio.commit_dir(tmp, root / name, manifest)  # removes tmp if it fails
+            cio.read_verified(final)  # re-read before pruning anything older
+            for _, old, _ in _ds_dirs(root)[0][keep_last:]:
+                cio.remove_dir(root / old)
+        except BaseException as e:  # every rank must hear of it, then fail together
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = _describe(e)
+    error = _broadcast(error, None)
+    if error is not None:
+        raise CheckpointError(f"deepspeed save of step {step} failed on rank 0: {error}")
+    return root / name
+
+
+# ----------------------------------------------------------------------------- load
+
+def verify_deepspeed(path: Path, manifest: dict | None = None) -> dict:
+    """Rank 0's check before the ranks load ``path``: every file's size and sha256, every
+    ``rank{R}.pt`` through ``torch.load(weights_only=True)``, DeepSpeed's model file and (ZeRO)
+    one optimizer shard per saved rank. Returns the manifest; CheckpointCorruptError otherwise."""
+    manifest, blobs = cio.read_verified(path, manifest)
+    del blobs
+    files, world = manifest["files"], manifest.get("world_size")
+    if not isinstance(world, int) or world < 1:
+        raise CheckpointCorruptError(f"{path}: the manifest names no world size")
+    needed = [MODEL_STATES] + [_rank_file(r) for r in range(world)]
+    if any(f.startswith("zero_pp_rank_") for f in files) or manifest.get("zero_stage", 0) >= 1:
+        needed += [_zero_file(r) for r in range(world)]
+    missing = [f for f in needed if f not in files]
+    if missing:
+        raise CheckpointCorruptError(f"{path}: the manifest lacks {', '.join(missing)}")
+    for r in range(world):
+        try:
+            state = torch.load(path / _rank_file(r), map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            raise CheckpointCorruptError(f"{path}: {_rank_file(r)} does not load with weights_only=True ({e})") from e
+        if not isinstance(state, dict) or "rng" not in state:
+            raise CheckpointCorruptError(f"{path}: {_rank_file(r)} is not a per-rank state")
+    return manifest
+
+
+def _choose(root: Path, world_size: int) -> tuple:
+    """Rank 0: ``("ok", name, manifest)``, ``("none", None, None)`` or ``("error", message, failures)``."""
+    candidates, damaged = _ds_dirs(root)
+    failures = []
+    for name, reason in sorted(damaged.items(), reverse=True):
+        warnings.warn(f"deepspeed checkpoint {name} is unusable: no readable manifest ({reason}); falling "
+                      f"back to the previous one", RuntimeWarning, stacklevel=3)
+        failures.append((name, f"no readable manifest ({reason})"))
+    for _, name, manifest in candidates:
+        try:
+            manifest = verify_deepspeed(root / name, manifest)
+        except CheckpointCorruptError as e:
+            warnings.warn(f"deepspeed checkpoint {name} is unusable: {e}; falling back to the previous one",
+                          RuntimeWarning, stacklevel=3)
+            failures.append((name, str(e)))
+            continue
+        except CheckpointLoadError as e:
+            return "error", (f"cannot load deepspeed checkpoint {name}: {e}. No older checkpoint was used: fix "
+                             f"the cause and retry"), failures + [(name, str(e))]
+        if manifest["world_size"] != world_size:
+            why = (f"saved by {manifest['world_size']} ranks, this run has {world_size}; a ZeRO checkpoint "
+                   f"is partitioned per rank: resume with the same number of ranks, or convert it with "
+                   f"deepspeed_to_state_dict and start a new run from the weights")
+            return "error", f"cannot load deepspeed checkpoint {name}: {why}", failures + [(name, why)]
+        return "ok", name, manifest
+    if failures or cio.quarantined(root):
+        err = cio.refusal(root, failures, what="deepspeed checkpoint")
+        return "error", str(err), err.failures
+    return "none", None, None
+
+
+def load_deepspeed(root: str | Path, engine: Any, *, shared: dict[str, Any] | None = None,
+                   per_rank: dict[str, Any] | None = None, restore_rng: bool = True) -> LoadResult | None:
+    """Collective: restore the newest deepspeed checkpoint under ``root`` that verifies (rank 0
+    picks, every rank loads that one). None on every rank when there is none at all;
+    CheckpointLoadError on every rank when checkpoints exist but none can be loaded."""
+    root, rank = Path(root), dist.get_rank()
+    chosen = None
+    if rank == 0:
+        try:
+            chosen = _choose(root, dist.get_world_size())
+        except BaseException as e:  # the others wait for the choice: tell them, then fail
+            chosen = ("error", f"choosing a deepspeed checkpoint under {root} failed: {_describe(e)}", [])
+    kind, name, manifest = _broadcast(chosen, None)
+    if kind == "none":
+        return None
+    if kind == "error":
+        raise CheckpointLoadError(name, manifest)
+    path = root / name
+    try:
+        loaded, _ = engine.load_checkpoint(str(root), tag=name, load_optimizer_states=True,
+                                           load_lr_scheduler_states=False, load_module_strict=True)
+        if loaded is None:
+            raise CheckpointLoadError(f"DeepSpeed found nothing to load in {path}")
+        extra_shared = torch.load(path / _rank_file(0), map_location="cpu", weights_only=True)["shared"]
+        mine = torch.load(path / _rank_file(rank), map_location="cpu", weights_only=True)
+        for key, obj in (shared or {}).items():
+            obj.load_state_dict(extra_shared[key])
+        for key, obj in (per_rank or {}).items():
+            obj.load_state_dict(mine["per_rank"][key])
+        if restore_rng:
+            restore_rng_state(mine["rng"])
+    except CheckpointLoadError:
+        raise
+    except Exception as e:
+        raise CheckpointLoadError(f"cannot load deepspeed checkpoint {name} on rank {rank}: {_describe(e)}",
+                                  [(name, _describe(e))]) from e
+    return LoadResult(manifest["step"], path, "local", manifest.get("metrics", {}), manifest.get("seq", 0), manifest)
+
+
+# ----------------------------------------------------------------------------- the trainer's object
+
+class DeepSpeedCheckpoints:
+    """The trainer's checkpoint object for ``train.strategy = "deepspeed"`` (the interface of
+    :class:`~course_lib.parallel.checkpointing.FullCheckpoints`). Saves are synchronous and local:
+    ``async_save`` is ignored (DeepSpeed writes from the training thread), ``mirror`` is refused."""
+
+    format = "deepspeed"
+
+    def __init__(self, strategy: Any, root: str | Path, *, every_steps: int | None, keep_last: int,
+                 async_save: bool, mirror: str | None):
+        if mirror:
+            from course_lib.train_config import ConfigError
+
+            raise ConfigError("checkpoint.mirror is not supported with train.strategy = 'deepspeed'; copy the "
+                              "checkpoint folder with your storage tools")
+        self.strategy, self.root = strategy, Path(root)
+        self.every_steps, self.keep_last = every_steps, keep_last
+
+    def should_save(self, step: int) -> bool:
+        """Whether the step policy saves after ``step`` optimizer steps."""
+        return self.every_steps is not None and step > 0 and step % self.every_steps == 0
+
+    @staticmethod
+    def _shared(state: Any) -> dict[str, Any]:
+        shared = {"scheduler": state.scheduler, "precision": state.scaler, **state.stateful}
+        return {k: v for k, v in shared.items() if v is not None}
+
+    def save(self, step: int, state: Any, metrics: dict) -> None:
+        """Collective: every rank writes its shards, RNG and data position."""
+        save_deepspeed(self.root, step, self.strategy.engine, shared=self._shared(state),
+                       per_rank={"data": state.data} if state.data is not None else {},
+                       metrics=metrics, keep_last=self.keep_last)
+
+    def load(self, state: Any, *, restore_data: bool = True) -> LoadResult | None:
+        """Collective: every rank restores the checkpoint rank 0 picks; ``restore_data=False``
+        keeps the data position (a roll-back must not replay the batches that caused it)."""
+        per_rank = {"data": state.data} if restore_data and state.data is not None else {}
+        return load_deepspeed(self.root, self.strategy.engine, shared=self._shared(state), per_rank=per_rank)
+
+    def flush(self) -> None:
+        """Nothing in flight: saves are synchronous."""
+
+    def close(self) -> None:
+        """Nothing to finish."""
+
+
+# ----------------------------------------------------------------------------- conversion
+
+def deepspeed_to_state_dict(checkpoint_path: str | Path) -> dict[str, torch.Tensor]:
+    """A plain ``{name: fp32 CPU tensor}`` state dict from a deepspeed checkpoint directory
+    (verified first), for ``model.load_state_dict(..., strict=True)`` in one process. ZeRO >= 1:
+    DeepSpeed's ``zero_to_fp32`` merges the fp32 master partitions of every rank; ZeRO-0: the
+    module weights rank 0 saved."""
+    path = Path(checkpoint_path)
+    manifest = verify_deepspeed(path)
+    if manifest.get("zero_stage", 0) >= 1 or any(f.startswith("zero_pp_rank_") for f in manifest["files"]):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+    else:
+        state = torch.load(path / MODEL_STATES, map_location="cpu", weights_only=False)["module"]
+    return {k: v.detach().to("cpu", torch.float32).clone() if v.is_floating_point() else v.detach().cpu().clone()
+            for k, v in state.items()}
