@@ -298,3 +298,30 @@ def load_sharded(root: str | Path, model: torch.nn.Module, optimizer: Any = None
         raise CheckpointLoadError(f"cannot load sharded checkpoint {name} on rank {rank}: {_describe(e)}",
                                   [(name, _describe(e))]) from e
     return LoadResult(manifest["step"], path, "local", manifest.get("metrics", {}), manifest.get("seq", 0), manifest)
+
+
+def consolidate_sharded(path: str | Path) -> dict[str, torch.Tensor]:
+    """The model weights of one sharded checkpoint folder (``path``: e.g. ``.../step_00000040``)
+    as one plain ``{name: full tensor}`` dict on the CPU, ready for a single-process model's
+    ``load_state_dict``: every rank's shards stitched together, whatever the world size that
+    saved them. Needs no process group. Verifies the checkpoint first (CheckpointCorruptError
+    otherwise); metadata goes through the same restricted unpickler as :func:`load_sharded`."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from course_lib.checkpoint.dcp_trust import RestrictedFileSystemReader, SafeLoadPlanner
+
+    path = Path(path)
+    verify_sharded(path)
+
+    class _ModelOnly(_EmptyStateDictLoadPlanner):
+        load_bytes = SafeLoadPlanner.load_bytes  # non-tensor items: weights_only, never pickle
+
+    # The private loader, as torch's own dcp_to_torch_save does: the public load() fills a copy of
+    # the dict it is given, and an empty dict is exactly what this planner needs.
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=RestrictedFileSystemReader(str(path)),
+                     planner=_ModelOnly(keys={"model"}), no_dist=True)
+    if isinstance(state.get("model"), dict):  # nested, as saved
+        return dict(state["model"])
+    return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}  # flat keys
