@@ -71,7 +71,18 @@ def test_sabotaged_sharding_is_caught(world_size):
     for res in results(world_size):
         assert res["sabotage-no-broadcast"], "a missing broadcast went unnoticed"
         assert res["sabotage-wrong-owner"], "a wrong owner went unnoticed"
-        assert "not implemented" in res["state_dict"]
+        assert "consolidate_state_dict" in res["state_dict"]  # a shard alone is not a state
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_checkpoint_is_the_unsharded_optimizers_state(world_size):
+    """consolidate_state_dict + state_dict on rank 0 == the unsharded AdamW's state_dict (bitwise);
+    load_state_dict of a full state keeps each rank's own shard."""
+    for rank, res in enumerate(results(world_size)):
+        ck = res["checkpoint"]
+        if rank == 0:
+            assert ck["groups_equal"] and ck["state_equal"], ck
+        assert ck["loaded_owned_only"] and ck["loaded_equal"], (rank, ck)
 
 
 def test_bad_arguments_are_refused():

@@ -82,7 +82,8 @@ class NaiveDDP(nn.Module):
         if not self._params:
             return
         pg = self.process_group
-        has_grad = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32)
+        has_grad = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32,
+                                device=self._params[0].device)  # nccl reduces device tensors only
         dist.all_reduce(has_grad, group=pg)  # how many ranks have each gradient
         for p, n in zip(self._params, has_grad.tolist()):
             if n == 0:

@@ -86,15 +86,18 @@ class _GatherFn(torch.autograd.Function):
 class SimpleFSDP(nn.Module):
     """Wrap ``module`` (sharded in place); after ``backward()`` call
     :meth:`finish_gradient_synchronization`. ``compute_dtype``: ``None`` (fp32), ``torch.bfloat16``
-    or ``torch.float16``. ``process_group``: the ranks that share the model (``None``: all)."""
+    or ``torch.float16``. ``process_group``: the ranks that share the model (``None``: all).
+    ``find_unused_parameters=False``: every replicated parameter is known to get a gradient, so
+    the per-step flag all-reduce and its host read are skipped (the trainer's setting)."""
 
     def __init__(self, module: nn.Module, compute_dtype=None, process_group=None,
-                 prefetch: bool = True):
+                 prefetch: bool = True, find_unused_parameters: bool = True):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         check_choice("compute_dtype", compute_dtype, (None, torch.bfloat16, torch.float16))
         self.prefetch = check_bool("prefetch", prefetch)
+        self.find_unused_parameters = check_bool("find_unused_parameters", find_unused_parameters)
         layers = [m for m in module.modules() if isinstance(m, SHARDED_TYPES)]
         if not layers:
             raise ValueError("SimpleFSDP: the module has no nn.Linear or nn.Embedding, so there is "
@@ -231,9 +234,14 @@ class SimpleFSDP(nn.Module):
         if not self._replicated:
             return
         pg = self.process_group
-        has_grad = torch.tensor([p.grad is not None for p in self._replicated], dtype=torch.int32)
-        dist.all_reduce(has_grad, group=pg)
-        for p, n in zip(self._replicated, has_grad.tolist()):
+        if self.find_unused_parameters:
+            has_grad = torch.tensor([p.grad is not None for p in self._replicated], dtype=torch.int32,
+                                    device=self._replicated[0].device)  # nccl reduces device tensors only
+            dist.all_reduce(has_grad, group=pg)
+            flags = has_grad.tolist()  # a host read
+        else:  # every replicated parameter is used: no flags, no host read
+            flags = [1] * len(self._replicated)
+        for p, n in zip(self._replicated, flags):
             if n == 0:
                 continue
             if p.grad is None:

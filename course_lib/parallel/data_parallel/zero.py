@@ -45,7 +45,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
       gradients in ``p.grad``. :meth:`step` reduce-scatters them (sum over ranks, divided by N), so
       the owner gets the average of its parameters' grads and every other rank sets those grads to
       ``None`` before stepping. A ``None`` local gradient counts as zeros; a parameter whose
-      gradient is ``None`` on every rank is skipped (one small all-reduce of flags per step).
+      gradient is ``None`` on every rank is skipped (one small all-reduce of flags per step, read
+      on the host). ``find_unused_parameters=False`` drops the flags (and that host read): every
+      parameter then counts as having a gradient (zeros where None), as in a model whose
+      parameters are all used every step - the trainer's case.
 
     Every rank must call :meth:`step` together (it communicates); afterwards every rank holds the
     updated parameters (broadcast from each owner).
@@ -57,12 +60,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, optimizer_cls: type, *, reduce_scatter_grads: bool = False,
-                 process_group=None, **kwargs: Any):
+                 process_group=None, find_unused_parameters: bool = True, **kwargs: Any):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)) \
                 or issubclass(optimizer_cls, ShardedOptimizer):
             raise TypeError("optimizer_cls must be a torch.optim.Optimizer subclass (the class, e.g. "
                             f"torch.optim.AdamW, not an instance), got {optimizer_cls!r}")
         check_bool("reduce_scatter_grads", reduce_scatter_grads)
+        self._find_unused = check_bool("find_unused_parameters", find_unused_parameters)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("ShardedOptimizer needs a process group: start the ranks with "
                                "course_lib.parallel.run_ranks or torchrun + init_distributed() first")
@@ -141,9 +145,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # list form with uneven sizes in torch 2.13 (checked), so no per-owner dist.reduce
         # fallback is needed. Params with no grad on any rank are left out (a 1-element flag sum).
         params = [p for ps in by_owner for p in ps]
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-        dist.all_reduce(has, group=self._pg)
-        keep = {id(p) for p, n in zip(params, has.tolist()) if n > 0}
+        if self._find_unused:
+            has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                               device=params[0].device)  # nccl reduces device tensors only
+            dist.all_reduce(has, group=self._pg)
+            keep = {id(p) for p, n in zip(params, has.tolist()) if n > 0}  # a host read
+        else:  # the caller promises every parameter gets a gradient somewhere: no flags, no host read
+            keep = {id(p) for p in params}
         sends = []
         for ps in by_owner:
             ps = [p for p in ps if id(p) in keep]

@@ -40,6 +40,7 @@ class Zero1(TorchDDP):
         base = make_optimizer(model)  # the trainer's optimizer, only to copy its groups and options
         self.optimizer = ShardedOptimizer([dict(g) for g in base.param_groups], type(base),
                                           reduce_scatter_grads=self.free_unowned_grads,
+                                          find_unused_parameters=False,  # TinyGPT uses every weight: no host read
                                           **constructor_kwargs(base))
         self.reduce_grad_sq = self._reduce_grad_sq
 
