@@ -38,6 +38,10 @@ LABS: dict[str, LabInfo] = {info.name: info for info in [
     LabInfo("05_stability", "Training stability", "cpu"),
     LabInfo("06_schedules", "Learning-rate schedules", "cpu"),
     LabInfo("07_checkpoints", "Checkpointing and fault tolerance", "cpu"),
+    LabInfo("08_data_parallel", "Data parallelism: DDP by hand, buckets and overlap", "cpu-standins",
+            "gloo over loopback stands in for NCCL; CPU threads stand in for overlap on CUDA streams"),
+    LabInfo("09_zero_fsdp_deepspeed", "ZeRO, FSDP and DeepSpeed", "cpu-standins",
+            "gloo over loopback stands in for NCCL; CPU tensor bytes stand in for CUDA memory"),
 ]}
 
 

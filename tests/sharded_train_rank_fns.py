@@ -17,3 +17,20 @@ def train_many(rank, world_size, runs):
     """Several trainer runs in one launch (each ``(cfg, out_dir, resume)``): the process start
     and the group set-up are paid once. Returns one report per run (see train_and_report)."""
     return [train_and_report(rank, world_size, cfg, out_dir, resume) for cfg, out_dir, resume in runs]
+
+
+def fsdp_refuses_a_model_without_blocks(rank, world_size):
+    """The FSDP2 strategy's error for a module that has no ``blocks`` to shard."""
+    import torch
+    from torch import nn
+
+    from course_lib.parallel.data_parallel.fsdp2 import FSDP2
+    from course_lib.parallel.launch import init_distributed
+
+    info = init_distributed(backend="gloo")
+    strategy = FSDP2(info, torch.device("cpu"))
+    try:
+        strategy.setup(nn.Sequential(nn.Linear(4, 4)), lambda m: torch.optim.AdamW(m.parameters()))
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

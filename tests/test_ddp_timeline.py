@@ -66,8 +66,9 @@ def test_each_sync_records_ready_launch_complete_per_bucket_in_order(recorded):
 
 
 def test_lab_timeline_run_stamps_compute_and_every_bucket():
-    naive, bucketed = run_ranks(lab_runs.timeline_runs, 2, [{"kind": "naive"}, {"kind": "bucketed"}],
-                                2, 4, bucket_mb=0.01, d_model=32, n_layers=2, timeout=180,
+    naive, bucketed = run_ranks(lab_runs.timeline_runs, 2,
+                                [{"kind": "naive"}, {"kind": "bucketed", "bucket_mb": 0.01}],
+                                2, 4, d_model=32, n_layers=2, timeout=180,
                                 show_output=False)[0]
     for run in (naive, bucketed):
         for step in run["steps"]:

@@ -25,8 +25,9 @@ seconds from ``time.perf_counter()`` (this process's clock), ``bucket`` the buck
 order; ``None`` for whole-sync events), ``bytes`` the bucket's flat buffer in bytes (gradients plus
 flags; 0 for whole-sync events). Events:
 
-* ``"ready"``: the bucket's last gradient arrived (its hook ran); ``"launch"``: its async all-reduce
-  was started (``in_backward``: from a hook, i.e. overlapping backward, or from the finish);
+* ``"ready"``: the bucket's last gradient arrived (its hook ran); ``"launch"``: its gradients were
+  copied into the flat buffer and the async all-reduce call returned (``in_backward``: launched
+  from a hook, i.e. overlapping backward, or from the finish);
 * ``"complete"``: the all-reduce was found finished, ``how="poll"`` (``work.is_completed()``, polled
   at every later hook and at the start of the finish: an upper bound on the true finish time) or
   ``how="wait"`` (``work.wait()`` returned);

@@ -46,7 +46,9 @@ class FSDP2(TorchDDP):
         if dtype is not None:
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         if par["cpu_offload"]:
-            options["offload_policy"] = CPUOffloadPolicy()
+            # Pinned host memory makes the GPU<->CPU copies asynchronous; without an accelerator
+            # there is nothing to pin for (and torch refuses to try).
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         for block in blocks:
             fully_shard(block, **options)
         fully_shard(model, **options)

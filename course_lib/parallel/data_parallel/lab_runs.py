@@ -144,55 +144,64 @@ def compare_runs(rank: int, world_size: int, specs: list[dict], steps: int, glob
                          **{**common, **spec}) for spec in specs]
 
 
-def timeline_run(rank: int, world_size: int, kind: str, steps: int, global_batch: int, *,
-                 bucket_mb: float | None = 1.0, d_model: int = 128, n_layers: int = 4,
-                 seed: int = 0) -> dict:
-    """Time ``steps`` SGD steps of NaiveDDP (``kind="naive"``) or BucketedDDP (``"bucketed"``).
+def _timed_step(kind: str, model, ddp, opt, x, y) -> dict:
+    """One SGD step after a barrier; stamps relative to its forward start (see timeline_run)."""
+    opt.zero_grad(set_to_none=True)
+    if kind == "bucketed":
+        ddp.timeline.clear()
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss = ddp(x, y)[1]
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    ddp.finish_gradient_synchronization()
+    t3 = time.perf_counter()
+    opt.step()
+    if kind == "bucketed":
+        events = [{**e, "t": e["t"] - t0} for e in ddp.timeline]
+    else:
+        grad_bytes = sum(p.numel() * 4 for p in model.parameters())
+        events = [{"event": "launch", "t": t2 - t0, "bucket": 0, "bytes": grad_bytes, "in_backward": False},
+                  {"event": "complete", "t": t3 - t0, "bucket": 0, "bytes": grad_bytes, "how": "wait"}]
+    return {"forward_end": t1 - t0, "backward_end": t2 - t0, "sync_end": t3 - t0, "events": events}
 
-    Per step, in seconds from ``time.perf_counter()`` relative to that step's forward start:
+
+def timeline_runs(rank: int, world_size: int, specs: list[dict], steps: int, global_batch: int, *,
+                  d_model: int = 128, n_layers: int = 4, seed: int = 0) -> list[dict]:
+    """Time ``steps`` SGD steps of each spec: ``{"kind": "naive"}`` (NaiveDDP) or
+    ``{"kind": "bucketed", "bucket_mb": ...}`` (BucketedDDP with its timeline on).
+
+    The specs take turns, one step each per round (a burst of load from elsewhere on the machine
+    hits them all alike); every step starts after a barrier. Per spec: ``steps``, a list of dicts
+    with, in seconds from ``time.perf_counter()`` relative to that step's forward start,
     ``forward_end``, ``backward_end`` (``loss.backward()`` returned), ``sync_end``
     (``finish_gradient_synchronization()`` returned) and ``events``: BucketedDDP's timeline
-    (ready/launch/complete per bucket) for ``"bucketed"``; for ``"naive"`` one ``"launch"`` and one
-    ``"complete"`` event around its whole sync (it all-reduces tensor after tensor, blocking).
-    Every step starts after a barrier. Also returns ``grad_bytes`` (fp32 gradient bytes) and
-    ``buckets``."""
-    torch.manual_seed(seed)
-    model = TinyGPT(model_config(d_model, n_layers))
-    ddp = _wrap(kind, model, bucket_mb, record_timeline=True) if kind == "bucketed" else _wrap(kind, model, None)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    out = []
+    (ready/launch/complete per bucket, see :mod:`.bucketed_ddp`); for NaiveDDP one ``"launch"`` and
+    one ``"complete"`` event around its whole sync (it all-reduces tensor after tensor, blocking).
+    Also ``grad_bytes`` (fp32 gradient bytes) and ``buckets`` (NaiveDDP: its tensors)."""
+    runs = []
+    for spec in specs:
+        kind = spec["kind"]
+        torch.manual_seed(seed)
+        model = TinyGPT(model_config(d_model, n_layers))  # one per spec: hooks must not pile up
+        ddp = (_wrap(kind, model, spec.get("bucket_mb", 25.0), record_timeline=True) if kind == "bucketed"
+               else _wrap(kind, model, None))
+        runs.append((kind, model, ddp, torch.optim.SGD(model.parameters(), lr=0.01), []))
     for x, y in global_batches(steps, global_batch, seed):
         x, y = _my_slice(x, rank, world_size), _my_slice(y, rank, world_size)
-        opt.zero_grad(set_to_none=True)
-        if kind == "bucketed":
-            ddp.timeline.clear()
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = ddp(x, y)[1]
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        ddp.finish_gradient_synchronization()
-        t3 = time.perf_counter()
-        opt.step()
-        if kind == "bucketed":
-            events = [{**e, "t": e["t"] - t0} for e in ddp.timeline]
-        else:
-            grad_bytes = sum(p.numel() * 4 for p in model.parameters())
-            events = [{"event": "launch", "t": t2 - t0, "bucket": 0, "bytes": grad_bytes},
-                      {"event": "complete", "t": t3 - t0, "bucket": 0, "bytes": grad_bytes, "how": "wait"}]
-        out.append({"forward_end": t1 - t0, "backward_end": t2 - t0, "sync_end": t3 - t0,
-                    "events": events})
-    return {"steps": out, "grad_bytes": sum(p.numel() * 4 for p in model.parameters()),
-            "buckets": getattr(ddp, "bucket_count", sum(1 for _ in model.parameters()))}
+        for kind, model, ddp, opt, out in runs:
+            out.append(_timed_step(kind, model, ddp, opt, x, y))
+    return [{"steps": out, "grad_bytes": sum(p.numel() * 4 for p in model.parameters()),
+             "buckets": getattr(ddp, "bucket_count", sum(1 for _ in model.parameters()))}
+            for kind, model, ddp, opt, out in runs]
 
 
-def timeline_runs(rank: int, world_size: int, specs: list[dict], steps: int, global_batch: int,
-                  **common) -> list[dict]:
-    """Several :func:`timeline_run` calls in one launch: one result per spec (a dict of keyword
-    arguments, ``kind`` included, over ``common``)."""
-    return [timeline_run(rank, world_size, steps=steps, global_batch=global_batch, **{**common, **spec})
-            for spec in specs]
+def timeline_run(rank: int, world_size: int, kind: str, steps: int, global_batch: int, *,
+                 bucket_mb: float | None = 1.0, **kwargs) -> dict:
+    """:func:`timeline_runs` for one configuration (``kind``: ``"naive"`` or ``"bucketed"``)."""
+    return timeline_runs(rank, world_size, [{"kind": kind, "bucket_mb": bucket_mb}], steps,
+                         global_batch, **kwargs)[0]
 
 
 def sync_cost(rank: int, world_size: int, configs: list[float | None | str], repeats: int = 10, *,
@@ -204,35 +213,40 @@ def sync_cost(rank: int, world_size: int, configs: list[float | None | str], rep
     inside ``no_sync()`` (BucketedDDP) so nothing starts early, then after a barrier
     ``finish_gradient_synchronization()`` is timed: it launches every bucket back to back and waits.
     Returns per config: ``seconds`` (median over ``repeats``, slowest rank), ``bucket_bytes`` (bytes
-    of each all-reduced message, in launch order)."""
-    results = []
+    of each all-reduced message, in launch order). The configurations take turns, one sync each per
+    round, so a burst of load from elsewhere on the machine hits them all alike."""
+    runs = []
+    x, y = global_batches(1, 2 * world_size, seed)[0]
+    x, y = _my_slice(x, rank, world_size), _my_slice(y, rank, world_size)
     for config in configs:
         torch.manual_seed(seed)
-        model = TinyGPT(model_config(d_model, n_layers))  # fresh: hooks must not pile up
+        model = TinyGPT(model_config(d_model, n_layers))  # one per config: hooks must not pile up
         naive = config == "naive"
         ddp = _wrap("naive", model, None) if naive else _wrap("bucketed", model, config, record_timeline=True)
-        x, y = global_batches(1, 2 * world_size, seed)[0]
-        x, y = _my_slice(x, rank, world_size), _my_slice(y, rank, world_size)
-        times, sizes = [], []
-        for i in range(repeats + 2):  # 2 warm-up rounds
-            model.zero_grad(set_to_none=True)
-            with (_nothing() if naive else ddp.no_sync()):
-                ddp(x, y)[1].backward()
-            if not naive:
-                ddp.timeline.clear()
+        sizes = ([4 * len(list(model.parameters()))] + [p.numel() * 4 for p in model.parameters()]
+                 if naive else [])  # NaiveDDP: the flags, then one message per tensor
+        runs.append({"config": config, "model": model, "ddp": ddp, "naive": naive, "times": [],
+                     "sizes": sizes})
+    for i in range(repeats + 2):  # 2 warm-up rounds
+        for run in runs:
+            run["model"].zero_grad(set_to_none=True)
+            with (_nothing() if run["naive"] else run["ddp"].no_sync()):
+                run["ddp"](x, y)[1].backward()
+            if not run["naive"]:
+                run["ddp"].timeline.clear()
             dist.barrier()
             t0 = time.perf_counter()
-            ddp.finish_gradient_synchronization()
+            run["ddp"].finish_gradient_synchronization()
             elapsed = time.perf_counter() - t0
             if i >= 2:
-                times.append(elapsed)
-            if not naive:
-                sizes = [e["bytes"] for e in ddp.timeline if e["event"] == "launch"]
-        if naive:
-            sizes = [4 * len(list(model.parameters()))] + [p.numel() * 4 for p in model.parameters()]
-        med = torch.tensor(statistics.median(times), dtype=torch.float64)
+                run["times"].append(elapsed)
+            if not run["naive"]:
+                run["sizes"] = [e["bytes"] for e in run["ddp"].timeline if e["event"] == "launch"]
+    results = []
+    for run in runs:
+        med = torch.tensor(statistics.median(run["times"]), dtype=torch.float64)
         dist.all_reduce(med, op=dist.ReduceOp.MAX)
-        results.append({"config": config, "seconds": med.item(), "bucket_bytes": sizes})
+        results.append({"config": run["config"], "seconds": med.item(), "bucket_bytes": run["sizes"]})
     return results
 
 
