@@ -82,11 +82,14 @@ def _launch(fn, world_size: int, what: str, timeout: float, *args) -> list:
 
 
 def _first_problem(per_rank: list[dict], world_size: int) -> None:
+    """Raise the earliest problem (scenarios in order; within one, the earliest stage on any rank:
+    a wrong broadcast on rank 1 explains wrong gradients on rank 0)."""
     for name in per_rank[0]:
-        for rank, result in enumerate(per_rank):
-            if result[name]["problems"]:
-                raise CheckFailed(f"{world_size} ranks, scenario {name!r}, rank {rank}: "
-                                  f"{result[name]['problems'][0]}")
+        found = [(stage, rank, text) for rank, result in enumerate(per_rank)
+                 for stage, text in result[name]["problems"]]
+        if found:
+            stage, rank, text = min(found)
+            raise CheckFailed(f"{world_size} ranks, scenario {name!r}, rank {rank}: {text}")
 
 
 # ----------------------------------------------------------------------------- exercise 08: DDP
@@ -187,11 +190,11 @@ def _ddp_scenario(cls, rank, world, tricky, bucket_mb, micro, steps, calls) -> d
     ref = ddp_reference(tricky, steps)
     model = Net(rank, tricky)  # every rank starts different (rank 0 as the reference): broadcast
     ddp = cls(model, bucket_mb=bucket_mb)
-    problems = []
+    problems = []  # (stage, sentence): stage 0 construction, k step k, steps + 1 the end
     if getattr(ddp, "module", None) is not model:
-        problems.append("wrapper.module should be the module you were given, the same object")
-    problems += _compare("right after construction", _state(model), ref["start"],
-                         "Broadcast every parameter (frozen ones too) and every buffer from rank 0.")
+        problems.append((0, "wrapper.module should be the module you were given, the same object"))
+    problems += [(0, t) for t in _compare("right after construction", _state(model), ref["start"],
+                 "Broadcast every parameter (frozen ones too) and every buffer from rank 0.")]
     opt, per, table, max_err = _sgd(model), BATCH // world, [], 0.0
     for step, (x, y) in enumerate(_batches(steps)):
         xs, ys = x[rank * per:(rank + 1) * per].chunk(micro), y[rank * per:(rank + 1) * per].chunk(micro)
@@ -213,17 +216,20 @@ def _ddp_scenario(cls, rank, world, tricky, bucket_mb, micro, steps, calls) -> d
                 "of finish_gradient_synchronization()." if step and not problems else
                 "Divide the summed bucket by the world size and copy each parameter's slice of the "
                 "bucket back into its .grad (same order and offsets as when you filled it).")
-        problems += _compare(f"step {step + 1} gradients", got, ref["grads"][step], hint)
+        if table[-1].get("no_sync"):
+            problems.append((step + 1, f"dist.all_reduce was called {table[-1]['no_sync']} times "
+                             "inside no_sync(): there the hooks must do nothing, gradients just "
+                             "add up in .grad"))
+        problems += [(step + 1, t) for t in _compare(f"step {step + 1} gradients", got,
+                                                     ref["grads"][step], hint)]
         max_err = max([max_err] + [(g - w).abs().max().item() for n, w in ref["grads"][step].items()
                                    if w is not None and (g := got[n]) is not None and g.shape == w.shape])
-        if table[-1].get("no_sync"):
-            problems.append(f"dist.all_reduce was called {table[-1]['no_sync']} times inside "
-                            "no_sync(): there the hooks must do nothing, gradients just add up in .grad")
         opt.step()
-    problems += _compare(f"parameters after {steps} SGD steps", _state(model), ref["end"],
-                         "The gradients were right: check what else your wrapper changes.")
+    problems += [(steps + 1, t) for t in _compare(
+        f"parameters after {steps} SGD steps", _state(model), ref["end"],
+        "The gradients were right: check what else your wrapper changes.")]
     if tricky and model.head.weight is not model.emb.weight:
-        problems.append("the tied weight was untied: head.weight must stay emb.weight")
+        problems.append((steps + 1, "the tied weight was untied: head.weight must stay emb.weight"))
     return {"problems": problems, "calls": table, "max_err": max_err}
 
 
@@ -305,7 +311,7 @@ def _zero_scenario(cls, rank, world, opt_name, add_at, schedule, steps) -> dict:
     groups = lambda t: [{"params": t[:4]}, {"params": t[4:n], "weight_decay": 0.0}]  # noqa: E731
     opt, plain = cls(groups(ps), opt_cls, **kwargs), opt_cls(groups(twins), **kwargs)
     problems = [] if isinstance(opt, torch.optim.Optimizer) else [
-        "ShardedOptimizer should subclass torch.optim.Optimizer"]
+        (0, "ShardedOptimizer should subclass torch.optim.Optimizer")]
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.7 ** s) for o in (opt, plain)] \
         if schedule else []
     g = torch.Generator().manual_seed(99)
@@ -322,6 +328,7 @@ def _zero_scenario(cls, rank, world, opt_name, add_at, schedule, steps) -> dict:
                 dist.all_reduce(p.grad)
                 p.grad.div_(world)
                 t.grad = p.grad.clone()
+        before = [p.detach().clone() for p in ps + late]
         opt.step()
         plain.step()
         for s in scheds:
@@ -331,14 +338,22 @@ def _zero_scenario(cls, rank, world, opt_name, add_at, schedule, steps) -> dict:
         for i, (p, t) in enumerate(zip(ps + late, twins)):
             if not problems and not torch.equal(p.detach(), t.detach()):
                 diff = (p.detach() - t.detach()).abs().max().item()
-                problems.append(
+                if torch.equal(p.detach(), before[i]):
+                    hint = ("It did not change in this step: does its owner step it, and broadcast "
+                            "it to every rank afterwards?")
+                    if i >= len(SHAPES):
+                        hint += (" It belongs to the group added with add_param_group after your "
+                                 "optimizer was built: its owned part must join the local optimizer.")
+                elif schedule:
+                    hint = ("An lr scheduler changes self.param_groups[i]['lr'] each step: copy each "
+                            "group's options into the local group before stepping.")
+                else:
+                    hint = ("Step the real optimizer with the same options as the plain one, on the "
+                            "gradients as they arrive, once per step.")
+                problems.append((step + 1,
                     f"after step {step + 1}, parameter {i} (shape {tuple(p.shape)}) differs from the "
                     f"plain {opt_cls.__name__} by up to {diff:.3g}; it must be equal to the last bit. "
-                    + ("Unchanged from before the step: did its owner broadcast it to every rank?"
-                       if diff > 0 and step == 0 else
-                       "Step the real optimizer on your shard with the same hyperparameters "
-                       "(copy lr etc. from self.param_groups into the local optimizer before "
-                       "stepping: a scheduler changes them) and broadcast from each owner."))
+                    + hint))
     held = _held(opt)
     every = ps + late
     return {"problems": problems, "held": [i for i, p in enumerate(every) if id(p) in held],
