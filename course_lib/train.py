@@ -167,6 +167,12 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     torch.manual_seed(rank_seed(t["seed"], info.rank))
     stabilizer = _stabilizer(cfg, faults, out_dir, info.rank, model)
     strategy = make_strategy(t["strategy"], info, device, cfg)
+    if not strategy.grads_visible:  # the engine keeps the gradients: nothing could inject into p.grad
+        bad = [str(f) for f in stabilizer.faults.faults if f.kind in ("grad_scale", "inf_grad")]
+        if bad:
+            raise ConfigError(f"--inject-fault: {', '.join(bad)} writes into p.grad, but train.strategy = "
+                              f"{t['strategy']!r} keeps the gradients inside its engine here; use nan_loss "
+                              f"or loss_shift (or, for deepspeed, parallel.zero_stage = 0 with fp32)")
     strategy.setup(model, lambda m: torch.optim.AdamW(m.param_groups(o["weight_decay"]), lr=o["lr"],
                                                       betas=(o["beta1"], o["beta2"]), eps=o["eps"]))
     options = {"vocab_size": d["vocab_size"]} if d["task"] != "text" else (
@@ -266,7 +272,9 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             if scale is not None:
                 row["loss_scale"] = decision.extra[0]  # the scale this step's backward used
             if not strategy.grads_visible:  # the engine measured (and clipped) inside its step
-                row["grad_norm"] = strategy.grad_norm_after_step()
+                row["grad_norm"] = norm = strategy.grad_norm_after_step()
+                clip = cfg["stability"]["max_grad_norm"]
+                row["clipped"] = bool(norm is not None and clip > 0 and norm > clip and not decision.skip)
             if decision.rollbacks_accepted:
                 _append_event(out_dir, strategy, {**decision.log_row(), "event": "level_accepted",
                                                   "after_rollbacks": decision.rollbacks_accepted})
@@ -340,6 +348,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config value, e.g. --set train.precision=bf16")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # The deepspeed launcher appends --local_rank=N; the rank comes from the environment anyway.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     return parser
 
 

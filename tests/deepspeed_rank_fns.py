@@ -1,5 +1,4 @@
 """Rank functions for tests/test_deepspeed_strategy.py (spawned ranks import them from here)."""
-import os
 
 import torch
 
@@ -18,3 +17,208 @@ def train_many(rank, world_size, runs):
     """Several training runs one after another in the same ranks (one process start for all):
     ``runs`` is a list of ``(cfg, out_dir, faults, resume)``; returns :func:`train_digest` of each."""
     return [train_digest(rank, world_size, cfg, out_dir, faults, resume) for cfg, out_dir, faults, resume in runs]
+
+
+def _build(cfg, info):
+    """A DeepSpeedStrategy set up the way the trainer does it (same seed: same initial weights)."""
+    from course_lib import train_config
+    from course_lib.model import TinyGPT
+    from course_lib.parallel.registry import make_strategy
+
+    o = cfg["optim"]
+    torch.manual_seed(cfg["train"]["seed"])
+    model = TinyGPT(train_config.build_model_config(cfg))
+    strategy = make_strategy("deepspeed", info, torch.device("cpu"), cfg)
+    strategy.setup(model, lambda m: torch.optim.AdamW(m.param_groups(o["weight_decay"]), lr=o["lr"],
+                                                      betas=(o["beta1"], o["beta2"]), eps=o["eps"]))
+    return strategy
+
+
+def _batches(cfg, rank, world_size, steps):
+    from course_lib import data as data_lib
+
+    t, d = cfg["train"], cfg["data"]
+    dataset = data_lib.make_dataset(d["task"], seq_len=d["seq_len"], seed=t["seed"], vocab_size=d["vocab_size"])
+    stream = data_lib.BatchStream(dataset, t["micro_batch"], rank=rank, world_size=world_size, seed=t["seed"])
+    return [[next(stream) for _ in range(t["grad_accum"])] for _ in range(steps)]
+
+
+def _snapshot(strategy):
+    """Copies of everything a step may change: this rank's parameters (full or partition) and
+    DeepSpeed's optimizer state (fp32 master partitions, Adam moments, step counts)."""
+    from course_lib.checkpoint.state import to_cpu_copy
+
+    params = {n: p.detach().clone() for n, p in strategy.model.named_parameters()}
+    fp32 = [t.detach().clone() for t in getattr(strategy.engine.optimizer, "single_partition_of_fp32_groups", [])]
+    return params, fp32, to_cpu_copy(strategy.optimizer.state_dict())
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def skip_and_lr(rank, world_size, cfg, offload_cfg):
+    """ZeRO-2 strategy-level checks: the LR the trainer's scheduler (and lr_factor) sets is the LR
+    DeepSpeed's optimizer steps with; a skipped step changes nothing and the next step equals the
+    one a run that never saw the skipped batch takes; offload steps with DeepSpeedCPUAdam."""
+    from course_lib.parallel.launch import init_distributed
+    from course_lib.precision import make_policy
+    from course_lib.schedules import Schedule, make_scheduler
+    from rank_fns import param_digest
+
+    info = init_distributed(backend="gloo")
+    policy = make_policy("fp32", "cpu")
+    batches = _batches(cfg, rank, world_size, 4)
+    out = {}
+
+    def fb(strategy, bs, scale=1.0):
+        return strategy.forward_backward(bs, autocast=policy.autocast, backward=policy.backward,
+                                         on_loss=lambda loss: loss * scale)
+
+    # ---- run A: scheduled LR, a cut, then a skipped step
+    a = _build(cfg, info)
+    o = cfg["optim"]
+    scheduler = make_scheduler(a.optimizer, Schedule(o["lr"], 10, warmup_steps=4, kind="cosine", min_lr=o["min_lr"]))
+    seen = []
+    inner_step = a.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        seen.append([g["lr"] for g in a.optimizer.param_groups])
+        return inner_step(*args, **kwargs)
+    a.optimizer.step = recording_step
+    expected = []
+    for step, factor in ((0, 1.0), (1, 0.25)):
+        expected.append(scheduler.get_last_lr()[0] * factor)
+        fb(a, batches[step])
+        a.optimizer_step(policy, lr_factor=factor, found_inf=False)
+        a.zero_grad()
+        scheduler.step()
+    out["lr_seen"] = sorted({round(lr, 15) for lrs in seen for lr in lrs})
+    out["lr_expected"] = sorted({round(lr, 15) for lr in expected})
+    out["lr_after_cut"] = [g["lr"] for g in a.optimizer.param_groups]
+    out["lr_scheduled"] = scheduler.get_last_lr()
+    out["grad_norm"] = a.grad_norm_after_step()
+    del a.optimizer.step  # back to the (scheduler-wrapped) step
+    before = _snapshot(a)
+    fb(a, batches[2], scale=1000.0)  # a spike: large, finite gradients that must not leak
+    a.skip_step(policy)
+    a.zero_grad()
+    out["skip_changed_nothing"] = _same(before, _snapshot(a))
+    fb(a, batches[3])
+    a.optimizer_step(policy, lr_factor=1.0, found_inf=False)
+    a.zero_grad()
+    out["digest_skipped"] = param_digest(a.model)
+
+    # ---- run B: the same LRs, never sees batch 2
+    b = _build(cfg, info)
+    scheduler = make_scheduler(b.optimizer, Schedule(o["lr"], 10, warmup_steps=4, kind="cosine", min_lr=o["min_lr"]))
+    for step, factor in ((0, 1.0), (1, 0.25), (3, 1.0)):
+        fb(b, batches[step])
+        b.optimizer_step(policy, lr_factor=factor, found_inf=False)
+        b.zero_grad()
+        scheduler.step()
+    out["digest_clean"] = param_digest(b.model)
+
+    # ---- offload: DeepSpeed's CPU Adam does the step, and a skip leaves no trace there either
+    c = _build(offload_cfg, info)
+    out["offload_optimizer"] = type(c.optimizer).__name__
+    batches = _batches(offload_cfg, rank, world_size, 3)
+    fb(c, batches[0])
+    c.optimizer_step(policy)
+    c.zero_grad()
+    before = _snapshot(c)
+    fb(c, batches[1], scale=1000.0)
+    c.skip_step(policy)
+    c.zero_grad()
+    out["offload_skip_changed_nothing"] = _same(before, _snapshot(c))
+    fb(c, batches[2])
+    c.optimizer_step(policy)
+    d = _build(offload_cfg, info)
+    for step in (0, 2):
+        fb(d, batches[step])
+        d.optimizer_step(policy)
+        d.zero_grad()
+    out["offload_digests"] = [param_digest(c.model), param_digest(d.model)]
+    return out
+
+
+def resume_convert_fallback_many(rank, world_size, cfgs, root):
+    """:func:`resume_convert_fallback` for each ``{name: cfg}`` under ``root/name``, one start."""
+    from pathlib import Path
+
+    return {name: resume_convert_fallback(rank, world_size, cfg, str(Path(root) / name)) for name, cfg in cfgs.items()}
+
+
+def resume_convert_fallback(rank, world_size, cfg, root):
+    """ZeRO checkpoints end to end, in one start of the ranks:
+
+    * ``full``: 10 steps, checkpoints at 5 and 10;
+    * ``resumed``: a copy of ``full`` cut back to step 5 (checkpoint and metrics), resumed to 10;
+    * ``fallback``: a copy of ``full`` whose step-10 checkpoint has a truncated optimizer shard,
+      resumed: rank 0 falls back to step 5, every rank loads it, the run ends where ``full`` did;
+    * rank 0 converts ``full``'s last checkpoint with ``deepspeed_to_state_dict`` into a plain
+      single-process TinyGPT and compares it with the trained weights."""
+    import shutil
+    import warnings
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from course_lib import train_config
+    from course_lib.model import TinyGPT
+    from course_lib.parallel.deepspeed_checkpoints import deepspeed_to_state_dict
+    from rank_fns import param_digest
+
+    root = Path(root)
+    full = train_digest(rank, world_size, cfg, str(root / "full"))
+    if rank == 0:
+        for name in ("resumed", "fallback"):
+            shutil.copytree(root / "full", root / name)
+        shutil.rmtree(root / "resumed" / "checkpoints" / "step_000000010")
+        metrics = root / "resumed" / "metrics.jsonl"
+        metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:5]))
+        shard = root / "fallback" / "checkpoints" / "step_000000010" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        shard.write_bytes(shard.read_bytes()[:1000])
+    dist.barrier()
+    resumed = train_digest(rank, world_size, cfg, str(root / "resumed"), resume=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback = train_digest(rank, world_size, cfg, str(root / "fallback"), resume=True)
+    out = {"full": full, "resumed": resumed, "fallback": fallback,
+           "fallback_warnings": [str(w.message) for w in caught if "unusable" in str(w.message)]}
+    if rank == 0:
+        state = deepspeed_to_state_dict(root / "full" / "checkpoints" / "step_000000010")
+        plain = TinyGPT(train_config.build_model_config(cfg))
+        plain.load_state_dict(state, strict=True)
+        out["converted_digest"] = param_digest(plain)
+    dist.barrier()
+    return out
+
+
+def refusals(rank, world_size, cases, root):
+    """Run each ``(name, cfg)`` or ``(name, cfg, faults)`` expecting a ConfigError; returns
+    ``{name: (message or None, whether the run folder exists)}``."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from course_lib.train import train
+    from course_lib.train_config import ConfigError
+
+    out = {}
+    for name, cfg, *faults in cases:
+        folder = Path(root) / name
+        message = None
+        try:
+            train(cfg, folder, faults=faults[0] if faults else ())
+        except ConfigError as exc:
+            message = str(exc)
+        dist.barrier()
+        out[name] = (message, folder.exists())
+    return out

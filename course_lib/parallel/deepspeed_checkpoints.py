@@ -4,8 +4,9 @@ A checkpoint is a directory ``step_000000120`` (the kit's names, :func:`course_l
 holding
 
 * what ``engine.save_checkpoint`` writes: ``mp_rank_00_model_states.pt`` (rank 0: module weights,
-  and the optimizer state at ZeRO-0) and one ``zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank
-  (its partition of the fp32 master weights and Adam moments; ZeRO >= 1 or bf16);
+  and the optimizer state at ZeRO-0; at ZeRO-3 one ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per
+  rank instead) and one ``zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank (its partition of
+  the fp32 master weights and Adam moments; ZeRO >= 1 or bf16);
 * ``rank{R}.pt`` per rank, written by the kit next to them (``torch.load(weights_only=True)``): that
   rank's RNG streams and data position, and on rank 0 the state shared by every rank (scheduler,
   precision policy, stabilizer). DeepSpeed's ``client_state`` is not used: it is rank 0's only, and
@@ -153,8 +154,11 @@ def verify_deepspeed(path: Path, manifest: dict | None = None) -> dict:
     files, world = manifest["files"], manifest.get("world_size")
     if not isinstance(world, int) or world < 1:
         raise CheckpointCorruptError(f"{path}: the manifest names no world size")
-    needed = [MODEL_STATES] + [_rank_file(r) for r in range(world)]
-    if any(f.startswith("zero_pp_rank_") for f in files) or manifest.get("zero_stage", 0) >= 1:
+    needed = [_rank_file(r) for r in range(world)]
+    stage = manifest.get("zero_stage", 0)
+    # ZeRO-3 writes each rank's module partition, the others rank 0's whole module.
+    needed += [f"zero_pp_rank_{r}_{MODEL_STATES}" for r in range(world)] if stage == 3 else [MODEL_STATES]
+    if any(f.endswith("_optim_states.pt") for f in files) or stage >= 1:
         needed += [_zero_file(r) for r in range(world)]
     missing = [f for f in needed if f not in files]
     if missing:

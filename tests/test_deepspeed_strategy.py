@@ -1,0 +1,288 @@
+"""``train.strategy = "deepspeed"``: the generated DeepSpeed config, ZeRO 0-3 (and offload) equal to
+one process with the global batch, a skipped step that leaves no trace, the scheduler's LR inside
+DeepSpeed's step, bit-exact resume, checkpoint fall-back and conversion, refusals before any file,
+and both launchers (torchrun, deepspeed).
+
+Ranks are started as few times as possible (several runs per start): a DeepSpeed start costs
+seconds. DeepSpeed's C++ ops (``deepspeed_shm_comm`` on every CPU start, ``cpu_adam`` for offload)
+are compiled once into ``TORCH_EXTENSIONS_DIR`` (the venv's ``torch_extensions``, set by
+``course_lib/__init__.py``) and reused afterwards.
+"""
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+import deepspeed_rank_fns as ds_fns  # noqa: E402
+from course_lib import train_config  # noqa: E402
+from course_lib.metrics import read_rows  # noqa: E402
+from course_lib.parallel import run_ranks  # noqa: E402
+from course_lib.parallel.data_parallel.deepspeed_engine import check_faults  # noqa: E402
+from course_lib.parallel.deepspeed_config import build_ds_config, validate_ds_config  # noqa: E402
+from course_lib.train import train  # noqa: E402
+from course_lib.train_config import ConfigError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "labs" / "configs" / "tiny-cpu.toml"
+STAGES = {"z0": {"parallel.zero_stage": 0}, "z1": {"parallel.zero_stage": 1},
+          "z2": {"parallel.zero_stage": 2}, "z3": {"parallel.zero_stage": 3},
+          "z2-offload": {"parallel.zero_stage": 2, "parallel.offload_optimizer": "cpu"},
+          "z3-offload": {"parallel.zero_stage": 3, "parallel.offload_optimizer": "cpu", "parallel.offload_param": "cpu"}}
+
+
+def cfg(sets=None, **kw):
+    """tiny-cpu.toml, no progress bar, rows written at once, no CPU peak measurement; ``sets``
+    (dotted keys) and ``kw`` (``section__key``) override."""
+    values = {"train.progress": False, "train.metrics_flush_s": 0, "train.peak_flops": 1e12,
+              "train.max_steps": 12, "schedule.warmup_steps": 3, **(sets or {}),
+              **{k.replace("__", "."): v for k, v in kw.items()}}
+    return train_config.load(TINY, [f"{k}={json.dumps(v)}" for k, v in values.items()])
+
+
+def ds_cfg(sets=None, **kw):
+    return cfg({"train.strategy": "deepspeed", "train.micro_batch": 8, **(sets or {})}, **kw)
+
+
+def losses(out):
+    return [r["loss"] for r in read_rows(Path(out) / "metrics.jsonl")]
+
+
+def max_rel(a, b):
+    assert len(a) == len(b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------------------- the config (no ranks)
+
+def test_the_ds_config_comes_from_the_trainer_keys():
+    c = ds_cfg({"train.grad_accum": 3, "optim.lr": 2e-3, "optim.beta2": 0.99, "stability.max_grad_norm": 0.5})
+    ds = build_ds_config(c, world_size=4, device="cpu")
+    assert ds["train_micro_batch_size_per_gpu"] == 8 and ds["gradient_accumulation_steps"] == 3
+    assert ds["train_batch_size"] == 8 * 3 * 4
+    assert ds["gradient_clipping"] == 0.5  # ZeRO-2 (the default): DeepSpeed clips
+    assert ds["zero_optimization"] == {"stage": 2}
+    assert ds["optimizer"]["type"] == "AdamW"
+    assert ds["optimizer"]["params"] == {"lr": 2e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1,
+                                         "torch_adam": True, "adam_w_mode": True}
+    assert ds["bf16"] == {"enabled": False} and "fp16" not in ds and "scheduler" not in ds
+    validate_ds_config(ds, world_size=4)  # DeepSpeed's own parser accepts it
+
+    z0 = build_ds_config(ds_cfg({"parallel.zero_stage": 0}), world_size=2, device="cpu")
+    assert z0["gradient_clipping"] == 0.0  # fp32 ZeRO-0: p.grad is visible, the stabilizer clips
+    bf16 = build_ds_config(ds_cfg({"parallel.zero_stage": 0, "train.precision": "bf16"}), world_size=2, device="cpu")
+    assert bf16["bf16"] == {"enabled": True} and bf16["gradient_clipping"] == 1.0
+    off = build_ds_config(ds_cfg({"parallel.zero_stage": 3, "parallel.offload_optimizer": "cpu",
+                                  "parallel.offload_param": "cpu"}), world_size=2, device="cpu")
+    assert off["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert off["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert off["optimizer"]["params"]["torch_adam"] is False  # DeepSpeedCPUAdam steps on the CPU
+    validate_ds_config(off, world_size=2)
+    gpu16 = build_ds_config(ds_cfg({"train.precision": "fp16"}), world_size=2, device="cuda:0")
+    assert gpu16["fp16"]["enabled"] is True
+
+
+def test_fp16_on_a_cpu_is_a_config_error_naming_train_precision():
+    with pytest.raises(ConfigError, match=r"train\.precision.*CUDA"):
+        build_ds_config(ds_cfg({"train.precision": "fp16"}), world_size=2, device="cpu")
+
+
+@pytest.mark.parametrize("change, key", [
+    (lambda d: d["zero_optimization"].update(stage=7), "parallel.zero_stage"),
+    (lambda d: d["zero_optimization"].update(offload_optimizer={"device": "disk"}), "parallel.offload_optimizer"),
+    (lambda d: d["zero_optimization"].update(offload_param={"device": "tape"}), "parallel.offload_param"),
+    (lambda d: d["bf16"].update(enabled="maybe"), "train.precision"),
+    (lambda d: d.update(train_batch_size=7), "train.micro_batch"),
+])
+def test_a_deepspeed_parser_rejection_names_the_trainer_key(change, key):
+    ds = build_ds_config(ds_cfg(), world_size=2, device="cpu")
+    change(ds)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate_ds_config(ds, world_size=2)
+
+
+@pytest.mark.parametrize("sets, words", [
+    ({"parallel.zero_stage": 2, "parallel.offload_param": "cpu"}, "parallel.offload_param"),
+    ({"parallel.zero_stage": 0, "parallel.offload_optimizer": "cpu"}, "parallel.offload_optimizer"),
+])
+def test_offload_needs_the_right_stage(sets, words):
+    with pytest.raises(ConfigError, match=words):
+        ds_cfg(sets)
+
+
+def test_gradient_faults_are_refused_when_deepspeed_keeps_the_gradients():
+    from course_lib.stability import parse_faults
+
+    with pytest.raises(ConfigError, match="inf_grad@3"):
+        check_faults(parse_faults(["nan_loss@2", "inf_grad@3"]), grads_visible=False)
+    with pytest.raises(ConfigError, match="grad_scale@3"):
+        check_faults(["grad_scale@3=10"], grads_visible=False)
+    check_faults(parse_faults(["nan_loss@2", "loss_shift@4=3"]), grads_visible=False)
+    check_faults(parse_faults(["inf_grad@3"]), grads_visible=True)  # fp32 ZeRO-0: p.grad exists
+
+
+# ----------------------------------------------------------------------------- on two ranks
+
+@pytest.fixture(scope="module")
+def deepspeed_ops():
+    """DeepSpeed's JIT ops, built once into TORCH_EXTENSIONS_DIR (the venv's cache) here, before
+    any rank starts: a fresh environment pays the compile once (about 40 s and 60 s on a quiet
+    2-core machine) in this process instead of racing for it inside every rank's timeout; later
+    runs load the cached libraries (about 3 s)."""
+    from deepspeed.accelerator import get_accelerator
+
+    assert os.environ.get("TORCH_EXTENSIONS_DIR"), "course_lib sets TORCH_EXTENSIONS_DIR on import"
+    for name in ("ShareMemCommBuilder", "CPUAdamBuilder"):  # shm: every CPU start; cpu_adam: offload
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and builder.is_compatible(verbose=False):
+            builder.load(verbose=False)
+
+
+def test_every_zero_stage_and_offload_matches_one_process_with_the_global_batch(tmp_path, deepspeed_ops):
+    from course_lib.model import TinyGPT
+    from course_lib.parallel.deepspeed_checkpoints import deepspeed_to_state_dict
+    from safetensors.torch import load_file
+
+    train(cfg(train__micro_batch=16), tmp_path / "single")
+    runs = [(ds_cfg(sets), str(tmp_path / name), (), False) for name, sets in STAGES.items()]
+    results = run_ranks(ds_fns.train_many, 2, runs, timeout=600)
+    single = read_rows(tmp_path / "single" / "metrics.jsonl")
+    ref = [r["loss"] for r in single]
+    for i, name in enumerate(STAGES):
+        assert results[0][i]["steps"] == results[1][i]["steps"] == 12, name
+        assert results[0][i]["final_loss"] == results[1][i]["final_loss"], name
+        got = losses(tmp_path / name)
+        # fp32, the same global batch: equal up to summation order (measured 1.3e-7; offload 2.3e-7)
+        assert max_rel(got, ref) < 1e-5, (name, got, ref)
+        assert json.loads((tmp_path / name / "ds_config.json").read_text())["zero_optimization"]["stage"] \
+            == STAGES[name]["parallel.zero_stage"]
+    for name in ("z1", "z2", "z3"):  # the engine measured (and clipped): its norm is the true one
+        rows = read_rows(tmp_path / name / "metrics.jsonl")
+        assert rows[0]["grad_norm"] == pytest.approx(single[0]["grad_norm"], rel=1e-4)
+    z0 = read_rows(tmp_path / "z0" / "metrics.jsonl")  # ZeRO-0: the stabilizer measured and clipped p.grad
+    assert [r["clipped"] for r in z0] == [r["clipped"] for r in single] and any(r["clipped"] for r in z0)
+    assert [r["grad_norm"] for r in z0] == pytest.approx([r["grad_norm"] for r in single], rel=1e-4)
+
+    # conversion: ZeRO-2 and ZeRO-3 checkpoints load into a plain TinyGPT and equal the single run
+    want = load_file(str(tmp_path / "single" / "checkpoints" / "step_000000012" / "model.safetensors"))
+    for name in ("z2", "z3"):
+        state = deepspeed_to_state_dict(tmp_path / name / "checkpoints" / "step_000000012")
+        plain = TinyGPT(train_config.build_model_config(cfg()))
+        plain.load_state_dict(state, strict=True)
+        for key, value in want.items():
+            torch.testing.assert_close(plain.state_dict()[key], value, rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
+
+
+def test_a_skipped_step_leaves_no_trace_and_the_scheduled_lr_reaches_deepspeed(deepspeed_ops):
+    out = run_ranks(ds_fns.skip_and_lr, 2,
+                    ds_cfg({"parallel.zero_stage": 2, "train.micro_batch": 4, "train.grad_accum": 2}),
+                    ds_cfg({"parallel.zero_stage": 2, "parallel.offload_optimizer": "cpu"}), timeout=300)
+    for r in out:
+        assert r["lr_seen"] == r["lr_expected"]  # warm-up LR, then the scheduled LR x 0.25
+        assert r["lr_after_cut"] == r["lr_scheduled"]  # the cut lasted one step
+        assert r["grad_norm"] is not None and r["grad_norm"] > 0
+        assert r["skip_changed_nothing"]  # parameters, fp32 partitions, Adam moments and steps
+        assert r["digest_skipped"] == r["digest_clean"]  # the next step is exactly the one never skipping gives
+        assert r["offload_optimizer"] == "DeepSpeedCPUAdam"
+        assert r["offload_skip_changed_nothing"]
+        assert r["offload_digests"][0] == r["offload_digests"][1]
+    assert out[0]["digest_clean"] == out[1]["digest_clean"]
+
+
+def test_resume_is_bit_exact_a_corrupt_checkpoint_falls_back_and_conversion_is_exact(tmp_path, deepspeed_ops):
+    cfgs = {f"z{stage}": ds_cfg({"parallel.zero_stage": stage, "train.max_steps": 10, "checkpoint.save_every": 5})
+            for stage in (2, 3)}
+    results = run_ranks(ds_fns.resume_convert_fallback_many, 2, cfgs, str(tmp_path), timeout=600)
+    for name in cfgs:
+        out = [r[name] for r in results]
+        for r in out:
+            assert r["resumed"]["resumed_from"] == 5 and r["fallback"]["resumed_from"] == 5, name
+            assert r["resumed"]["digest"] == r["full"]["digest"] == r["fallback"]["digest"], name
+        assert out[0]["full"]["digest"] == out[1]["full"]["digest"], name
+        assert any("step_000000010 is unusable" in w for w in out[0]["fallback_warnings"]), name
+        assert out[0]["converted_digest"] == out[0]["full"]["digest"], name  # fp32 masters == the model, bit for bit
+        run = tmp_path / name
+        full = losses(run / "full")
+        assert losses(run / "resumed") == full and losses(run / "fallback") == full, name  # not approx
+        ckpt = run / "full" / "checkpoints"
+        assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith(("step_", ".tmp"))) == \
+            ["step_000000005", "step_000000010"], name
+        files = json.loads((ckpt / "step_000000010" / "manifest.json").read_text())["files"]
+        model = ({f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in (0, 1)} if name == "z3"
+                 else {"mp_rank_00_model_states.pt"})
+        assert {"rank0.pt", "rank1.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                "zero_pp_rank_1_mp_rank_00_optim_states.pt", *model} == set(files), name
+
+
+def test_bad_input_is_refused_before_any_file(tmp_path, deepspeed_ops):
+    bad_parse = ds_cfg()
+    bad_parse = copy.deepcopy(bad_parse)
+    bad_parse["parallel"]["offload_optimizer"] = "disk"  # past the schema: DeepSpeed's parser refuses it
+    cases = [("fp16", ds_cfg({"train.precision": "fp16"})), ("parser", bad_parse),
+             ("format", ds_cfg({"checkpoint.format": "full"})),
+             ("grad-fault", ds_cfg({"parallel.zero_stage": 2}), ["inf_grad@3"])]
+    out = run_ranks(ds_fns.refusals, 2, cases, str(tmp_path), timeout=300)
+    for r in out:
+        assert "train.precision" in r["fp16"][0] and "CUDA" in r["fp16"][0]
+        assert r["parser"][0].startswith("parallel.offload_optimizer")
+        assert "checkpoint.format" in r["format"][0]
+        assert "inf_grad@3" in r["grad-fault"][0] and "nan_loss" in r["grad-fault"][0]
+        assert not any(exists for _, exists in r.values())
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def _args(out, *extra):
+    return ["--config", str(TINY), "--out", str(out), "--max-steps", "3", "--no-progress",
+            "--set", "train.strategy=deepspeed", "--set", "train.micro_batch=8",
+            "--set", "schedule.warmup_steps=1", "--set", "train.peak_flops=1e12", *extra]
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def test_torchrun_launch(tmp_path, deepspeed_ops):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "course_lib.train",
+                          *_args(tmp_path / "run", "--set", "parallel.zero_stage=1")],
+                         capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "trained 3 steps" in run.stdout
+    assert len(read_rows(tmp_path / "run" / "metrics.jsonl")) == 3
+    assert json.loads((tmp_path / "run" / "ds_config.json").read_text())["train_batch_size"] == 16
+
+
+def test_deepspeed_launcher(tmp_path, deepspeed_ops):
+    import socket
+
+    with socket.socket() as s:  # a free port for the launcher's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = Path(sys.executable).with_name("deepspeed")
+    # --num_gpus 2: on a CPU the launcher would count NUMA nodes (one process). It appends
+    # --local_rank=N, which course_lib.train accepts and ignores (LOCAL_RANK is in the environment).
+    run = subprocess.run([str(launcher), "--num_gpus", "2", "--master_port", str(port),
+                          "--module", "course_lib.train", *_args(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert "trained 3 steps" in run.stdout
+    assert len(read_rows(tmp_path / "run" / "metrics.jsonl")) == 3
+
+
+# ----------------------------------------------------------------------------- long
+
+@pytest.mark.slow
+def test_fifty_steps_of_every_stage_stay_within_1e_4_of_one_process(tmp_path, deepspeed_ops):
+    train(cfg(train__micro_batch=16, train__max_steps=50), tmp_path / "single")
+    runs = [(ds_cfg({**sets, "train.max_steps": 50}), str(tmp_path / name), (), False) for name, sets in STAGES.items()]
+    run_ranks(ds_fns.train_many, 2, runs, timeout=900)
+    ref = losses(tmp_path / "single")
+    for name in STAGES:
+        assert max_rel(losses(tmp_path / name), ref) < 1e-4, name
