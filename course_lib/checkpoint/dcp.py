@@ -29,8 +29,6 @@ the restricted unpickler of :mod:`course_lib.checkpoint.dcp_trust` (DCP's own re
 from __future__ import annotations
 
 import io
-import shutil
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -41,7 +39,8 @@ import torch.distributed as dist
 from course_lib.validate import check_bool, check_int
 
 from . import io as cio
-from .io import CheckpointCorruptError, CheckpointError, CheckpointLoadError
+from .collective import agree, broadcast, collective_save, describe, newest_first
+from .io import CheckpointCorruptError, CheckpointLoadError
 from .dcp_trust import RestrictedFileSystemReader, SafeLoadPlanner, read_metadata_file
 from .state import LoadResult, capture_rng, restore_rng_state
 
@@ -57,26 +56,10 @@ def _rank_file(rank: int) -> str:
 def _sharded_dirs(root: Path) -> tuple[list[tuple[int, str, dict]], dict[str, str]]:
     """``([(seq, name, manifest)] newest first (unverified), {name: why the manifest is unreadable})``
     of the sharded checkpoints under ``root``."""
-    good, damaged = cio.scan(root, DCP_FORMAT)
-    return sorted(((m.get("seq", 0), n, m) for n, m in good.items()), reverse=True), damaged
+    return newest_first(root, DCP_FORMAT)
 
 
-def _broadcast(obj: Any, group: Any) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    return box[0]
-
-
-def _agree(error: str | None, group: Any) -> list[tuple[int, str]]:
-    """Every rank's error (None when it succeeded) on every rank: ``[(rank, error)]`` of those
-    that failed. Replaces a bare barrier, so one rank's failure stops all of them at once."""
-    errors: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    return [(r, e) for r, e in enumerate(errors) if e is not None]
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
+_broadcast, _agree, _describe = broadcast, agree, describe  # used by the loader below
 
 
 def _dcp_exceptions() -> tuple:
@@ -103,68 +86,25 @@ def save_sharded(root: str | Path, step: int, model: torch.nn.Module, optimizer:
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint import state_dict as sd
 
-    root, rank = Path(root), dist.get_rank(process_group)
-    plan: Any = None
-    if rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            cio.cleanup_temp(root)
-            existing, _ = _sharded_dirs(root)
-            name = cio.fresh_name(root, step)
-            tmp = cio.new_temp_dir(root, name)
-            plan = ("ok", name, str(tmp), 1 + max([s for s, _, _ in existing] + [0]))
-        except Exception as e:  # the others wait for the plan: tell them
-            plan = ("error", _describe(e), None, None)
-    kind, name, tmp, seq = _broadcast(plan, process_group)
-    if kind == "error":
-        raise CheckpointError(f"sharded save of step {step} failed on rank 0: {name}")
-    tmp = Path(tmp)
+    rank = dist.get_rank(process_group)
 
-    def fail(failed: list[tuple[int, str]]) -> None:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"sharded save of step {step} failed on "
-                              + "; ".join(f"rank {r}: {e}" for r, e in failed)
-                              + f". Nothing was committed under {root}")
-
-    error = None
-    try:  # local work only: no collective may run here, or a failing rank would leave the others waiting
+    def prepare():  # local only: the state dicts and this rank's RNG, data position, shared state
         model_sd, optim_sd = sd.get_state_dict(model, optimizer if optimizer is not None else [])
         buf = io.BytesIO()
         torch.save({"rng": capture_rng(),
                     "per_rank": {k: v.state_dict() for k, v in (per_rank or {}).items()},
                     "shared": {k: v.state_dict() for k, v in (shared or {}).items()} if rank == 0 else {}}, buf)
-    except Exception as e:
-        error = _describe(e)
-    failed = _agree(error, process_group)
-    if failed:
-        fail(failed)
-    error = None
-    try:
+        return model_sd, optim_sd, buf.getvalue()
+
+    def write(tmp: Path, prepared) -> None:
+        model_sd, optim_sd, mine = prepared
         # DCP exchanges its own errors between ranks: a failure inside it raises on every rank.
         dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), process_group=process_group)
-        cio.write_durable(tmp / _rank_file(rank), buf.getvalue())
-    except _dcp_exceptions() as e:
-        error = _describe(e)
-    failed = _agree(error, process_group)
-    if failed:
-        fail(failed)
-    error = None
-    if rank == 0:
-        try:
-            manifest = {"format": DCP_FORMAT, "step": step, "seq": seq, "created_unix": time.time(),
-                        "world_size": dist.get_world_size(process_group), "metrics": dict(metrics or {})}
-            final = cio.commit_dir(tmp, root / name, manifest)  # removes tmp if it fails
-            cio.read_verified(final)  # re-read before pruning anything older
-            for _, old, _ in _sharded_dirs(root)[0][keep_last:]:
-                cio.remove_dir(root / old)
-        except BaseException as e:  # every rank must hear of it, then fail together
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = _describe(e)
-    error = _broadcast(error, process_group)
-    if error is not None:
-        raise CheckpointError(f"sharded save of step {step} failed on rank 0: {error}")
-    return root / name
+        cio.write_durable(tmp / _rank_file(rank), mine)
+
+    return collective_save(root, step, what="sharded", format=DCP_FORMAT, prepare=prepare, write=write,
+                           manifest={"metrics": dict(metrics or {})}, keep_last=keep_last,
+                           group=process_group, write_errors=_dcp_exceptions())
 
 
 # ----------------------------------------------------------------------------- load

@@ -35,8 +35,6 @@ damage, not a forged file (see ``docs/CHECKPOINTS.md``, "What is trusted").
 from __future__ import annotations
 
 import io
-import shutil
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -45,8 +43,10 @@ import torch
 import torch.distributed as dist
 
 from course_lib.checkpoint import io as cio
-from course_lib.checkpoint.dcp import _agree, _broadcast, _describe
-from course_lib.checkpoint.io import CheckpointCorruptError, CheckpointError, CheckpointLoadError
+from course_lib.checkpoint.collective import broadcast as _broadcast
+from course_lib.checkpoint.collective import collective_save, newest_first
+from course_lib.checkpoint.collective import describe as _describe
+from course_lib.checkpoint.io import CheckpointCorruptError, CheckpointLoadError
 from course_lib.checkpoint.state import LoadResult, capture_rng, restore_rng_state
 from course_lib.validate import check_int
 
@@ -64,8 +64,7 @@ def _zero_file(rank: int) -> str:
 
 def _ds_dirs(root: Path) -> tuple[list[tuple[int, str, dict]], dict[str, str]]:
     """``([(seq, name, manifest)] newest first, {name: why unreadable})`` under ``root``."""
-    good, damaged = cio.scan(root, DS_FORMAT)
-    return sorted(((m.get("seq", 0), n, m) for n, m in good.items()), reverse=True), damaged
+    return newest_first(root, DS_FORMAT)
 
 
 # ----------------------------------------------------------------------------- save
@@ -78,69 +77,24 @@ def save_deepspeed(root: str | Path, step: int, engine: Any, *, shared: dict[str
     A failure on any rank raises CheckpointError on every rank and commits nothing."""
     check_int("step", step, 0)
     check_int("keep_last", keep_last, 1)
-    root, rank = Path(root), dist.get_rank()
-    plan: Any = None
-    if rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            cio.cleanup_temp(root)
-            existing, _ = _ds_dirs(root)
-            name = cio.fresh_name(root, step)
-            tmp = cio.new_temp_dir(root, name)
-            plan = ("ok", name, str(tmp), 1 + max([s for s, _, _ in existing] + [0]))
-        except Exception as e:  # the others wait for the plan: tell them
-            plan = ("error", _describe(e), None, None)
-    kind, name, tmp, seq = _broadcast(plan, None)
-    if kind == "error":
-        raise CheckpointError(f"deepspeed save of step {step} failed on rank 0: {name}")
-    tmp = Path(tmp)
+    rank = dist.get_rank()
 
-    def fail(failed: list[tuple[int, str]]) -> None:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"deepspeed save of step {step} failed on "
-                              + "; ".join(f"rank {r}: {e}" for r, e in failed)
-                              + f". Nothing was committed under {root}")
-
-    error = None
-    try:  # local work only: a failing rank must not leave the others in a collective
+    def prepare() -> bytes:  # local only: this rank's RNG and data position, rank 0's shared state
         buf = io.BytesIO()
         torch.save({"rng": capture_rng(),
                     "per_rank": {k: v.state_dict() for k, v in (per_rank or {}).items()},
                     "shared": {k: v.state_dict() for k, v in (shared or {}).items()} if rank == 0 else {}}, buf)
-    except Exception as e:
-        error = _describe(e)
-    failed = _agree(error, None)
-    if failed:
-        fail(failed)
-    error = None
-    try:
+        return buf.getvalue()
+
+    def write(tmp: Path, mine: bytes) -> None:
         # Collective inside (barriers); the temp directory is DeepSpeed's tag, so its files land
         # directly in it. save_latest=False: the kit's manifest, not a 'latest' file, says what exists.
-        engine.save_checkpoint(str(root), tag=tmp.name, client_state={}, save_latest=False)
-        cio.write_durable(tmp / _rank_file(rank), buf.getvalue())
-    except Exception as e:
-        error = _describe(e)
-    failed = _agree(error, None)
-    if failed:
-        fail(failed)
-    error = None
-    if rank == 0:
-        try:
-            manifest = {"format": DS_FORMAT, "step": step, "seq": seq, "created_unix": time.time(),
-                        "world_size": dist.get_world_size(), "zero_stage": int(engine.zero_optimization_stage()),
-                        "metrics": dict(metrics or {})}
-            final = cio.commit_dir(tmp, root / name, manifest)  # removes tmp if it fails
-            cio.read_verified(final)  # re-read before pruning anything older
-            for _, old, _ in _ds_dirs(root)[0][keep_last:]:
-                cio.remove_dir(root / old)
-        except BaseException as e:  # every rank must hear of it, then fail together
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = _describe(e)
-    error = _broadcast(error, None)
-    if error is not None:
-        raise CheckpointError(f"deepspeed save of step {step} failed on rank 0: {error}")
-    return root / name
+        engine.save_checkpoint(str(tmp.parent), tag=tmp.name, client_state={}, save_latest=False)
+        cio.write_durable(tmp / _rank_file(rank), mine)
+
+    return collective_save(root, step, what="deepspeed", format=DS_FORMAT, prepare=prepare, write=write,
+                           manifest={"zero_stage": int(engine.zero_optimization_stage()),
+                                     "metrics": dict(metrics or {})}, keep_last=keep_last)
 
 
 # ----------------------------------------------------------------------------- load

@@ -1,0 +1,119 @@
+"""The save protocol every multi-rank checkpoint shares (DCP shards, DeepSpeed shards).
+
+1. Rank 0 picks a fresh name and a ``.tmp-*`` directory under ``root`` and broadcasts them (or
+   its error: the others are waiting).
+2. Every rank does its *local* preparation (``prepare``: serialise its RNG and data position...);
+   the ranks exchange errors instead of meeting at a bare barrier, so one rank's failure stops
+   all of them at once and nothing is left waiting in a collective.
+3. Every rank writes (``write(tmp, prepared)``: the engine's collective save plus its own files);
+   errors exchanged again.
+4. Rank 0 seals the directory (:func:`course_lib.checkpoint.io.commit_dir`: hash and fsync every
+   file, manifest, rename, fsync), re-reads it, and only then prunes to ``keep_last``; its error,
+   if any, is broadcast so every rank raises together.
+
+Nothing appears under a final name unless every rank's part is in it.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from . import io as cio
+from .io import CheckpointError
+
+
+def broadcast(obj: Any, group: Any = None) -> Any:
+    """``obj`` from the group's first rank on every rank of ``group`` (None: the world)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    return box[0]
+
+
+def agree(error: str | None, group: Any = None) -> list[tuple[int, str]]:
+    """Every rank's error (None when it succeeded) on every rank: ``[(rank, error)]`` of those
+    that failed. Replaces a bare barrier, so one rank's failure stops all of them at once."""
+    errors: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    return [(r, e) for r, e in enumerate(errors) if e is not None]
+
+
+def describe(e: BaseException) -> str:
+    """``"TypeName: message"`` for error reports that travel between ranks."""
+    return f"{type(e).__name__}: {e}"
+
+
+def newest_first(root: Path, format: str) -> tuple[list[tuple[int, str, dict]], dict[str, str]]:
+    """``([(seq, name, manifest)] newest first (unverified), {name: why the manifest is unreadable})``
+    of the checkpoints of ``format`` under ``root``."""
+    good, damaged = cio.scan(root, format)
+    return sorted(((m.get("seq", 0), n, m) for n, m in good.items()), reverse=True), damaged
+
+
+def collective_save(root: str | Path, step: int, *, what: str, format: str,
+                    prepare: Callable[[], Any], write: Callable[[Path, Any], None],
+                    manifest: dict[str, Any], keep_last: int, group: Any = None,
+                    write_errors: tuple = (Exception,)) -> Path:
+    """Run the protocol of the module docstring on every rank of ``group``; returns the final
+    path. ``what`` names the checkpoint kind in errors ("sharded", "deepspeed"); ``manifest``:
+    extra fields (metrics, ZeRO stage) next to format, step, seq, time and world size;
+    ``write_errors``: the exception types ``write`` may raise that are reported rather than
+    propagated (DCP's CheckpointException is a BaseException). CheckpointError on every rank
+    when any rank fails; nothing is committed then."""
+    root, rank = Path(root), dist.get_rank(group)
+    plan: Any = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            cio.cleanup_temp(root)
+            existing, _ = newest_first(root, format)
+            name = cio.fresh_name(root, step)
+            tmp = cio.new_temp_dir(root, name)
+            plan = ("ok", name, str(tmp), 1 + max([s for s, _, _ in existing] + [0]))
+        except Exception as e:  # the others wait for the plan: tell them
+            plan = ("error", describe(e), None, None)
+    kind, name, tmp, seq = broadcast(plan, group)
+    if kind == "error":
+        raise CheckpointError(f"{what} save of step {step} failed on rank 0: {name}")
+    tmp = Path(tmp)
+
+    def check(error: str | None) -> None:
+        failed = agree(error, group)
+        if failed:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"{what} save of step {step} failed on "
+                                  + "; ".join(f"rank {r}: {e}" for r, e in failed)
+                                  + f". Nothing was committed under {root}")
+
+    error, prepared = None, None
+    try:  # local work only: no collective may run here, or a failing rank would leave the others waiting
+        prepared = prepare()
+    except Exception as e:
+        error = describe(e)
+    check(error)
+    error = None
+    try:
+        write(tmp, prepared)
+    except write_errors as e:
+        error = describe(e)
+    check(error)
+    error = None
+    if rank == 0:
+        try:
+            sealed = {"format": format, "step": step, "seq": seq, "created_unix": time.time(),
+                      "world_size": dist.get_world_size(group), **manifest}
+            final = cio.commit_dir(tmp, root / name, sealed)  # removes tmp if it fails
+            cio.read_verified(final)  # re-read before pruning anything older
+            for _, old, _ in newest_first(root, format)[0][keep_last:]:
+                cio.remove_dir(root / old)
+        except BaseException as e:  # every rank must hear of it, then fail together
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = describe(e)
+    error = broadcast(error, group)
+    if error is not None:
+        raise CheckpointError(f"{what} save of step {step} failed on rank 0: {error}")
+    return root / name
