@@ -131,17 +131,13 @@ def test_gradient_faults_are_refused_when_deepspeed_keeps_the_gradients():
 
 @pytest.fixture(scope="module")
 def deepspeed_ops():
-    """DeepSpeed's JIT ops, built once into TORCH_EXTENSIONS_DIR (the venv's cache) here, before
-    any rank starts: a fresh environment pays the compile once (about 40 s and 60 s on a quiet
-    2-core machine) in this process instead of racing for it inside every rank's timeout; later
-    runs load the cached libraries (about 3 s)."""
-    from deepspeed.accelerator import get_accelerator
+    """DeepSpeed's JIT ops, loaded from the venv's cache (``./kit setup`` built them; a venv made
+    another way builds them here, once, in this process, before any rank starts and races for
+    them inside its timeouts)."""
+    from course_lib.parallel.deepspeed_ops import build
 
     assert os.environ.get("TORCH_EXTENSIONS_DIR"), "course_lib sets TORCH_EXTENSIONS_DIR on import"
-    for name in ("ShareMemCommBuilder", "CPUAdamBuilder"):  # shm: every CPU start; cpu_adam: offload
-        builder = get_accelerator().create_op_builder(name)
-        if builder is not None and builder.is_compatible(verbose=False):
-            builder.load(verbose=False)
+    build()
 
 
 def test_every_zero_stage_and_offload_matches_one_process_with_the_global_batch(tmp_path, deepspeed_ops):
