@@ -86,6 +86,13 @@ class PrecisionPolicy:
         if found_inf is not None:
             if not found_inf:
                 optimizer.step()
+            # The scale follows the caller's (global) verdict, not what unscale_ saw here: with
+            # sharded gradients (ZeRO-2/3) the inf may sit in another rank's shard, and ranks whose
+            # scales drift apart would scale their shares of one gradient differently. Writing the
+            # flag into the recorded tensors is a device op, no host read.
+            for state in self.scaler._per_optimizer_states.values():
+                for flag in state.get("found_inf_per_device", {}).values():
+                    flag.fill_(float(found_inf))
             self.scaler.update()
             self._last_scale = None
             return not found_inf

@@ -170,6 +170,26 @@ def test_fp16_loss_scaling_demonstration_on_cpu():
     fp16_scaler_checks("cpu")
 
 
+def test_fp16_scale_follows_the_callers_verdict_not_this_ranks_shard():
+    """ZeRO-2/3: the inf can sit in another rank's gradient shard. When the trainer's global
+    check says found_inf=True, this rank must skip and halve its scale like the rank that saw it,
+    although its own unscale_ found nothing; and found_inf=False must not halve it."""
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    policy = make_policy("fp16", "cpu", cpu_fp16="allow")
+    start = policy.scaler.get_scale()
+    policy.backward((p * 2).sum())
+    policy.unscale_(opt)  # finite here
+    assert policy.step(opt, found_inf=True) is False
+    assert torch.equal(p.detach(), torch.ones(4)), "the step must be skipped"
+    assert policy.scaler.get_scale() == start * 0.5, "the scale must halve with the other ranks"
+    opt.zero_grad()
+    policy.backward((p * 2).sum())
+    policy.unscale_(opt)
+    assert policy.step(opt, found_inf=False) is True
+    assert policy.scaler.get_scale() == start * 0.5  # growth only after growth_interval good steps
+
+
 def train_losses(policy_name, device, steps, batch_size=16, seed=0):
     torch.manual_seed(seed)
     task = MarkovTask(vocab_size=32, seq_len=32, seed=0)
