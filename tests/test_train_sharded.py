@@ -163,6 +163,19 @@ def test_fsdp_needs_blocks_to_shard():
     assert message.startswith("ConfigError") and "blocks" in message and "train.strategy" in message, message
 
 
+def test_a_checkpoint_format_the_strategy_cannot_hold_is_refused(tmp_path):
+    """zero2/fsdp-scratch keep non-DTensor shards (full files only); FSDP2 keeps DTensors (DCP only)."""
+    import deepspeed_rank_fns as generic  # its refusals() runs any config expecting a ConfigError
+
+    cases = [("zero2", cfg(train__micro_batch=8, train__strategy="zero2", checkpoint__format="sharded")),
+             ("fsdp-scratch", cfg(train__micro_batch=8, train__strategy="fsdp-scratch", checkpoint__format="sharded")),
+             ("fsdp", cfg(train__micro_batch=8, train__strategy="fsdp", checkpoint__format="full"))]
+    for rank_out in run_ranks(generic.refusals, 2, cases, str(tmp_path)):
+        for name, (message, exists) in rank_out.items():
+            assert message and "checkpoint.format" in message and name in message, (name, message)
+            assert not exists, f"{name}: the run folder was created before the refusal"
+
+
 @pytest.mark.parametrize("sets, match", [
     ({"train__strategy": "zero1"}, "needs a process group"),
     ({"train__strategy": "fsdp-scratch"}, "needs a process group"),
@@ -170,6 +183,7 @@ def test_fsdp_needs_blocks_to_shard():
     ({"train__strategy": "deepspeed", "parallel__zero_stage": 0, "parallel__offload_optimizer": "cpu"},
      "parallel.offload_optimizer"),
     ({"parallel__zero_stage": 4}, "parallel.zero_stage"),
+
     ({"parallel__bucket_mb": -1}, "parallel.bucket_mb"),
 ])
 def test_bad_input_is_refused_before_any_file(tmp_path, sets, match):

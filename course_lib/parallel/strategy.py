@@ -50,6 +50,8 @@ class Strategy:
     #: "full": a writer rank saves the whole state (replicated weights). "sharded": every rank
     #: saves its shards through DCP (``course_lib.checkpoint.dcp``), no rank gathers the model.
     checkpoint_format = "full"
+    #: The formats ``checkpoint.format`` may pick for this strategy ("auto" means the one above).
+    checkpoint_formats: tuple[str, ...] = ("full", "sharded")
 
     #: False when an engine keeps the gradients out of ``p.grad`` (DeepSpeed ZeRO): the
     #: stabilizer then judges the loss only and the engine clips.
@@ -206,6 +208,12 @@ class Strategy:
         from course_lib.parallel.checkpointing import FullCheckpoints, ShardedCheckpoints
 
         chosen = self.checkpoint_format if format == "auto" else format
+        if chosen not in self.checkpoint_formats:
+            from course_lib.train_config import ConfigError
+
+            raise ConfigError(f"checkpoint.format = {format!r} does not fit train.strategy = {self.name!r}, "
+                              f"whose state only saves as {' or '.join(map(repr, self.checkpoint_formats))}; "
+                              f"use 'auto'")
         if chosen == "sharded":
             return ShardedCheckpoints(self, root, every_steps=every_steps, keep_last=keep_last,
                                       async_save=async_save, mirror=mirror)

@@ -28,6 +28,7 @@ class FSDP2(TorchDDP):
     """FSDP2 ``fully_shard`` per block + root (see the module docstring)."""
 
     name = "fsdp"
+    checkpoint_formats = ("sharded",)  # DTensor shards go through DCP; consolidate_sharded makes a full file
     checkpoint_format = "sharded"
 
     def setup(self, model: nn.Module, make_optimizer) -> None:

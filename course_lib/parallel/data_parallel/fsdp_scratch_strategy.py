@@ -27,6 +27,7 @@ class FSDPScratch(TorchDDP):
     """ZeRO-3 by hand behind the strategy interface (see the module docstring)."""
 
     name = "fsdp-scratch"
+    checkpoint_formats = ("full",)  # flat padded shards are not DTensors: saved in the unsharded layout
 
     def setup(self, model: nn.Module, make_optimizer) -> None:
         base = make_optimizer(model)  # grouped on the original shapes

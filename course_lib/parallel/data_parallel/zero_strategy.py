@@ -32,6 +32,7 @@ class Zero1(TorchDDP):
     """ZeRO-1: optimizer state sharded, gradients reduce-scattered into full-size buffers."""
 
     name = "zero1"
+    checkpoint_formats = ("full",)  # the optimizer shards are consolidated into a full file
     free_unowned_grads = False
 
     def setup(self, model, make_optimizer) -> None:
