@@ -1,0 +1,105 @@
+"""A whole TinyGPT, tensor-parallel: ``tp_tinygpt(model, group)``.
+
+Layout (Megatron): the token table is vocab-parallel (:class:`.VocabParallelEmbedding`), every
+block is a :class:`.TPBlock`, the final norm and the learned position table are replicated, and the
+output head is column-parallel over the vocabulary with :func:`.vocab_parallel_cross_entropy`, so
+the full ``[B, T, vocab]`` logits never exist on any rank. With tied embeddings (GPT-2) the head
+and the table split the *same* rows, so the tie survives: one shard Parameter, two uses, exactly
+as in the dense model.
+
+Every rank feeds the same ``idx``/``targets`` (tensor parallelism splits the model, not the
+batch) and gets the same loss. With ``sequence_parallel=True`` the residual stream is
+``[B, T/N, C]`` per rank between the blocks (T must be divisible by N) and
+:meth:`TPTinyGPT.finish_gradient_synchronization` must run after backward (it sums the gradients
+of the replicated parameters that saw only this rank's tokens; a no-op without SP).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from course_lib.model import TinyGPT
+from course_lib.parallel.tensor_parallel.blocks import (TPBlock, mark_sequence_parallel,
+                                                        sync_sequence_parallel_grads)
+from course_lib.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from course_lib.parallel.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
+                                                        tp_size_and_rank)
+from course_lib.validate import check_bool
+
+
+class TPTinyGPT(nn.Module):
+    """``forward(idx, targets=None) -> (logits_shard [B, T, vocab/N], loss or None)``; parameter
+    names are those of the dense TinyGPT (``blocks.0.attn.q_proj.weight`` ...), each holding this
+    rank's shard (``tp_partition_dim`` says along which dense dim) or a replica."""
+
+    def __init__(self, model, group=None, sequence_parallel: bool = False):
+        super().__init__()
+        if not isinstance(model, TinyGPT):
+            raise TypeError(f"model must be a course_lib.model.TinyGPT, got {type(model).__name__}")
+        check_bool("sequence_parallel", sequence_parallel)
+        cfg = model.cfg
+        if cfg.checkpointing != "none" or cfg.offload_activations:
+            raise ValueError("tp_tinygpt supports checkpointing='none' and offload_activations=False only; "
+                             f"got checkpointing={cfg.checkpointing!r}, offload_activations={cfg.offload_activations}")
+        self.tp, self.rank = tp_size_and_rank(group, "tp_tinygpt")
+        self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
+        sp = sequence_parallel
+        self.tok_emb = VocabParallelEmbedding.from_embedding(model.tok_emb, group, sequence_parallel=sp)
+        self.pos_emb = copy.deepcopy(model.pos_emb)  # None without learned positions
+        self.blocks = nn.ModuleList(TPBlock.from_dense(b, group, sp) for b in model.blocks)
+        self.norm_f = copy.deepcopy(model.norm_f)
+        for replicated in (self.pos_emb, self.norm_f):
+            if replicated is not None:
+                mark_sequence_parallel(replicated, sp)
+        self.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, gather_output=False,
+                                                        sequence_parallel=sp)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # both split the vocab rows the same way
+        if model.rope_cos is not None:
+            self.register_buffer("rope_cos", model.rope_cos.clone(), persistent=False)
+            self.register_buffer("rope_sin", model.rope_sin.clone(), persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
+
+    def _bound(self, emb: torch.Tensor) -> torch.Tensor:  # as TinyGPT._bound (elementwise)
+        b = self.cfg.embedding_bound
+        if b is None:
+            return emb
+        return b * torch.tanh(emb / b) if self.cfg.embedding_bound_mode == "tanh" else emb.clamp(-b, b)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"idx must be an int64 tensor [batch, seq], got {tuple(idx.shape)} {idx.dtype}")
+        T = idx.shape[1]
+        if not 1 <= T <= self.cfg.block_size:
+            raise ValueError(f"sequence length must be in [1, block_size={self.cfg.block_size}], got {T}")
+        if self.sequence_parallel and T % self.tp:
+            raise ValueError(f"sequence_parallel needs the sequence length ({T}) divisible by tp ({self.tp})")
+        x = self._bound(self.tok_emb(idx))  # [B, T, C], or this rank's [B, T/N, C] under SP
+        if self.pos_emb is not None:
+            start = self.rank * (T // self.tp) if self.sequence_parallel else 0
+            x = x + self.pos_emb(torch.arange(start, start + x.shape[1], device=idx.device))
+        cos = self.rope_cos[:T] if self.rope_cos is not None else None  # attention sees all T tokens
+        sin = self.rope_sin[:T] if self.rope_sin is not None else None
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.lm_head(self.norm_f(x))  # [B, T, vocab/N]
+        loss = None
+        if targets is not None:
+            loss = vocab_parallel_cross_entropy(logits, targets, self.group)
+        return logits, loss
+
+    def finish_gradient_synchronization(self) -> None:
+        """Under sequence parallelism, sum the partial gradients of the replicated parameters
+        (norms, row biases, position table) over the group; nothing to do without it."""
+        if self.sequence_parallel:
+            sync_sequence_parallel_grads(self, self.group)
+
+
+def tp_tinygpt(model, group=None, sequence_parallel: bool = False) -> TPTinyGPT:
+    """This rank's tensor-parallel copy of a dense ``TinyGPT`` (the dense model is left unchanged).
+    Raises ValueError naming ``tp`` and ``n_heads`` / ``n_kv_heads`` / the vocabulary / the MLP
+    width when the group size does not divide them, and for dropout > 0."""
+    return TPTinyGPT(model, group, sequence_parallel)
