@@ -151,3 +151,31 @@ def test_invalid_arguments_name_the_argument(call, exc, words):
         call()
     for word in words:
         assert word in str(info.value)
+
+
+def test_context_parallel_ring_traffic_and_score_block():
+    """Ring attention: values the 2- and 4-rank measurements in tests/test_context_parallel.py
+    reproduce to the byte (B=2, H=3, C=4, D=8, fp32), and a realistic layer."""
+    from course_lib.estimate.comm import cp_comm_bytes_per_layer
+
+    two = cp_comm_bytes_per_layer(seq_len=8, micro_batch=2, n_kv_heads=3, head_dim=8, cp=2, bytes_per_element=4)
+    assert (two.forward_bytes, two.backward_bytes) == (1536, 3072)
+    four = cp_comm_bytes_per_layer(seq_len=16, micro_batch=2, n_kv_heads=3, head_dim=8, cp=4, bytes_per_element=4)
+    assert (four.forward_bytes, four.backward_bytes, four.bytes_per_rank) == (4608, 9216, 13824)
+    # bf16 inputs, fp32 gradient accumulators on the wire: backward (N-1)(K+V)(1 + 4/2)
+    bf16 = cp_comm_bytes_per_layer(seq_len=16, micro_batch=2, n_kv_heads=3, head_dim=8, cp=4)
+    assert bf16.backward_bytes == 3 * (2 * 3 * 4 * 16) * (2 + 4)
+    big = cp_comm_bytes_per_layer(seq_len=2048, micro_batch=1, n_kv_heads=8, head_dim=64, cp=4,
+                                  bytes_per_element=4, n_heads=8)
+    assert big.forward_bytes == 3 * 8 * 512 * 128 * 4 == 6_291_456
+    assert big.peak_score_elements == 8 * 512 * 512  # (cp)^2 = 16x below the full 8 x 2048^2
+    zig = cp_comm_bytes_per_layer(seq_len=2048, micro_batch=1, n_kv_heads=8, head_dim=64, cp=4,
+                                  layout="zigzag")
+    assert zig.peak_score_elements == 8 * 256 * 256
+    assert cp_comm_bytes_per_layer(seq_len=64, micro_batch=1, n_kv_heads=2, head_dim=4, cp=1).bytes_per_rank == 0
+    with pytest.raises(ValueError, match="seq_len"):
+        cp_comm_bytes_per_layer(seq_len=10, micro_batch=1, n_kv_heads=2, head_dim=4, cp=4)
+    with pytest.raises(ValueError, match="2 x cp"):
+        cp_comm_bytes_per_layer(seq_len=12, micro_batch=1, n_kv_heads=2, head_dim=4, cp=4, layout="zigzag")
+    with pytest.raises(ValueError, match="cp"):
+        cp_comm_bytes_per_layer(seq_len=8, micro_batch=1, n_kv_heads=2, head_dim=4, cp=0)

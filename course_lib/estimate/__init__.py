@@ -22,9 +22,11 @@ from .activations import (
 from .comm import (
     AlphaBetaFit,
     CommVolume,
+    ContextParallelComm,
     TensorParallelComm,
     collective_time,
     comm_elements_per_step,
+    cp_comm_bytes_per_layer,
     fit_alpha_beta,
     ring_bytes_per_rank,
     ring_steps,
@@ -39,11 +41,11 @@ from .shapes import PRESETS, ModelShape, default_d_ff
 from .units import BYTE_UNITS, bytes_to, format_bytes, format_si
 
 __all__ = [
-    "ACCELERATORS", "Accelerator", "ActivationBreakdown", "AlphaBetaFit", "BYTE_UNITS", "CommVolume",
+    "ACCELERATORS", "Accelerator", "ActivationBreakdown", "AlphaBetaFit", "BYTE_UNITS", "CommVolume", "ContextParallelComm",
     "DeepSpeedEstimate", "ModelShape", "ModelStateBytes", "PRESETS", "PrecisionRecipe", "RECIPES",
     "StageActivations", "TensorParallelComm", "accelerator", "activation_breakdown_per_layer",
     "activation_bytes_first_stage", "activation_bytes_per_layer", "bubble_fraction", "bytes_to",
-    "collective_time", "comm_elements_per_step", "deepspeed_zero2_estimate", "deepspeed_zero3_estimate",
+    "collective_time", "comm_elements_per_step", "cp_comm_bytes_per_layer", "deepspeed_zero2_estimate", "deepspeed_zero3_estimate",
     "default_d_ff", "first_stage_activation_breakdown", "fit_alpha_beta", "flops_per_token", "format_bytes",
     "format_si", "mfu", "model_flops_per_iteration", "model_state_bytes", "palm_flops_per_token",
     "resolve_recipe", "ring_bytes_per_rank", "ring_steps", "tp_comm_bytes_per_layer", "training_days",

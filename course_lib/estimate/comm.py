@@ -10,6 +10,8 @@ Sources:
 - Megatron tensor parallelism (Shoeybi et al. 2019, Sec. 3; Korthikanti et al. 2022, Sec. 4.2.2):
   two all-reduces of the s x b x h activation per layer in forward and two in backward; sequence
   parallelism swaps each for an all-gather + reduce-scatter pair of the same volume.
+- Ring attention (Liu et al. 2023, context parallelism): K/V blocks travel the ring, cp-1 hops
+  forward, K/V plus their gradient accumulators cp-1 hops backward.
 - Alpha-beta model (Hockney 1994): time = alpha + bytes / bandwidth.
 """
 
@@ -125,6 +127,56 @@ def tp_comm_bytes_per_layer(*, seq_len: int, micro_batch: int, d_model: int, tp:
         collectives = {"all-reduce": n_allreduce}
     sent = sum(count * ring_bytes_per_rank(name, message, tp) for name, count in collectives.items())
     return TensorParallelComm(collectives, float(message), float(sent))
+
+
+@dataclass(frozen=True)
+class ContextParallelComm:
+    """Ring-attention (context-parallel) traffic of one attention layer and micro-batch, per rank."""
+
+    forward_bytes: float
+    backward_bytes: float
+    bytes_per_rank: float
+    peak_score_elements: float
+    unit: str = "bytes sent per rank per layer per micro-batch"
+
+
+def cp_comm_bytes_per_layer(*, seq_len: int, micro_batch: int, n_kv_heads: int, head_dim: int, cp: int,
+                            v_head_dim: int | None = None, bytes_per_element: float = 2,
+                            grad_bytes_per_element: float | None = None, n_heads: int | None = None,
+                            layout: str = "contiguous") -> ContextParallelComm:
+    """Bytes each context-parallel rank sends for one attention layer and micro-batch under ring
+    attention (Liu et al. 2023; ``course_lib.parallel.context_parallel``, which is measured equal
+    to this to the byte).
+
+    Each rank holds C = seq_len / cp tokens. Only keys and values travel: with K + V =
+    micro_batch x n_kv_heads x C x (head_dim + v_head_dim) x bytes_per_element, the forward
+    sends its K/V block cp-1 times, the backward sends K/V again plus the dK/dV accumulators
+    (``grad_bytes_per_element``, default max(e, 4): accumulated in at least fp32):
+    forward (cp-1)(K+V), backward (cp-1)(K+V)(1 + g/e). The causal mask saves compute, not
+    traffic. ``peak_score_elements``: the largest score block a rank holds,
+    micro_batch x n_heads x (C/p)^2 with p = 1 piece per rank ("contiguous") or 2 ("zigzag"),
+    against micro_batch x n_heads x seq_len^2 without context parallelism.
+    """
+    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("n_kv_heads", n_kv_heads),
+                        ("head_dim", head_dim), ("cp", cp)):
+        check_int(name, value, 1)
+    check_number("bytes_per_element", bytes_per_element, 0, lo_open=True)
+    check_choice("layout", layout, ("contiguous", "zigzag"))
+    pieces = 1 if layout == "contiguous" else 2
+    if seq_len % (pieces * cp):
+        raise ValueError(f"seq_len ({seq_len}) must be divisible by {'2 x ' if pieces == 2 else ''}cp "
+                         f"({pieces * cp}) for the {layout} layout")
+    v_head_dim = head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, 1)
+    n_heads = n_kv_heads if n_heads is None else check_int("n_heads", n_heads, 1)
+    g = max(bytes_per_element, 4) if grad_bytes_per_element is None else grad_bytes_per_element
+    check_number("grad_bytes_per_element", g, 0, lo_open=True)
+    chunk = seq_len // cp
+    kv_elements = micro_batch * n_kv_heads * chunk * (head_dim + v_head_dim)
+    forward = (cp - 1) * kv_elements * bytes_per_element
+    backward = (cp - 1) * kv_elements * (bytes_per_element + g)
+    piece = chunk // pieces
+    return ContextParallelComm(float(forward), float(backward), float(forward + backward),
+                               float(micro_batch * n_heads * piece * piece))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Closed forms for ring attention: bytes each rank sends, and the largest score block it holds.
 
-Torch-free, like ``course_lib.estimate`` (which has no context-parallel term yet; these are the
-formulas it would carry). Symbols, per attention layer:
+Torch-free. The byte count is the estimator's ``course_lib.estimate.comm.cp_comm_bytes_per_layer``
+(one formula; the tests measure it to the byte), given here in the ring's own terms. Symbols, per
+attention layer:
 
 * N: ranks in the context-parallel group; S: full sequence; C = S/N tokens per rank;
 * B: batch, H: heads, D_k: query/key head dim, D_v: value head dim;
@@ -27,6 +28,7 @@ being received: about 3 (K + V) at a time, whatever N.
 """
 from __future__ import annotations
 
+from course_lib.estimate.comm import cp_comm_bytes_per_layer
 from course_lib.parallel.context_parallel.layout import pieces_per_rank
 from course_lib.validate import check_int
 
@@ -40,13 +42,11 @@ def ring_attention_bytes_per_rank(batch: int, heads: int, seq_chunk: int, head_d
                         ("head_dim", head_dim), ("world_size", world_size),
                         ("bytes_per_element", bytes_per_element)):
         check_int(name, value, 1)
-    v_head_dim = head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, 1)
-    g = max(bytes_per_element, 4) if grad_bytes_per_element is None else \
-        check_int("grad_bytes_per_element", grad_bytes_per_element, 1)
-    kv_elements = batch * heads * seq_chunk * (head_dim + v_head_dim)
-    hops = world_size - 1
-    forward = hops * kv_elements * bytes_per_element
-    backward = hops * kv_elements * (bytes_per_element + g)
+    est = cp_comm_bytes_per_layer(seq_len=seq_chunk * world_size, micro_batch=batch, n_kv_heads=heads,
+                                  head_dim=head_dim, cp=world_size, v_head_dim=v_head_dim,
+                                  bytes_per_element=bytes_per_element,
+                                  grad_bytes_per_element=grad_bytes_per_element)
+    forward, backward = int(est.forward_bytes), int(est.backward_bytes)
     return {"forward": forward, "backward": backward, "total": forward + backward}
 
 
