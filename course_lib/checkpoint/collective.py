@@ -18,12 +18,13 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+import warnings
 from typing import Any, Callable
 
 import torch.distributed as dist
 
 from . import io as cio
-from .io import CheckpointError
+from .io import CheckpointCorruptError, CheckpointError, CheckpointLoadError
 
 
 def broadcast(obj: Any, group: Any = None) -> Any:
@@ -117,3 +118,31 @@ def collective_save(root: str | Path, step: int, *, what: str, format: str,
     if error is not None:
         raise CheckpointError(f"{what} save of step {step} failed on rank 0: {error}")
     return root / name
+
+
+def choose_newest(root: Path, format: str, verify: Callable[[Path, dict], dict], what: str) -> tuple:
+    """Rank 0's choice of what every rank loads: ``("ok", name, manifest)``, ``("none", None, None)``
+    when there is no checkpoint at all, or ``("error", message, failures)``. Newest first: a
+    checkpoint whose ``verify(path, manifest)`` raises CheckpointCorruptError is passed over with a
+    warning (fall back); CheckpointLoadError stops the choice (an older checkpoint would silently
+    lose progress); checkpoints that exist while none loads is a refusal listing each."""
+    candidates, damaged = newest_first(root, format)
+    failures = []
+    for name, reason in sorted(damaged.items(), reverse=True):
+        warnings.warn(f"{what} {name} is unusable: no readable manifest ({reason}); falling "
+                      f"back to the previous one", RuntimeWarning, stacklevel=3)
+        failures.append((name, f"no readable manifest ({reason})"))
+    for _, name, manifest in candidates:
+        try:
+            return "ok", name, verify(root / name, manifest)
+        except CheckpointCorruptError as e:
+            warnings.warn(f"{what} {name} is unusable: {e}; falling back to the previous one",
+                          RuntimeWarning, stacklevel=3)
+            failures.append((name, str(e)))
+        except CheckpointLoadError as e:
+            return "error", (f"cannot load {what} {name}: {e}. No older checkpoint was used: fix "
+                             f"the cause and retry"), failures + [(name, str(e))]
+    if failures or cio.quarantined(root):
+        err = cio.refusal(root, failures, what=what)
+        return "error", str(err), err.failures
+    return "none", None, None

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from course_lib.validate import check_bool, check_int
 
 from . import io as cio
-from .collective import agree, broadcast, collective_save, describe, newest_first
+from .collective import agree, broadcast, choose_newest, collective_save, describe, newest_first
 from .io import CheckpointCorruptError, CheckpointLoadError
 from .dcp_trust import RestrictedFileSystemReader, SafeLoadPlanner, read_metadata_file
 from .state import LoadResult, capture_rng, restore_rng_state
@@ -131,28 +131,8 @@ def verify_sharded(path: Path, manifest: dict | None = None) -> dict:
 
 
 def _choose(root: Path) -> tuple:
-    """Rank 0: ``("ok", name, manifest)``, ``("none", None, None)`` or ``("error", message,
-    failures)``; warns about each corrupt checkpoint it falls back past."""
-    candidates, damaged = _sharded_dirs(root)
-    failures = []
-    for name, reason in sorted(damaged.items(), reverse=True):
-        warnings.warn(f"sharded checkpoint {name} is unusable: no readable manifest ({reason}); falling "
-                      f"back to the previous one", RuntimeWarning, stacklevel=3)
-        failures.append((name, f"no readable manifest ({reason})"))
-    for _, name, manifest in candidates:
-        try:
-            return "ok", name, verify_sharded(root / name, manifest)
-        except CheckpointCorruptError as e:
-            warnings.warn(f"sharded checkpoint {name} is unusable: {e}; falling back to the previous one",
-                          RuntimeWarning, stacklevel=3)
-            failures.append((name, str(e)))
-        except CheckpointLoadError as e:
-            return "error", (f"cannot load sharded checkpoint {name}: {e}. No older checkpoint was used: fix "
-                             f"the cause and retry"), failures + [(name, str(e))]
-    if failures or cio.quarantined(root):
-        err = cio.refusal(root, failures, what="sharded checkpoint")
-        return "error", str(err), err.failures
-    return "none", None, None
+    """Rank 0's choice (see :func:`course_lib.checkpoint.collective.choose_newest`)."""
+    return choose_newest(root, DCP_FORMAT, verify_sharded, "sharded checkpoint")
 
 
 def _model_mismatch(path: Path, model_sd: dict, strict: bool) -> list[str]:

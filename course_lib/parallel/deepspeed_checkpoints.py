@@ -35,7 +35,6 @@ damage, not a forged file (see ``docs/CHECKPOINTS.md``, "What is trusted").
 from __future__ import annotations
 
 import io
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,7 @@ import torch.distributed as dist
 
 from course_lib.checkpoint import io as cio
 from course_lib.checkpoint.collective import broadcast as _broadcast
-from course_lib.checkpoint.collective import collective_save, newest_first
+from course_lib.checkpoint.collective import choose_newest, collective_save, newest_first
 from course_lib.checkpoint.collective import describe as _describe
 from course_lib.checkpoint.io import CheckpointCorruptError, CheckpointLoadError
 from course_lib.checkpoint.state import LoadResult, capture_rng, restore_rng_state
@@ -128,34 +127,18 @@ def verify_deepspeed(path: Path, manifest: dict | None = None) -> dict:
 
 
 def _choose(root: Path, world_size: int) -> tuple:
-    """Rank 0: ``("ok", name, manifest)``, ``("none", None, None)`` or ``("error", message, failures)``."""
-    candidates, damaged = _ds_dirs(root)
-    failures = []
-    for name, reason in sorted(damaged.items(), reverse=True):
-        warnings.warn(f"deepspeed checkpoint {name} is unusable: no readable manifest ({reason}); falling "
-                      f"back to the previous one", RuntimeWarning, stacklevel=3)
-        failures.append((name, f"no readable manifest ({reason})"))
-    for _, name, manifest in candidates:
-        try:
-            manifest = verify_deepspeed(root / name, manifest)
-        except CheckpointCorruptError as e:
-            warnings.warn(f"deepspeed checkpoint {name} is unusable: {e}; falling back to the previous one",
-                          RuntimeWarning, stacklevel=3)
-            failures.append((name, str(e)))
-            continue
-        except CheckpointLoadError as e:
-            return "error", (f"cannot load deepspeed checkpoint {name}: {e}. No older checkpoint was used: fix "
-                             f"the cause and retry"), failures + [(name, str(e))]
+    """Rank 0's choice (see :func:`course_lib.checkpoint.collective.choose_newest`); a checkpoint of
+    another world size stops the choice rather than falling back past it."""
+    def verify(path: Path, manifest: dict) -> dict:
+        manifest = verify_deepspeed(path, manifest)
         if manifest["world_size"] != world_size:
-            why = (f"saved by {manifest['world_size']} ranks, this run has {world_size}; a ZeRO checkpoint "
-                   f"is partitioned per rank: resume with the same number of ranks, or convert it with "
-                   f"deepspeed_to_state_dict and start a new run from the weights")
-            return "error", f"cannot load deepspeed checkpoint {name}: {why}", failures + [(name, why)]
-        return "ok", name, manifest
-    if failures or cio.quarantined(root):
-        err = cio.refusal(root, failures, what="deepspeed checkpoint")
-        return "error", str(err), err.failures
-    return "none", None, None
+            raise CheckpointLoadError(
+                f"saved by {manifest['world_size']} ranks, this run has {world_size}; a ZeRO checkpoint is "
+                f"partitioned per rank: resume with the same number of ranks, or convert it with "
+                f"deepspeed_to_state_dict and start a new run from the weights")
+        return manifest
+
+    return choose_newest(root, DS_FORMAT, verify, "deepspeed checkpoint")
 
 
 def load_deepspeed(root: str | Path, engine: Any, *, shared: dict[str, Any] | None = None,

@@ -221,6 +221,26 @@ class Strategy:
                                async_save=async_save, mirror=mirror)
 
 
+class Distributed(Strategy):
+    """A strategy over a process group: refuses to start without one, and means the loss over
+    the data-parallel ranks with an all-reduce on the device (no host read). The base of every
+    multi-rank strategy."""
+
+    #: how to start the ranks, for the error without a process group
+    launch_hint = "torchrun (or course_lib.parallel.run_ranks)"
+
+    def __init__(self, info: DistInfo, device: torch.device, cfg: dict | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError(f"strategy {self.name!r} needs a process group: start with {self.launch_hint} "
+                               "and call init_distributed() first")
+        super().__init__(info, device, cfg)
+
+    def global_mean(self, value: torch.Tensor) -> torch.Tensor:
+        out = value.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)  # on the device: no host read
+        return out / dist.get_world_size()
+
+
 class Single(Strategy):
     """One process on one device: the reference the parallel strategies are tested against."""
 

@@ -42,7 +42,7 @@ from torch import nn
 
 from course_lib.parallel.deepspeed_config import build_ds_config, engine_clips, validate_ds_config
 from course_lib.parallel.launch import DistInfo
-from course_lib.parallel.strategy import Strategy
+from course_lib.parallel.strategy import Distributed
 from course_lib.train_config import ConfigError
 
 #: Faults that write into ``p.grad``: meaningless when the engine keeps the gradients.
@@ -65,18 +65,16 @@ def check_faults(faults: Iterable[Any], grads_visible: bool) -> None:
                           f"parallel.zero_stage = 0 with train.precision = 'fp32'")
 
 
-class DeepSpeedStrategy(Strategy):
+class DeepSpeedStrategy(Distributed):
     """DeepSpeed ZeRO 0-3 (optional CPU offload) on the default process group; checkpoints: every
     rank writes its shards with ``engine.save_checkpoint`` (see the module docstring)."""
 
     name = "deepspeed"
     checkpoint_format = "deepspeed"
 
+    launch_hint = "torchrun, the deepspeed launcher (or course_lib.parallel.run_ranks)"
+
     def __init__(self, info: DistInfo, device: torch.device, cfg: dict | None = None):
-        if not dist.is_initialized():
-            raise RuntimeError(f"strategy {self.name!r} needs a process group: start with torchrun, the "
-                               "deepspeed launcher (or course_lib.parallel.run_ranks) and call "
-                               "init_distributed() first")
         super().__init__(info, device, cfg)
         self.stage = self.cfg["parallel"]["zero_stage"]
         self.grads_visible = not grads_in_engine(self.cfg)
@@ -149,11 +147,6 @@ class DeepSpeedStrategy(Strategy):
             self.engine.backward(loss)  # backward(loss / k), inside DeepSpeed
             total = loss.detach().float() if total is None else total + loss.detach().float()
         return total / k if k > 1 else total
-
-    def global_mean(self, value: torch.Tensor) -> torch.Tensor:
-        out = value.detach().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)  # on the device: no host read
-        return out / dist.get_world_size()
 
     def optimizer_step(self, policy: Any, *, lr_factor: float = 1.0, found_inf: bool | None = None) -> None:
         """``engine.step()`` with every group's LR times ``lr_factor`` for this step."""

@@ -21,10 +21,10 @@ import contextlib
 import torch
 from torch import nn
 
-from course_lib.parallel.data_parallel.torch_ddp import TorchDDP
+from course_lib.parallel.strategy import Distributed
 
 
-class FSDP2(TorchDDP):
+class FSDP2(Distributed):
     """FSDP2 ``fully_shard`` per block + root (see the module docstring)."""
 
     name = "fsdp"

@@ -20,10 +20,10 @@ from torch import nn
 
 from course_lib.parallel.data_parallel.optimizer_rebuild import constructor_kwargs, groups_by_name, groups_for
 from course_lib.parallel.data_parallel.simple_fsdp import SimpleFSDP
-from course_lib.parallel.data_parallel.torch_ddp import TorchDDP
+from course_lib.parallel.strategy import Distributed
 
 
-class FSDPScratch(TorchDDP):
+class FSDPScratch(Distributed):
     """ZeRO-3 by hand behind the strategy interface (see the module docstring)."""
 
     name = "fsdp-scratch"
@@ -45,11 +45,6 @@ class FSDPScratch(TorchDDP):
         from course_lib.precision import make_policy
 
         return make_policy("fp16" if precision == "fp16" else "fp32", self.device)
-
-    def no_sync(self):
-        import contextlib
-
-        return contextlib.nullcontext()
 
     def forward_backward(self, batches, **step) -> torch.Tensor:
         loss = super().forward_backward(batches, **step)

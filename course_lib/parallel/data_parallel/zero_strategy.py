@@ -24,11 +24,11 @@ import torch.distributed as dist
 
 from course_lib.parallel.data_parallel.naive_ddp import broadcast_from_first_rank
 from course_lib.parallel.data_parallel.optimizer_rebuild import constructor_kwargs
-from course_lib.parallel.data_parallel.torch_ddp import TorchDDP
 from course_lib.parallel.data_parallel.zero import ShardedOptimizer
+from course_lib.parallel.strategy import Distributed
 
 
-class Zero1(TorchDDP):
+class Zero1(Distributed):
     """ZeRO-1: optimizer state sharded, gradients reduce-scattered into full-size buffers."""
 
     name = "zero1"
@@ -45,12 +45,8 @@ class Zero1(TorchDDP):
                                           **constructor_kwargs(base))
         self.reduce_grad_sq = self._reduce_grad_sq
 
-    def no_sync(self):  # local gradients accumulate; nothing is sent before the last micro-batch
-        import contextlib
-
-        return contextlib.nullcontext()
-
     def forward_backward(self, batches, **step) -> torch.Tensor:
+        # Local gradients accumulate over the micro-batches; nothing is sent before the last one.
         loss = super().forward_backward(batches, **step)
         self.optimizer.reduce_gradients(free_unowned=self.free_unowned_grads)
         return loss
