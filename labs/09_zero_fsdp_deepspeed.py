@@ -381,20 +381,27 @@ for name, rep in fsdp.items():
 print(f"{'single (1 process)':<36} final loss {single.final_loss:.6f}")
 
 # %%
+def plot_vs_single(runs, title):
+    """Loss curves of ``runs`` ({name: report with "losses"}) over the single-process curve, and
+    their relative difference from it."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.8), layout="constrained")
+    steps = range(1, len(single_losses) + 1)
+    ax1.plot(steps, single_losses, linewidth=4, alpha=0.3, color="black", label="single")
+    for name, rep in runs.items():
+        ax1.plot(steps, rep["losses"], linewidth=1, label=name)
+        ax2.plot(steps, [(a - b) / b for a, b in zip(rep["losses"], single_losses)], "o-", markersize=3,
+                 label=name)
+    ax1.set(xlabel="step", ylabel="loss (nats/token)", title=title)
+    ax2.set(xlabel="step", ylabel="(loss - single) / single", title="relative difference")
+    ax2.set_yscale("symlog", linthresh=1e-7)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    plt.show()
+
+
 ok = fsdp
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.8), layout="constrained")
-steps = range(1, len(single_losses) + 1)
-ax1.plot(steps, single_losses, linewidth=4, alpha=0.3, color="black", label="single")
-for name, rep in ok.items():
-    ax1.plot(steps, rep["losses"], linewidth=1, label=name)
-    ax2.plot(steps, [(a - b) / b for a, b in zip(rep["losses"], single_losses)], "o-", markersize=3, label=name)
-ax1.set(xlabel="step", ylabel="loss (nats/token)", title="FSDP2 on 2 ranks vs one process")
-ax2.set(xlabel="step", ylabel="(loss - single) / single", title="relative difference")
-ax2.set_yscale("symlog", linthresh=1e-7)
-for ax in (ax1, ax2):
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-plt.show()
+plot_vs_single(fsdp, "FSDP2 on 2 ranks vs one process")
 
 
 def max_rel(a, b):
@@ -498,7 +505,7 @@ check(r_rel <= 1e-4, "after resuming on 1 rank the losses should follow the 2-ra
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 3.4))
-ax.plot(steps, fsdp["fsdp"]["losses"], linewidth=4, alpha=0.3, label="FSDP2, 2 ranks")
+ax.plot(range(1, len(fsdp["fsdp"]["losses"]) + 1), fsdp["fsdp"]["losses"], linewidth=4, alpha=0.3, label="FSDP2, 2 ranks")
 ax.plot(range(half + 1, STEPS + 1), resumed_losses[half:], "o-", markersize=3, label="resumed on 1 rank")
 ax.axvline(half, color="tab:green", linestyle="--", label=f"checkpoint {half}")
 ax.set(xlabel="step", ylabel="loss", title="a sharded checkpoint changes world size")
@@ -535,18 +542,7 @@ print("zero_optimization across the three runs:",
       {name: ds[name]["ds_config"]["zero_optimization"] for name in DS_RUNS})
 
 # %%
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.8), layout="constrained")
-ax1.plot(steps, single_losses, linewidth=4, alpha=0.3, color="black", label="single")
-for name, rep in ds.items():
-    ax1.plot(steps, rep["losses"], linewidth=1, label=name)
-    ax2.plot(steps, [(a - b) / b for a, b in zip(rep["losses"], single_losses)], "o-", markersize=3, label=name)
-ax1.set(xlabel="step", ylabel="loss (nats/token)", title="DeepSpeed on 2 ranks vs one process")
-ax2.set(xlabel="step", ylabel="(loss - single) / single", title="relative difference")
-ax2.set_yscale("symlog", linthresh=1e-7)
-for ax in (ax1, ax2):
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-plt.show()
+plot_vs_single(ds, "DeepSpeed on 2 ranks vs one process")
 print(f"{'run':<20}{'final loss':>12}{'max rel. diff':>15}{'fp32 passes':>12}   collectives per step")
 for name, rep in ds.items():
     r = max_rel(rep["losses"], single_losses)
