@@ -18,6 +18,7 @@ under a different world size as long as it divides the count (elastic resume).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -207,6 +208,29 @@ class ByteText:
         return window[:, :-1].clone(), window[:, 1:].clone()
 
 
+class RandomTokens:
+    """Uniform random tokens over `vocab_size`: nothing to learn (the loss floor is ln vocab_size),
+    for measuring speed and memory at a real model's vocabulary without a data set. Example i is
+    drawn from (seed, i), so it does not depend on the batch it is in."""
+
+    def __init__(self, vocab_size: int = 50257, seq_len: int = 1024, seed: int = 0):
+        _check_int("vocab_size", vocab_size, 2)
+        _check_int("seq_len", seq_len, 1)
+        _check_int("seed", seed, 0)
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+        self.num_examples = None
+
+    def unigram_entropy(self) -> float:
+        """ln(vocab_size) nats/token: the best any model can do on uniform tokens."""
+        return math.log(self.vocab_size)
+
+    def get_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) int64 [len(indices), seq_len]; y is x shifted by one token."""
+        seq = torch.stack([torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=_generator(self.seed, i))
+                           for i in indices])
+        return seq[:, :-1].clone(), seq[:, 1:].clone()
+
+
 class ShardedSampler:
     """Yields this rank's list of example indices for each step; resumable and rank-aware.
 
@@ -323,7 +347,8 @@ class BatchStream:
 
 
 def make_dataset(name: str, *, seq_len: int, seed: int = 0, **options):
-    """Build a dataset by name: `markov`, `copy`, `reverse`, `sort` or `text` (ByteText).
+    """Build a dataset by name: `markov`, `copy`, `reverse`, `sort`, `text` (ByteText) or `random`
+    (RandomTokens: uniform tokens for speed and memory measurements).
 
     `options` go to the class (e.g. vocab_size, order, branching for markov; n_items, vocab_size for
     the sequence tasks; path for text). For the sequence tasks seq_len must be even (2 * n_items).
@@ -337,4 +362,6 @@ def make_dataset(name: str, *, seq_len: int, seed: int = 0, **options):
         return SequenceTask(name, n_items=seq_len // 2, seed=seed, **options)
     if name == "text":
         return ByteText(options.pop("path", None), seq_len=seq_len, **options)
-    raise ValueError(f"unknown dataset {name!r}; choose from markov, copy, reverse, sort, text")
+    if name == "random":
+        return RandomTokens(seq_len=seq_len, seed=seed, **options)
+    raise ValueError(f"unknown dataset {name!r}; choose from markov, copy, reverse, sort, text, random")

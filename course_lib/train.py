@@ -173,8 +173,13 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             raise ConfigError(f"--inject-fault: {', '.join(bad)} writes into p.grad, but train.strategy = "
                               f"{t['strategy']!r} keeps the gradients inside its engine here; use nan_loss "
                               f"or loss_shift (or, for deepspeed, parallel.zero_stage = 0 with fp32)")
+    fused = {"fused": True} if o["fused"] else {}  # one kernel for the whole update, not one per tensor
     strategy.setup(model, lambda m: torch.optim.AdamW(m.param_groups(o["weight_decay"]), lr=o["lr"],
-                                                      betas=(o["beta1"], o["beta2"]), eps=o["eps"]))
+                                                      betas=(o["beta1"], o["beta2"]), eps=o["eps"], **fused))
+    if t["compile"]:
+        # Compile what forward is called on (the wrapper); checkpoints keep using strategy.model,
+        # whose parameter names carry no "_orig_mod." prefix. The first steps pay the compilation.
+        strategy.module = torch.compile(strategy.module)
     options = {"vocab_size": d["vocab_size"]} if d["task"] != "text" else (
         {"path": d["path"]} if d["path"] else {})
     dataset = data_lib.make_dataset(d["task"], seq_len=d["seq_len"], seed=t["seed"], **options)

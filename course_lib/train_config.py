@@ -1,9 +1,9 @@
 """Training configuration: a TOML file plus command-line overrides, validated before anything runs.
 
-    [train]   max_steps, seed, micro_batch, grad_accum, precision, strategy, device, log_every, ...
+    [train]   max_steps, seed, micro_batch, grad_accum, precision, strategy, device, compile, log_every, ...
     [data]    task, seq_len, vocab_size, path
     [model]   preset plus any ModelConfig field (n_layers, d_model, checkpointing, ...)
-    [optim]   lr, min_lr, weight_decay, beta1, beta2, eps
+    [optim]   lr, min_lr, weight_decay, beta1, beta2, eps, fused
     [schedule] kind, warmup_steps, warmup_convention, decay_steps
     [stability] max_grad_norm, spike_policy, lr_factor, lr_steps, max_consecutive_bad, detect_spikes,
               max_rollbacks, rollback_limit
@@ -50,9 +50,10 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "metrics_flush_s": (float, 1.0, (0.0, None)),  # seconds between metrics.jsonl writes; 0 = every row
         "tensorboard": (bool, False, None),
         "peak_flops": (float, 0.0, (0.0, None)),   # FLOP/s per device for MFU; 0 = look up/measure
+        "compile": (bool, False, None),            # torch.compile the model (fused kernels; first steps compile)
     },
     "data": {
-        "task": (str, "markov", ("markov", "copy", "reverse", "sort", "text")),
+        "task": (str, "markov", ("markov", "copy", "reverse", "sort", "text", "random")),
         "seq_len": (int, 64, (2, None)),
         "vocab_size": (int, 64, (2, 65536)),       # markov and sequence tasks; text is bytes (256)
         "path": (str, "", None),                   # text task: a local file ("" = bundled notes)
@@ -64,6 +65,7 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "beta1": (float, 0.9, (0.0, 1.0)),
         "beta2": (float, 0.95, (0.0, 1.0)),
         "eps": (float, 1e-8, (0.0, None)),
+        "fused": (bool, False, None),              # AdamW as one fused kernel per step (torch's fused=True)
     },
     "schedule": {
         "kind": (str, "cosine", ("linear", "cosine", "constant", "wsd")),
@@ -173,6 +175,10 @@ def _cross_checks(cfg: dict) -> None:
     if cfg["checkpoint"]["format"] == "sharded" and cfg["checkpoint"]["mirror"]:
         raise ConfigError("checkpoint.mirror works with full checkpoints only; sharded (DCP) "
                           "checkpoints stay in the run folder")
+    if t["strategy"] == "deepspeed" and (o["fused"] or t["compile"]):
+        key = "optim.fused" if o["fused"] else "train.compile"
+        raise ConfigError(f"{key} does not apply to train.strategy = 'deepspeed': the engine builds its own "
+                          f"optimizer and wraps the model (set {key} = false)")
     par = cfg["parallel"]
     if t["strategy"] == "deepspeed" and par["offload_param"] != "none" and par["zero_stage"] != 3:
         raise ConfigError(f"parallel.offload_param = {par['offload_param']!r} needs parallel.zero_stage = 3 "
