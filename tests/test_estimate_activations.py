@@ -196,3 +196,18 @@ def test_invalid_stage_arguments_name_the_argument(kwargs, words):
         activation_bytes_first_stage(n_layers=L, **BASE, **kwargs)
     for word in words:
         assert word in str(info.value)
+
+
+def test_output_backward_transient_counts_the_output_layer_gradients():
+    """The buffers alive at the start of backward besides the saved activations: d(log-softmax) and
+    d(fp32 logits), 4 B per logit each; with 2-byte logits also the gradient cast back; and the
+    logits themselves when the loop keeps them. Split over the vocabulary by tp."""
+    from course_lib.estimate import output_backward_transient_bytes as transient
+
+    n = 1024 * 16 * 50304  # logits of GPT-2 small at micro-batch 16
+    assert transient(seq_len=1024, micro_batch=16, vocab_size=50304, bytes_per_element=4) == 8 * n
+    assert transient(seq_len=1024, micro_batch=16, vocab_size=50304, bytes_per_element=4, logits_kept=True) == 12 * n
+    assert transient(seq_len=1024, micro_batch=16, vocab_size=50304, bytes_per_element=2) == 10 * n
+    assert transient(seq_len=1024, micro_batch=16, vocab_size=50304, bytes_per_element=2, tp=4) == 10 * n / 4
+    with pytest.raises(ValueError, match="bytes_per_element"):
+        transient(seq_len=8, micro_batch=1, vocab_size=8, bytes_per_element=3)

@@ -130,3 +130,18 @@ def test_invalid_arguments_name_the_argument(args, kwargs, exc, words):
         model_state_bytes(*args, **kwargs)
     for word in words:
         assert word in str(info.value)
+
+
+def test_training_step_peak_is_the_larger_of_backward_start_and_optimizer_step():
+    """Backward start: states without gradients + activations + transients; optimizer step: all
+    states + the optimizer's temporaries. Numbers of GPT-2 small (124,475,904 params, fp32 AdamW)."""
+    from course_lib.estimate import training_step_peak_bytes
+
+    n = 124_475_904
+    states = model_state_bytes(n, recipe="fp32-adam")
+    big = training_step_peak_bytes(states, 12e9, transient_bytes=6e9, optimizer_temp_bytes=4 * n)
+    assert big.backward_start == 12 * n + 12e9 + 6e9 and big.where == "backward start"
+    small = training_step_peak_bytes(states, 0.2e9, optimizer_temp_bytes=4 * n)
+    assert small.optimizer_step == 20 * n and small.peak == 20 * n and small.where == "optimizer step"
+    with pytest.raises(ValueError, match="activation_bytes"):
+        training_step_peak_bytes(states, -1.0)

@@ -261,3 +261,30 @@ def activation_bytes_first_stage(*, n_layers: int, pp: int = 1, virtual_stages: 
     return first_stage_activation_breakdown(
         n_layers=n_layers, pp=pp, virtual_stages=virtual_stages, schedule=schedule,
         micro_batches=micro_batches, vocab_size=vocab_size, **layer_kwargs).total
+
+
+def output_backward_transient_bytes(*, seq_len: int, micro_batch: int, vocab_size: int, tp: int = 1,
+                                    bytes_per_element: int = 2, logits_kept: bool = False) -> float:
+    """Bytes that exist only around the **start of backward**, on top of the saved activations, per
+    rank: the output layer's gradients. The peak of a training step is usually here.
+
+    Eager PyTorch's cross-entropy on fp32 logits [b, s, V/t] creates the gradient of the log-softmax
+    output and the gradient of the fp32 logits (4 bytes each per logit); when the logits were
+    computed in a 2-byte dtype (autocast) their gradient is cast back (``bytes_per_element`` per
+    logit). ``logits_kept``: the loop holds the logits through backward (``logits, loss = model(x,
+    y)``), another ``bytes_per_element`` per logit. Korthikanti et al. count what is *saved*; these
+    buffers are not, which is why a measured CUDA peak exceeded "states + activations" by about
+    three logit tensors for GPT-2 on an H100 (benchmarks/RESULTS-gpu.md). A fused or chunked
+    cross-entropy (torch.compile, Liger-style kernels) creates fewer. Float bytes."""
+    check_int("seq_len", seq_len, 1)
+    check_int("micro_batch", micro_batch, 1)
+    check_int("vocab_size", vocab_size, 1)
+    check_int("tp", tp, 1)
+    check_choice("bytes_per_element", bytes_per_element, (2, 4))
+    logits = seq_len * micro_batch * vocab_size / tp
+    total = 4 * logits + 4 * logits  # d(log-softmax output) and d(fp32 logits)
+    if bytes_per_element != 4:
+        total += bytes_per_element * logits  # the gradient cast back to the logits' own dtype
+    if logits_kept:
+        total += bytes_per_element * logits
+    return total

@@ -142,7 +142,7 @@ class DeepSpeedStrategy(Distributed):
         for i, (x, y) in enumerate(batches):
             self.engine.set_gradient_accumulation_boundary(i == k - 1)
             with autocast():
-                _, loss = self.engine(x, y)
+                loss = self.engine(x, y)[1]  # the logits are not kept through backward
             loss = on_loss(loss)
             self.engine.backward(loss)  # backward(loss / k), inside DeepSpeed
             total = loss.detach().float() if total is None else total + loss.detach().float()

@@ -1,0 +1,570 @@
+"""Rank runners and checks for exercises 10 (column- and row-parallel linear) and 11 (1F1B).
+
+Exercise 10 works like exercises 08/09 (:mod:`course_lib.parallel.data_parallel.exercise_runs`):
+the learner's cell is written to ``ex10_tp_linear.py``, the check sends ranks a reference
+(``"module:name"`` plus its folder) and each rank imports it fresh. Every rank compares the
+learner's operators and layers with **dense** ``nn.Linear`` math computed in the same process
+(same seed, no communication), never with the library's tensor-parallel layers, and counts the
+collectives issued in forward and in backward.
+
+Exercise 11's learner code is a pure function (the action list of one pipeline stage), so it
+never needs to reach a rank: :func:`simulate` runs every stage's list together in plain Python
+(non-blocking sends, blocking receives, one FIFO per direction between neighbours, as the real
+runner) and finds a deadlock without starting a process. Only lists that pass are executed on
+gloo ranks, by the library's runner (:func:`course_lib.parallel.pipeline.schedules.pipeline_step`)
+fed the learner's lists, and compared with one process; the launch timeout is only a backstop.
+
+Checks raise :class:`course_lib.checks.CheckFailed` with a sentence that says what was expected,
+what came out and the likely bug (``NotImplementedError`` while the learner's code raises it),
+and otherwise return table rows for the notebook.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib.checks import CheckFailed
+from course_lib.parallel.data_parallel.exercise_runs import _first_problem, _guard, impl_ref, load_impl
+from course_lib.parallel.launch import RankFailedError, run_ranks
+
+RTOL, ATOL = 1e-5, 1e-6  # fp32: sums over ranks and matmul shards add in another order
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "broadcast", "send", "recv", "isend", "irecv")
+
+
+def _launch(fn, world_size: int, what: str, timeout: float, deadlock_hint: str, *args) -> list:
+    try:
+        return run_ranks(fn, world_size, *args, timeout=timeout, show_output=False)
+    except RankFailedError as exc:
+        if exc.exc_type == "NotImplementedError":
+            raise NotImplementedError(
+                f"{what}: rank {exc.rank} still hit a NotImplementedError. Fill in every "
+                "'YOUR CODE HERE', run that cell, then this check") from None
+        tail = "\n".join(exc.remote_traceback.strip().splitlines()[-6:])
+        raise CheckFailed(f"{what} raised an exception on {world_size} ranks (rank {exc.rank}); "
+                          f"the end of its traceback:\n{tail}") from None
+    except TimeoutError:
+        raise CheckFailed(f"{what} did not finish within {timeout:g} s on {world_size} ranks: a "
+                          f"deadlock. {deadlock_hint}") from None
+
+
+class _Counter:
+    """Replaces the collectives of ``torch.distributed`` in a rank (before the learner's module is
+    imported, so ``from torch.distributed import all_reduce`` sees it too) and counts calls per
+    phase, e.g. ``{"forward": {"all_reduce": 1}}``."""
+
+    def __init__(self):
+        self.phase, self.counts = None, {}
+        for name in COLLECTIVES:
+            setattr(dist, name, self._wrap(name, getattr(dist, name)))
+
+    def _wrap(self, name, real):
+        def counted(*args, **kwargs):
+            per = self.counts.setdefault(self.phase, {})
+            per[name] = per.get(name, 0) + 1
+            return real(*args, **kwargs)
+        return counted
+
+    def take(self, phase: str) -> dict:
+        return self.counts.pop(phase, {})
+
+
+def _randn(shape, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _close(a, b) -> bool:
+    return (a is not None and b is not None and a.shape == b.shape
+            and torch.allclose(a, b, rtol=RTOL, atol=ATOL))
+
+
+def _err(a, b) -> float:
+    if a is None or b is None or a.shape != b.shape:
+        return float("inf")
+    return (a - b).abs().max().item()
+
+
+def _mismatch(what: str, got, want, hint: str) -> str | None:
+    """None when equal, else a sentence: what was expected, what came out, and ``hint``."""
+    hint = hint[:1].upper() + hint[1:]
+    if got is None:
+        return f"{what} is None, expected a tensor of shape {tuple(want.shape)}. {hint}"
+    if got.shape != want.shape:
+        return f"{what} has shape {tuple(got.shape)}, expected {tuple(want.shape)}. {hint}"
+    if _close(got, want):
+        return None
+    hint = hint[:1].upper() + hint[1:]
+    return (f"{what} differs from the expected value by up to {_err(got, want):.3g} (largest |expected| "
+            f"{want.abs().max().item():.3g}). {hint}")
+
+
+def _tp_group(world_size: int, tp: int | None):
+    """(group, its size, this rank's index in it): the default group, or groups of ``tp``
+    consecutive ranks (every rank must create every group, in the same order)."""
+    if tp is None or tp == world_size:
+        return None, world_size, dist.get_rank()
+    groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, world_size, tp)]
+    return groups[dist.get_rank() // tp], tp, dist.get_rank() % tp
+
+
+# ============================================================= exercise 10: f and g
+def _ops_scenario(f, g, shape, group, n, r, calls) -> dict:
+    problems, counts = [], {}
+    # f: identity forward; backward sums the gradients of every rank (each rank's differ)
+    x = _randn(shape, 1)
+    xin = x.clone().requires_grad_()
+    calls.phase = "f forward"
+    y = f(xin, group)
+    counts["f forward"] = calls.take("f forward")
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape or not torch.equal(y.detach(), x):
+        problems.append((1, "f(x) should return x unchanged (f is the identity in forward)"))
+    elif not y.requires_grad or y.grad_fn is None:
+        problems.append((1, "f(x) is not connected to x in the autograd graph: return x.view_as(x) "
+                            "from the forward of a torch.autograd.Function"))
+    else:
+        ups = [_randn(shape, 100 + k) for k in range(n)]  # rank k's gradient of f's output
+        mine = ups[r].clone()
+        calls.phase = "f backward"
+        y.backward(mine)
+        counts["f backward"] = calls.take("f backward")
+        want = torch.stack(ups).sum(0)
+        hint = ("f's backward must all-reduce (sum) the incoming gradient over the group: every rank "
+                "read the same x, so x's gradient is the sum of every rank's part")
+        if xin.grad is not None and _close(xin.grad, ups[r]):
+            hint = "it equals this rank's own gradient: " + hint
+        elif xin.grad is not None and _close(xin.grad, want / n):
+            hint = "it is the mean over ranks; f's backward must sum (ReduceOp.SUM), not average"
+        p = _mismatch("x.grad after f's backward", xin.grad, want, hint)
+        if p:
+            problems.append((2, p))
+        if not torch.equal(mine, ups[r]):
+            problems.append((2, "f's backward changed the incoming gradient in place: all-reduce a "
+                                "clone (autograd may still need the tensor it handed you)"))
+    # g: all-reduce forward; identity backward
+    xs = [_randn(shape, 200 + k) for k in range(n)]
+    xin = xs[r].clone().requires_grad_()
+    calls.phase = "g forward"
+    y = g(xin, group)
+    counts["g forward"] = calls.take("g forward")
+    want = torch.stack(xs).sum(0)
+    hint = "g's forward must return the sum over the group of every rank's x (an all-reduce)"
+    if isinstance(y, torch.Tensor) and _close(y.detach(), xs[r]):
+        hint = "it equals this rank's own x: " + hint
+    elif isinstance(y, torch.Tensor) and _close(y.detach(), want / n):
+        hint = "it is the mean over ranks; g must sum (ReduceOp.SUM), not average"
+    p = _mismatch("g(x)", y.detach() if isinstance(y, torch.Tensor) else None, want, hint)
+    if p:
+        problems.append((3, p))
+    if not torch.equal(xin.detach(), xs[r]):
+        problems.append((3, "g changed its input x in place: all-reduce a clone, x may be needed elsewhere"))
+    if not p and y.requires_grad and y.grad_fn is not None:
+        up = _randn(shape, 300)  # the same on every rank: what follows g is replicated
+        calls.phase = "g backward"
+        y.backward(up)
+        counts["g backward"] = calls.take("g backward")
+        hint = ("g's backward is the identity: the derivative of a sum with respect to each of its "
+                "terms is 1, so every rank's x gets the incoming gradient as it is")
+        if xin.grad is not None and _close(xin.grad, n * up):
+            hint = f"it is {n} times too large (the gradient was all-reduced again): " + hint
+        p = _mismatch("x.grad after g's backward", xin.grad, up, hint)
+        if p:
+            problems.append((4, p))
+    elif not p:
+        problems.append((4, "g(x) is not connected to x in the autograd graph: wrap it in a "
+                            "torch.autograd.Function"))
+    want_counts = {"f forward": 0, "f backward": 1, "g forward": 1, "g backward": 0}
+    for phase, n_want in want_counts.items():
+        got = counts.get(phase, {})
+        if phase in counts and (got.get("all_reduce", 0) != n_want or sum(got.values()) != n_want):
+            problems.append((5, f"{phase} issued {got or 'no collectives'}; it should issue exactly "
+                                f"{n_want} all_reduce and nothing else"))
+    return {"problems": problems, "counts": {k: sum(v.values()) for k, v in counts.items()}}
+
+
+def ops_rank(rank: int, world_size: int, refs: tuple, folder: str, shapes: list, tp) -> dict:
+    """Rank function: the learner's f and g (``refs``) on every shape."""
+    calls = _Counter()
+    f, g = (load_impl(ref, folder) for ref in refs)
+    group, n, r = _tp_group(world_size, tp)
+    out = {str(tuple(s)): _guard(str(tuple(s)), _ops_scenario, f, g, tuple(s), group, n, r, calls)
+           for s in shapes}
+    dist.barrier()
+    return out
+
+
+def check_conjugate_ops(f, g, world_size: int, shapes: list, *, tp: int | None = None,
+                        timeout: float = 120.0) -> list[dict]:
+    """Run the learner's ``f`` (identity / all-reduce) and ``g`` (all-reduce / identity) on
+    ``world_size`` gloo ranks (in groups of ``tp`` ranks; None: all of them) for every shape;
+    raise on the first problem, else one row per shape with the collectives of each phase."""
+    refs = [impl_ref(fn) for fn in (f, g)]
+    per_rank = _launch(ops_rank, world_size, "your f and g", timeout,
+                       "Every rank of the group must call the same all_reduce, with the same group.",
+                       tuple(ref for ref, _ in refs), refs[0][1], [tuple(s) for s in shapes], tp)
+    _first_problem(per_rank, world_size)
+    return [{"ranks": world_size, "shape": name, **per_rank[0][name]["counts"]} for name in per_rank[0]]
+
+
+# ============================================================= exercise 10: the layers
+def _dense(kind: str, dims: tuple, bias: bool) -> nn.Module:
+    torch.manual_seed(0)  # the same dense layer on every rank, for the learner and the reference
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(dims[0], dims[1], bias=bias), nn.GELU(),
+                             nn.Linear(dims[1], dims[0], bias=bias))
+    return nn.Linear(dims[0], dims[1], bias=bias)
+
+
+def _shard_hint(kind: str) -> str:
+    return {"column": "A column-parallel layer keeps rows [r*out/N, (r+1)*out/N) of the weight and of "
+                      "the bias (r = dist.get_rank(group), N = its size): out/N output channels.",
+            "row": "A row-parallel layer keeps columns [r*in/N, (r+1)*in/N) of the weight (in/N input "
+                   "channels) and the whole bias, added once after the all-reduce."}[kind]
+
+
+def _layer_scenario(col_cls, row_cls, kind, dims, bias, lead, group, n, r, calls) -> dict:
+    problems = []
+    dense = _dense(kind, dims, bias)  # the reference, computed here without communication
+    x = _randn(lead + (dims[0],), 11)
+    xd = x.clone().requires_grad_()
+    yd = dense(xd)
+    up = _randn(yd.shape, 12)  # d loss / d output, the same on every rank
+    (yd * up).sum().backward()
+    twin = _dense(kind, dims, bias)  # the learner shards a fresh copy: nothing shared with `dense`
+    if kind == "column":
+        layers = [col_cls.from_linear(twin, group)]
+        want_y, x_in, want_xg = yd.detach().chunk(n, -1)[r], x.clone().requires_grad_(), xd.grad
+        want = [(dense.weight.grad.chunk(n, 0)[r], dense.bias.grad.chunk(n, 0)[r] if bias else None)]
+        kinds = ["column"]
+    elif kind == "row":
+        layers = [row_cls.from_linear(twin, group)]
+        want_y, x_in = yd.detach(), x.chunk(n, -1)[r].clone().requires_grad_()
+        want_xg = xd.grad.chunk(n, -1)[r]
+        want = [(dense.weight.grad.chunk(n, 1)[r], dense.bias.grad if bias else None)]
+        kinds = ["row"]
+    else:
+        layers = [col_cls.from_linear(twin[0], group), row_cls.from_linear(twin[2], group)]
+        want_y, x_in, want_xg = yd.detach(), x.clone().requires_grad_(), xd.grad
+        want = [(dense[0].weight.grad.chunk(n, 0)[r], dense[0].bias.grad.chunk(n, 0)[r] if bias else None),
+                (dense[2].weight.grad.chunk(n, 1)[r], dense[2].bias.grad if bias else None)]
+        kinds = ["column", "row"]
+    for layer, k, (wg, bg) in zip(layers, kinds, want):
+        got_b = getattr(layer, "bias", None)
+        got_w = getattr(layer, "weight", None)
+        if got_w is None or got_w.shape != wg.shape:
+            problems.append((0, f"the {k}-parallel weight on {n} ranks should have shape {tuple(wg.shape)}, "
+                                f"got {None if got_w is None else tuple(got_w.shape)}. " + _shard_hint(k)))
+        elif (bg is None) != (got_b is None) or (bg is not None and got_b.shape != bg.shape):
+            problems.append((0, f"the {k}-parallel bias should be {None if bg is None else tuple(bg.shape)}, "
+                                f"got {None if got_b is None else tuple(got_b.shape)}. " + _shard_hint(k)))
+    if problems:
+        return {"problems": problems}
+    calls.phase = "forward"
+    y = layers[0](x_in) if kind != "mlp" else layers[1](F.gelu(layers[0](x_in)))
+    fwd = calls.take("forward")
+    hint = _shard_hint(kinds[-1])
+    if kind == "row" and y.shape == want_y.shape:
+        partial = F.linear(x_in.detach(), layers[0].weight.detach())
+        if bias and _close(y.detach(), want_y + (n - 1) * dense.bias.detach()):
+            hint = f"the bias was added {n} times: each rank added it before the sum. Add it once, after g"
+        elif _close(y.detach() - (dense.bias.detach() if bias else 0), partial) and n > 1:
+            hint = "it is this rank's partial sum: g must add up every rank's partial sum"
+    elif kind == "column" and y.shape == yd.shape and n > 1:
+        hint = "the layer should return only this rank's out/N output channels (no gather)"
+    if group is not None:
+        hint += (f" Here the tensor-parallel group is {n} of the {dist.get_world_size()} ranks: pass "
+                 "group= to every collective and take r from dist.get_rank(group).")
+    p = _mismatch("the output", y.detach(), want_y, hint)
+    if p:
+        return {"problems": [(1, p)]}
+    calls.phase = "backward"
+    (y * (up.chunk(n, -1)[r] if kind == "column" else up)).sum().backward()
+    bwd = calls.take("backward")
+    hint = ("x is read by every rank: its gradient must be summed over the group (f's all-reduce in "
+            "backward, before the column layer)" if kind != "row" else
+            "the row layer's input gradient is this rank's slice of the dense one; g's backward is "
+            "the identity")
+    p = _mismatch("the input's gradient", x_in.grad, want_xg, hint)
+    if p:
+        problems.append((2, p))
+    for layer, k, (wg, bg) in zip(layers, kinds, want):
+        got_bg = layer.bias.grad if layer.bias is not None else None
+        for what, got, w in ((f"{k}-parallel weight.grad", layer.weight.grad, wg),
+                             (f"{k}-parallel bias.grad", got_bg, bg)):
+            if w is not None and (p := _mismatch(what, got, w, _shard_hint(k))):
+                problems.append((3, p))
+    want_fwd = {"column": 0, "row": 1, "mlp": 1}[kind]
+    want_bwd = {"column": 1, "row": 0, "mlp": 1}[kind]
+    for phase, got, n_want in (("forward", fwd, want_fwd), ("backward", bwd, want_bwd)):
+        if not problems and n > 1 and (got.get("all_reduce", 0) != n_want or sum(got.values()) != n_want):
+            problems.append((4, f"{phase} issued {got or 'no collectives'}; a {kind} layer needs exactly "
+                                f"{n_want} all_reduce there (column: f's in backward; row: g's in forward)"))
+    err = max(_err(y.detach(), want_y), _err(x_in.grad, want_xg),
+              *(_err(layer.weight.grad, wg) for layer, (wg, _) in zip(layers, want)))
+    return {"problems": problems, "forward": sum(fwd.values()), "backward": sum(bwd.values()),
+            "max_err": err, "shards": [layer.weight.detach().clone() for layer in layers],
+            "dense_weights": [m.weight.detach().clone() for m in dense.modules() if isinstance(m, nn.Linear)],
+            "params": sum(p.numel() for layer in layers for p in layer.parameters()),
+            "dense_params": sum(p.numel() for p in dense.parameters())}
+
+
+def layers_rank(rank: int, world_size: int, refs: tuple, folder: str, scenarios: list) -> dict:
+    """Rank function: every scenario ``(name, kind, dims, bias, lead, tp)`` with the learner's layers."""
+    calls = _Counter()
+    col_cls, row_cls = (load_impl(ref, folder) for ref in refs)
+    groups, out = {}, {}
+    for name, kind, dims, bias, lead, tp in scenarios:
+        if tp not in groups:  # every rank meets the scenarios in the same order: same groups
+            groups[tp] = _tp_group(world_size, tp)
+        out[name] = _guard(name, _layer_scenario, col_cls, row_cls, kind, tuple(dims), bias, tuple(lead),
+                           *groups[tp], calls)
+    dist.barrier()
+    return out
+
+
+def check_parallel_linears(col_cls, row_cls, world_size: int, scenarios: list, *,
+                           timeout: float = 120.0) -> list[dict]:
+    """Run the learner's ``ColumnParallelLinear`` / ``RowParallelLinear`` on ``world_size`` gloo
+    ranks in every scenario ``(name, "column"|"row"|"mlp", dims, bias, leading input dims[, tp])``
+    (``tp``: tensor-parallel groups of that many consecutive ranks; left out or None: all ranks):
+    outputs and gradients equal to the dense layer, and the all-reduces each direction needs.
+    Raises on the first problem, else one row per scenario."""
+    for cls in (col_cls, row_cls):
+        if cls.__module__.startswith("course_lib"):
+            raise CheckFailed(f"{cls.__name__} is the library's own class ({cls.__module__}): this "
+                              "exercise asks for yours, from the %%writefile cell")
+    scenarios = [tuple(sc) + (None,) * (6 - len(sc)) for sc in scenarios]
+    refs = [impl_ref(cls) for cls in (col_cls, row_cls)]
+    per_rank = _launch(layers_rank, world_size, "your tensor-parallel layers", timeout,
+                       "Every rank of the group must issue the same all-reduces, on the same group.",
+                       tuple(ref for ref, _ in refs), refs[0][1], scenarios)
+    _first_problem(per_rank, world_size)
+    rows = []
+    for name, kind, dims, bias, lead, _tp in scenarios:
+        r0 = per_rank[0][name]
+        rows.append({"ranks": world_size, "scenario": name, "kind": kind, "forward": r0["forward"],
+                     "backward": r0["backward"], "params_per_rank": r0["params"],
+                     "dense_params": r0["dense_params"],
+                     "max_err": max(per_rank[r][name]["max_err"] for r in range(world_size)),
+                     "shards": [per_rank[r][name]["shards"] for r in range(world_size)],
+                     "dense_weights": r0["dense_weights"]})
+    return rows
+
+
+# ============================================================= exercise 11: 1F1B, without processes
+ACTIONS = ("recv_activation", "forward", "send_activation", "recv_grad", "backward", "send_grad")
+
+
+def _normalise(actions) -> list:
+    return [tuple(a) if isinstance(a, (tuple, list)) else a for a in actions]
+
+
+def validate_actions(actions, pp: int, m: int, stage: int) -> str | None:
+    """None when ``actions`` is a well-formed list for ``stage``; else what is wrong, in words."""
+    where = f"stage {stage} of pp={pp}, m={m}"
+    if not isinstance(actions, list):
+        return f"{where}: expected a list of (action, micro_batch) pairs, got {type(actions).__name__}"
+    first, last = stage == 0, stage == pp - 1
+    need = {"forward", "backward"} | ({"recv_activation", "send_grad"} if not first else set()) \
+        | ({"send_activation", "recv_grad"} if not last else set())
+    pos = {}
+    for k, a in enumerate(actions):
+        if not (isinstance(a, tuple) and len(a) == 2 and a[0] in ACTIONS and isinstance(a[1], int)
+                and 0 <= a[1] < m):
+            return (f"{where}: item {k} is {a!r}; each item must be a pair (action, micro_batch) with an "
+                    f"action from {ACTIONS} and 0 <= micro_batch < {m}")
+        if a[0] not in need:
+            why = "the first stage reads the tokens itself" if a[0] in ("recv_activation", "send_grad") \
+                else "the last stage computes the loss itself"
+            return f"{where}: item {k} is {a!r}, but this stage has no {a[0]}: {why}"
+        if a in pos:
+            return f"{where}: {a!r} appears twice (items {pos[a]} and {k}); each happens once per micro-batch"
+        pos[a] = k
+    for i in range(m):
+        for op in sorted(need):
+            if (op, i) not in pos:
+                return f"{where}: ({op!r}, {i}) is missing; every micro-batch needs {sorted(need)}"
+        for before, after in (("recv_activation", "forward"), ("forward", "send_activation"),
+                              ("forward", "backward"), ("recv_grad", "backward"), ("backward", "send_grad")):
+            if (before, i) in pos and (after, i) in pos and pos[(before, i)] > pos[(after, i)]:
+                return (f"{where}: ({after!r}, {i}) comes before ({before!r}, {i}); "
+                        f"{after} needs what {before} provides")
+    return None
+
+
+def simulate(schedule: list[list], forward_time: float = 1.0, backward_time: float = 2.0) -> dict:
+    """Run every stage's action list together, in plain Python: sends never block, a receive
+    waits for the next message from its neighbour (one FIFO per direction and kind, as gloo
+    delivers messages with one tag between two ranks). Forward and backward take the given time
+    units, communication none. Returns ``deadlock`` (None or a description of who waits for
+    what), ``mixed`` (None or the first receive that would get another micro-batch's message),
+    ``makespan``, ``peak_in_flight`` per stage and ``events`` (stage, op, mb, start, end)."""
+    pp = len(schedule)
+    todo = [deque(_normalise(a)) for a in schedule]
+    clock, in_flight, peak = [0.0] * pp, [0] * pp, [0] * pp
+    fifo = {}  # (src, dst, kind) -> deque of (micro_batch, time sent)
+    events, mixed = [], None
+    progress = True
+    while progress and mixed is None:
+        progress = False
+        for s in range(pp):
+            while todo[s]:
+                op, i = todo[s][0]
+                if op.startswith("recv"):
+                    kind, src = ("act", s - 1) if op == "recv_activation" else ("grad", s + 1)
+                    q = fifo.get((src, s, kind))
+                    if not q:
+                        break  # blocked: nothing sent yet
+                    got, sent_at = q.popleft()
+                    if got != i:
+                        what = "activation" if kind == "act" else "gradient"
+                        mixed = (f"stage {s} posts {(op, i)!r}, but the next {what} stage {src} sent "
+                                 f"it is micro-batch {got}'s: between two ranks messages "
+                                 f"arrive in the order they were sent, so stage {src}'s sends and stage "
+                                 f"{s}'s receives must list micro-batches in the same order")
+                        break
+                    clock[s] = max(clock[s], sent_at)
+                elif op.startswith("send"):
+                    kind, dst = ("act", s + 1) if op == "send_activation" else ("grad", s - 1)
+                    fifo.setdefault((s, dst, kind), deque()).append((i, clock[s]))
+                else:
+                    start = clock[s]
+                    clock[s] += forward_time if op == "forward" else backward_time
+                    in_flight[s] += 1 if op == "forward" else -1
+                    peak[s] = max(peak[s], in_flight[s])
+                    events.append((s, op, i, start, clock[s]))
+                todo[s].popleft()
+                progress = True
+    deadlock = None
+    if mixed is None and any(todo):
+        stuck = [f"stage {s} waits at {todo[s][0]!r} for stage "
+                 f"{s - 1 if todo[s][0][0] == 'recv_activation' else s + 1}" for s in range(pp) if todo[s]]
+        deadlock = "; ".join(stuck) + ": nobody can move (a cycle of waits)"
+    return {"deadlock": deadlock, "mixed": mixed, "makespan": max(clock), "peak_in_flight": peak,
+            "events": events}
+
+
+def check_schedule_fn(fn, pp: int, micro_batches: int) -> dict:
+    """The pure checks of exercise 11 for one (pp, m): well-formed lists, no deadlock, no mixed-up
+    messages, at most ``min(m, pp - stage)`` micro-batches in flight, and the library's 1F1B order
+    (:func:`course_lib.parallel.pipeline.schedules.stage_actions`). Raises CheckFailed (or the
+    learner's NotImplementedError), else returns a row with the simulated numbers."""
+    from course_lib.parallel.pipeline.schedules import stage_actions
+
+    m = micro_batches
+    lists = [_normalise(fn(pp, m, s)) for s in range(pp)]
+    for s, actions in enumerate(lists):
+        problem = validate_actions(actions, pp, m, s)
+        if problem:
+            raise CheckFailed(problem)
+    sim = simulate(lists)
+    if sim["mixed"]:
+        raise CheckFailed(f"pp={pp}, m={m}: {sim['mixed']}")
+    if sim["deadlock"]:
+        raise CheckFailed(
+            f"pp={pp}, m={m}: your order deadlocks: {sim['deadlock']}. A stage may only wait for data "
+            "whose producer comes earlier in its neighbour's list: after pp - stage - 1 warm-up "
+            "forwards, alternate one forward and one backward.")
+    for s in range(pp):
+        bound = min(m, pp - s)
+        if sim["peak_in_flight"][s] > bound:
+            raise CheckFailed(
+                f"pp={pp}, m={m}: stage {s} holds the activations of {sim['peak_in_flight'][s]} "
+                f"micro-batches at once; 1F1B keeps at most min(m, pp - stage) = {bound}: after its "
+                "warm-up a stage runs a backward after each forward, which frees one micro-batch.")
+    ref_lists = [stage_actions("1f1b", pp, m, s) for s in range(pp)]
+    ideal = simulate(ref_lists)["makespan"]
+    for s, (got, want) in enumerate(zip(lists, ref_lists)):
+        if got != want:
+            k = next(k for k, (a, b) in enumerate(zip(got + [None], want + [None])) if a != b)
+            raise CheckFailed(
+                f"pp={pp}, m={m}, stage {s}: item {k} is {got[k] if k < len(got) else None!r}, 1F1B has "
+                f"{want[k]!r} there. Your order is deadlock-free and within memory but takes "
+                f"{sim['makespan']:g} time units (forward 1, backward 2) where 1F1B takes {ideal:g}: "
+                f"warm up with min(pp - stage - 1, m) = {min(pp - s - 1, m)} forwards, then one forward "
+                "and one backward (oldest micro-batch first), then the remaining backwards.")
+    return {"pp": pp, "micro_batches": m, "makespan": sim["makespan"], "ideal": (m + pp - 1) * 3.0,
+            "peak_in_flight": sim["peak_in_flight"], "events": sim["events"]}
+
+
+# ============================================================= exercise 11: on gloo ranks
+PP_CFG = dict(vocab_size=64, block_size=16, n_layers=4, n_heads=4, d_model=32, bias=False)
+PP_SEQ = 16
+
+
+@contextlib.contextmanager
+def _runner_uses(actions: list):
+    """The library's runner asks ``schedules.stage_actions`` what to do: answer with ``actions``."""
+    from course_lib.parallel.pipeline import schedules
+
+    real = schedules.stage_actions
+    schedules.stage_actions = lambda *_args: list(actions)
+    try:
+        yield
+    finally:
+        schedules.stage_actions = real
+
+
+def _pp_scenario(rank: int, world: int, m: int, actions: list) -> dict:
+    from course_lib.model import ModelConfig, TinyGPT
+    from course_lib.parallel.pipeline import build_stage, pipeline_step
+
+    cfg = ModelConfig(**PP_CFG)
+    g = torch.Generator().manual_seed(1234)
+    x, y = (torch.randint(0, cfg.vocab_size, (2 * m, PP_SEQ), generator=g) for _ in range(2))
+    torch.manual_seed(0)
+    ref = TinyGPT(cfg)  # one process on the same micro-batches: the gradients to reproduce
+    ref_loss = 0.0
+    for xs, ys in zip(x.split(2), y.split(2)):
+        _, loss = ref(xs, ys)
+        (loss / m).backward()
+        ref_loss += loss.item() / m
+    want = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+    torch.manual_seed(0)
+    stage = build_stage(TinyGPT(cfg), rank, world)
+    with _runner_uses(actions):
+        result = pipeline_step(stage, x, y, schedule="1f1b", micro_batches=m)
+    problems, err = [], 0.0
+    if stage.is_last and abs(result["loss"] - ref_loss) > 1e-5 * max(1.0, abs(ref_loss)):
+        problems.append((1, f"the pipeline's loss is {result['loss']:.6g}, one process gets {ref_loss:.6g}"))
+    for n, p in stage.named_parameters():
+        if (msg := _mismatch(f"the gradient of {n}", p.grad, want[n], "Every micro-batch needs exactly "
+                             "one forward and one backward on every stage.")):
+            problems.append((2, msg))
+            break
+        err = max(err, _err(p.grad, want[n]))
+    if result["peak_in_flight"] > min(m, world - rank):
+        problems.append((3, f"the runner held {result['peak_in_flight']} micro-batches in flight, "
+                            f"1F1B allows min(m, pp - stage) = {min(m, world - rank)}"))
+    return {"problems": problems, "max_err": err, "peak_in_flight": result["peak_in_flight"],
+            "loss": result["loss"], "ref_loss": ref_loss}
+
+
+def pp_rank(rank: int, world_size: int, scenarios: list) -> dict:
+    """Rank function: every scenario ``(name, m, action lists of all stages)``."""
+    out = {name: _guard(name, _pp_scenario, rank, world_size, m, lists[rank]) for name, m, lists in scenarios}
+    dist.barrier()
+    return out
+
+
+def check_one_f_one_b_on_ranks(fn, pp: int, micro_batch_counts: list, *,
+                               timeout: float = 120.0) -> list[dict]:
+    """Execute ``fn``'s orders on ``pp`` gloo ranks (one stage each, a 4-block TinyGPT) with the
+    library's runner, one scenario per micro-batch count; compare loss and gradients with one
+    process. The pure checks run first, so an order that would hang is never started."""
+    scenarios = []
+    for m in micro_batch_counts:
+        check_schedule_fn(fn, pp, m)
+        scenarios.append((f"pp={pp}, m={m}", m, [_normalise(fn(pp, m, s)) for s in range(pp)]))
+    per_rank = _launch(pp_rank, pp, "your 1F1B order", timeout,
+                       "The simulation found none, so look at what the runner was given.", scenarios)
+    _first_problem(per_rank, pp)
+    return [{"pp": pp, "micro_batches": m, "loss": per_rank[-1][name]["loss"],
+             "ref_loss": per_rank[-1][name]["ref_loss"],
+             "max_err": max(per_rank[r][name]["max_err"] for r in range(pp)),
+             "peak_in_flight": [per_rank[r][name]["peak_in_flight"] for r in range(pp)]}
+            for name, m, _ in scenarios]
