@@ -107,14 +107,14 @@ def _tf32_peak() -> float:
 MFU_CASES = {
     # name: trainer overrides on top of the GPT-2-small base below
     "bf16 + compile + fused AdamW": [],
-    "  same, micro-batch 32": ["train.micro_batch=32"],
-    "  same, no clipping or spike checks": ["stability.max_grad_norm=0", "stability.detect_spikes=false"],
+    "  + micro-batch 32": ["train.micro_batch=32"],
+    "  + no clipping or spike checks": ["stability.max_grad_norm=0", "stability.detect_spikes=false"],
     "bf16, no compile": ["train.compile=false"],
     "bf16 + compile, foreach AdamW": ["optim.fused=false"],
     "fp32 (tf32) + compile": ["train.precision='fp32'"],
     # An experiment, not a trainer option: torch.compile(mode="reduce-overhead") replays CUDA graphs,
     # so the kernels of a step start without per-kernel launches after the step's host read.
-    "  same, CUDA graphs (experiment)": ["compile_mode=reduce-overhead"],
+    "  + CUDA graphs (experiment)": ["compile_mode=reduce-overhead"],
 }
 
 
@@ -476,7 +476,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip", type=int, default=20, help="mfu: first steps left out (compilation)")
     parser.add_argument("--micro-batch", type=int, default=16, help="mfu: sequences per step")
     parser.add_argument("--quick", action="store_true", help="fewer cases")
-    parser.add_argument("--cases", help="mfu: comma-separated case names to run (default: all)")
+    parser.add_argument("--cases", help="mfu: comma-separated case names to run, e.g. \"bf16 + compile + fused AdamW,+ micro-batch 32\" (default: all)")
     parser.add_argument("--top", type=int, default=15, help="profile: kernels listed")
     parser.add_argument("--trace", type=Path, help="profile: write a Chrome trace here")
     parser.add_argument("--json", type=Path, help="write every figure here")

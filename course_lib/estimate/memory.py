@@ -181,11 +181,11 @@ def training_step_peak_bytes(states: ModelStateBytes, activation_bytes: float, *
     so that moment counts ``states.total - states.grads``.
 
     Measured (fp32, GPT-2 small and a Llama-style 0.3B model, micro-batch 1-16, recompute
-    none/selective/full, on an H100; benchmarks/RESULTS-gpu.md): wherever activations dominate, the
-    start of backward sets the peak and this sum is within 1% of ``torch.cuda.max_memory_allocated``.
-    Where they are small (full recompute at micro-batch 1) the peak comes later - the end of
-    backward or the step - and was 8-11% above ``states.total``: 0.16-0.33 GiB that varied between
-    runs and was the same with fused and foreach AdamW, so it is not the optimizer's temporaries."""
+    none/selective/full, on an H100; benchmarks/RESULTS-gpu.md): within 3% of
+    ``torch.cuda.max_memory_allocated`` in 15 of 17 configurations (within 1% in 14), and within 8%
+    in all. The two outliers are full recompute at micro-batch 1, where activations are small and
+    the peak comes later in the step (0.16-0.23 GiB more; it varied between runs and was the same
+    with fused and foreach AdamW)."""
     check_number("activation_bytes", activation_bytes, 0)
     check_number("transient_bytes", transient_bytes, 0)
     check_number("optimizer_temp_bytes", optimizer_temp_bytes, 0)
