@@ -91,6 +91,22 @@ def stage_actions(schedule: str, pp: int, micro_batches: int, stage: int) -> lis
 
 
 # ---------------------------------------------------------------- running it
+def check_batch(idx, targets, micro_batches: int) -> None:
+    """ValueError naming the argument unless ``idx`` and ``targets`` are int token tensors [batch,
+    seq] of one shape and ``micro_batches`` (>= 1) divides the batch: every pipeline runner's
+    input check, made before any communication."""
+    check_int("micro_batches", micro_batches, 1)
+    for name, t in (("idx", idx), ("targets", targets)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{name} must be an int64 tensor [batch, seq], got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if targets.shape != idx.shape:
+        raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+    if idx.shape[0] % micro_batches:
+        raise ValueError(f"micro_batches ({micro_batches}) must divide the batch size ({idx.shape[0]}); "
+                         f"accepted values are the divisors of {idx.shape[0]}")
+
+
 def _check_ranks(stage: PipelineStage, ranks) -> list[int]:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("pipeline schedules need a process group: start ranks with "
@@ -129,17 +145,8 @@ def run_schedule(stage: PipelineStage, idx: torch.Tensor, targets: torch.Tensor,
     if not isinstance(stage, PipelineStage):
         raise TypeError(f"stage must be a PipelineStage, got {type(stage).__name__}")
     check_choice("schedule", schedule, SCHEDULES)
-    check_int("micro_batches", micro_batches, 1)
-    for name, t in (("idx", idx), ("targets", targets)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"{name} must be an int64 tensor [batch, seq], got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if targets.shape != idx.shape:
-        raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+    check_batch(idx, targets, micro_batches)
     B, T = idx.shape
-    if B % micro_batches:
-        raise ValueError(f"micro_batches ({micro_batches}) must divide the batch size ({B}); "
-                         f"accepted values are the divisors of {B}")
     if simulate_s is not None and not (isinstance(simulate_s, (tuple, list)) and len(simulate_s) == 2):
         raise TypeError(f"simulate_s must be None or (forward seconds, backward seconds), got {simulate_s!r}")
     fwd_s, bwd_s = (0.0, 0.0) if simulate_s is None else simulate_s

@@ -61,7 +61,7 @@ from torch.distributed.pipelining import PipelineStage as TorchStage
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from course_lib.model import TinyGPT
-from course_lib.parallel.pipeline.schedules import sync_tied_grads
+from course_lib.parallel.pipeline.schedules import check_batch, sync_tied_grads
 from course_lib.parallel.pipeline.stages import PipelineStage, resolve_balance
 from course_lib.validate import check_choice, check_int
 
@@ -172,16 +172,7 @@ def _as_stage_list(stages) -> list[TorchStage]:
 def _check_step(stages: list[TorchStage], idx, targets, schedule: str, m: int, group) -> tuple[int, int]:
     """Every check torch_pipeline_step makes, before any communication; returns (pp, virtual_stages)."""
     check_choice("schedule", schedule, TORCH_SCHEDULES)
-    check_int("micro_batches", m, 1)
-    for name, t in (("idx", idx), ("targets", targets)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"{name} must be an int64 tensor [batch, seq], got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if targets.shape != idx.shape:
-        raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
-    if idx.shape[0] % m:
-        raise ValueError(f"micro_batches ({m}) must divide the batch size ({idx.shape[0]}); "
-                         f"accepted values are the divisors of {idx.shape[0]}")
+    check_batch(idx, targets, m)
     if group is not None and any(s.group is not group for s in stages):
         raise ValueError("group must be the process group the stages were built with (or None)")
     pp, n_stages = stages[0].group_size, stages[0].num_stages
