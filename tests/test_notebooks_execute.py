@@ -24,7 +24,10 @@ def _run(nb: Path, tmp_path: Path) -> run_notebooks.RunResult:
     return run_notebooks.execute(nb, tmp_path / nb.name, smoke=True, timeout_s=600, cwd=tmp_path)
 
 
-@pytest.mark.parametrize("nb", LABS + SOLUTIONS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+# Labs are not run here: nbval executes each of them (pyproject's testpaths include labs/, at smoke
+# size through conftest's COURSE_SMOKE=1) and fails on any error, besides comparing the cells marked
+# NBVAL_CHECK_OUTPUT. Running them here too would execute every lab twice per test run.
+@pytest.mark.parametrize("nb", SOLUTIONS, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_notebook_runs_clean_at_smoke_size(nb, tmp_path):
     result = _run(nb, tmp_path)
     assert result.status == "ok", f"{nb.name} failed in {result.failed_cell_id}: {result.error}"
@@ -48,3 +51,16 @@ def test_untouched_exercise_fails_at_a_graded_cell(nb, tmp_path):
 def test_every_solution_has_its_exercise():
     assert [p.name for p in SOLUTIONS] == [p.name for p in EXERCISES]
     assert LABS, "no labs found"
+
+
+def test_nbval_executes_every_lab_once_per_run():
+    """The labs' only execution in a test run is nbval's: it must collect labs/ at smoke size."""
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert "labs" in ini["testpaths"] and "--nbval-lax" in ini["addopts"], ini
+    assert "COURSE_SMOKE" in (ROOT / "conftest.py").read_text()
