@@ -42,6 +42,10 @@ LABS: dict[str, LabInfo] = {info.name: info for info in [
             "gloo over loopback stands in for NCCL; CPU threads stand in for overlap on CUDA streams"),
     LabInfo("09_zero_fsdp_deepspeed", "ZeRO, FSDP and DeepSpeed", "cpu-standins",
             "gloo over loopback stands in for NCCL; CPU tensor bytes stand in for CUDA memory"),
+    LabInfo("10_tensor_parallel", "Tensor and sequence parallelism", "cpu-standins",
+            "gloo over loopback stands in for NCCL/NVLink; CPU tensor bytes stand in for CUDA memory"),
+    LabInfo("11_pipeline_parallel", "Pipeline parallelism, 3D and context parallelism", "cpu-standins",
+            "gloo over loopback stands in for NCCL; CPU timings stand in for GPU kernels"),
 ]}
 
 
