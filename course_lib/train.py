@@ -96,7 +96,10 @@ def _peak_flops(cfg: dict, device: torch.device) -> float:
         from course_lib.estimate import hardware
 
         name = torch.cuda.get_device_name(device).lower()
-        dtype = {"fp32": "tf32", "bf16": "bf16", "fp16": "fp16"}[cfg["train"]["precision"]]
+        # fp32 runs on TF32 tensor cores only when torch is allowed to (set_float32_matmul_precision
+        # "high"/"medium"); otherwise the matmuls are true fp32 and MFU divides by the fp32 peak.
+        fp32 = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+        dtype = {"fp32": fp32, "bf16": "bf16", "fp16": "fp16"}[cfg["train"]["precision"]]
         for key, acc in hardware.ACCELERATORS.items():  # first entry of the chip family (e.g. h100)
             if key.split("-")[0] in name:
                 return acc.peak_flops(dtype)
@@ -156,6 +159,14 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     if info.world_size == 1 and t["strategy"] != "single" and info.backend is None:
         raise ConfigError(f"train.strategy = {t['strategy']!r} needs a process group: start with "
                           f"torchrun --nproc-per-node N (or course_lib.parallel.run_ranks)")
+    mp = train_config.model_parallel_size(cfg)
+    if mp > 1:  # tensor/pipeline parallel: the ranks must tile the mesh exactly, known only now
+        par = cfg["parallel"]
+        dp = par["dp"] or max(1, info.world_size // mp)
+        if dp * mp != info.world_size:
+            raise ConfigError(f"{info.world_size} ranks started, but parallel.dp x tp x pp x cp = {dp} x {par['tp']} "
+                              f"x {par['pp']} x {par['cp']} = {dp * mp}; start {dp * mp} ranks, or a multiple of "
+                              f"tp * pp * cp = {mp} with parallel.dp = 0 (= world / (tp * pp * cp))")
     out_dir = Path(out_dir)
 
     # ---- everything that can fail on bad input is built before the first file is written
@@ -173,6 +184,12 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             raise ConfigError(f"--inject-fault: {', '.join(bad)} writes into p.grad, but train.strategy = "
                               f"{t['strategy']!r} keeps the gradients inside its engine here; use nan_loss "
                               f"or loss_shift (or, for deepspeed, parallel.zero_stage = 0 with fp32)")
+    if cfg["parallel"]["pp"] > 1:  # a named parameter lives on one pipeline stage only
+        bad = [str(f) for f in stabilizer.faults.faults if f.kind == "inf_grad" and f.value is not None]
+        if bad:
+            raise ConfigError(f"--inject-fault: {', '.join(bad)} names a parameter, but with parallel.pp = "
+                              f"{cfg['parallel']['pp']} it exists on one stage only; use inf_grad without a name "
+                              f"(each rank's first gradient) or grad_scale")
     fused = {"fused": True} if o["fused"] else {}  # one kernel for the whole update, not one per tensor
     strategy.setup(model, lambda m: torch.optim.AdamW(m.param_groups(o["weight_decay"]), lr=o["lr"],
                                                       betas=(o["beta1"], o["beta2"]), eps=o["eps"], **fused))
@@ -309,8 +326,10 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             bar.close()
         log.close()
         checkpoints.close()  # waits for an async save: the last checkpoint is never lost
-    return TrainResult(step, start, last_loss, skipped, out_dir, rollbacks, model, str(device), info.backend,
-                       strategy)
+    # strategy.model: this rank's trained module (under tensor/pipeline parallelism its shard or
+    # stage; the dense ``model`` it was cut from is not trained).
+    return TrainResult(step, start, last_loss, skipped, out_dir, rollbacks, strategy.model, str(device),
+                       info.backend, strategy)
 
 
 def _ckpt_metrics(last_loss: float | None) -> dict:

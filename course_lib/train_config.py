@@ -9,7 +9,11 @@
               max_rollbacks, rollback_limit
     [checkpoint] save_every, keep_last, async_save, mirror, format
     [parallel] bucket_mb, reshard_after_forward, cpu_offload, zero_stage, offload_optimizer,
-              offload_param (read by the strategy named in train.strategy)
+              offload_param (read by the strategy named in train.strategy);
+              dp, tp, pp, pp_schedule, virtual_stages, sequence_parallel, cp (model parallelism:
+              tp * pp > 1 composes tensor and pipeline parallelism with train.strategy = "ddp" as
+              the data-parallel dimension; the world size must be dp * tp * pp * cp, checked when
+              the ranks start)
 
 Every unknown section or key, wrong type or out-of-range value is a ``ConfigError`` naming it
 (with a "did you mean" for typos), raised before any file is written or model is built.
@@ -97,6 +101,15 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "zero_stage": (int, 2, (0, 3)),            # deepspeed: ZeRO stage
         "offload_optimizer": (str, "none", ("none", "cpu")),  # deepspeed: optimizer state + step on the CPU
         "offload_param": (str, "none", ("none", "cpu")),      # deepspeed: parameters on the CPU (stage 3)
+        # Model parallelism (course_lib.parallel.model_parallel_strategy, with train.strategy = "ddp"
+        # as the data-parallel dimension): ranks = dp * tp * pp * cp, tp innermost (mesh.py).
+        "dp": (int, 0, (0, None)),                 # data-parallel replicas; 0 = world / (tp * pp * cp)
+        "tp": (int, 1, (1, None)),                 # tensor-parallel ranks per layer (heads, MLP, vocab split)
+        "pp": (int, 1, (1, None)),                 # pipeline stages (contiguous runs of blocks)
+        "pp_schedule": (str, "1f1b", ("1f1b", "gpipe", "interleaved")),  # micro-batches = train.grad_accum
+        "virtual_stages": (int, 1, (1, None)),     # stages per pipeline rank; > 1 needs "interleaved"
+        "sequence_parallel": (bool, False, None),  # tp > 1: norms/residual split along the sequence
+        "cp": (int, 1, (1, None)),                 # context parallel: only 1 here (ring attention has its own module)
     },
     "model": {"preset": (str, "tiny", None)},      # plus any ModelConfig field, checked there
 }
@@ -150,7 +163,8 @@ def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
             kind, _, constraint = SCHEMA[section][key]
             cfg[section][key] = _check_value(where, value, kind, constraint)
     _cross_checks(cfg)
-    build_model_config(cfg)  # model keys are checked now, not after files exist
+    mcfg = build_model_config(cfg)  # model keys are checked now, not after files exist
+    _parallel_checks(cfg, mcfg)
     return cfg
 
 
@@ -189,6 +203,82 @@ def _cross_checks(cfg: dict) -> None:
     if cfg["stability"]["spike_policy"] == "rollback" and cfg["checkpoint"]["save_every"] == 0:
         raise ConfigError("stability.spike_policy = 'rollback' needs checkpoint.save_every > 0 "
                           "(there must be a checkpoint to roll back to)")
+
+
+def model_parallel_size(cfg: dict) -> int:
+    """Ranks per data-parallel replica: tp * pp * cp (1 = no model parallelism)."""
+    par = cfg["parallel"]
+    return par["tp"] * par["pp"] * par["cp"]
+
+
+def _parallel_checks(cfg: dict, mcfg) -> None:
+    """``[parallel]`` model-parallel keys against each other, the strategy and the model shape.
+    The world size (dp * tp * pp * cp) is checked when the ranks start (course_lib.train)."""
+    par, t = cfg["parallel"], cfg["train"]
+    tp, pp, v, sched = par["tp"], par["pp"], par["virtual_stages"], par["pp_schedule"]
+    if par["cp"] > 1:
+        raise ConfigError(f"parallel.cp = {par['cp']}: context parallelism runs in course_lib.parallel."
+                          f"context_parallel only (ring attention), not in the trainer; set parallel.cp = 1")
+    if par["sequence_parallel"] and tp == 1:
+        raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1 (it splits the sequence "
+                          "over the tensor-parallel ranks); got parallel.tp = 1")
+    if v > 1 and sched != "interleaved":
+        raise ConfigError(f"parallel.virtual_stages = {v} needs parallel.pp_schedule = 'interleaved' "
+                          f"(got {sched!r}); gpipe and 1f1b run one stage per rank (virtual_stages = 1)")
+    if sched == "interleaved" and pp == 1:
+        raise ConfigError("parallel.pp_schedule = 'interleaved' needs parallel.pp > 1 (it interleaves "
+                          "parallel.virtual_stages stages per pipeline rank)")
+    if model_parallel_size(cfg) == 1:
+        if par["dp"]:
+            raise ConfigError(f"parallel.dp = {par['dp']} is read with parallel.tp or parallel.pp > 1 only (plain "
+                              f"data parallelism uses every rank started); leave it 0")
+        return
+    keys = " and ".join(f"parallel.{k} = {par[k]}" for k in ("tp", "pp") if par[k] > 1)
+    if t["strategy"] != "ddp":
+        raise ConfigError(f"{keys} composes with train.strategy = 'ddp' only (the data-parallel dimension; "
+                          f"its gradients are averaged by the model-parallel strategy itself); got "
+                          f"train.strategy = {t['strategy']!r}")
+    if t["compile"] and sched == "interleaved" and pp > 1:
+        raise ConfigError("train.compile = true does not apply to parallel.pp_schedule = 'interleaved': torch's "
+                          "schedule calls its stage modules itself; set train.compile = false or use '1f1b'")
+    if cfg["checkpoint"]["format"] == "sharded":
+        raise ConfigError(f"checkpoint.format = 'sharded' does not fit {keys}: the shards are saved in the "
+                          f"dense layout (full checkpoints); use 'auto' or 'full'")
+    if tp > 1:
+        for name, value in (("model.n_heads", mcfg.n_heads), ("model.n_kv_heads", mcfg.kv_heads),
+                            ("model.vocab_size", mcfg.vocab_size), ("the MLP width (model.d_ff)", mcfg.ffn_dim)):
+            if value % tp:
+                raise ConfigError(f"parallel.tp = {tp} must divide {name} ({value}): each tensor-parallel "
+                                  f"rank holds an equal share; accepted tp: divisors of {value}")
+        if mcfg.dropout:
+            raise ConfigError(f"parallel.tp = {tp} needs model.dropout = 0 (got {mcfg.dropout}): dropout inside "
+                              f"a tensor-parallel region needs a per-rank random stream, not built here")
+        if mcfg.checkpointing != "none" or mcfg.offload_activations:
+            raise ConfigError(f"parallel.tp = {tp} supports model.checkpointing = 'none' and "
+                              f"model.offload_activations = false only")
+        if par["sequence_parallel"] and cfg["data"]["seq_len"] % tp:
+            raise ConfigError(f"parallel.sequence_parallel needs data.seq_len ({cfg['data']['seq_len']}) "
+                              f"divisible by parallel.tp ({tp})")
+    stages = pp * v
+    if stages > mcfg.n_layers:
+        what = (f"parallel.pp x parallel.virtual_stages = {pp} x {v} = {stages} stages" if v > 1
+                else f"parallel.pp = {pp} stages")
+        raise ConfigError(f"{what}, but model.n_layers = {mcfg.n_layers}: every stage needs at least one "
+                          f"block; accepted: pp * virtual_stages in [1, {mcfg.n_layers}]")
+    if sched == "interleaved":
+        if tp > 1:
+            raise ConfigError(f"parallel.pp_schedule = 'interleaved' runs dense stages only (torch.distributed."
+                              f"pipelining); with parallel.tp = {tp} use '1f1b' or 'gpipe'")
+        if t["precision"] != "fp32":
+            raise ConfigError(f"parallel.pp_schedule = 'interleaved' runs with train.precision = 'fp32' only "
+                              f"(torch's schedule runs forward and backward itself: no autocast or loss scaling "
+                              f"hook); got {t['precision']!r}, or use '1f1b'")
+        m = t["grad_accum"]
+        rounds = max(1, m // pp)
+        if m % rounds:  # torch's ScheduleInterleaved1F1B refuses it at its first step otherwise
+            raise ConfigError(f"train.grad_accum ({m}) must be a multiple of max(1, grad_accum // parallel.pp) = "
+                              f"{rounds} for parallel.pp_schedule = 'interleaved': any value <= {2 * pp - 1} "
+                              f"or a multiple of {pp}")
 
 
 def vocab_size_of(cfg: dict) -> int:

@@ -26,6 +26,11 @@ STRATEGIES: dict[str, tuple[str, str, str]] = {  # name -> (module, class, one-l
                   "the DeepSpeed engine, ZeRO stage parallel.zero_stage (0-3), optional CPU offload"),
 }
 
+#: Not a ``train.strategy`` name: chosen by :func:`make_strategy` when ``parallel.tp * parallel.pp
+#: * parallel.cp > 1``; ``train.strategy`` then names its data-parallel dimension (only "ddp").
+MODEL_PARALLEL = ("course_lib.parallel.model_parallel_strategy", "ModelParallel",
+                  "tensor (parallel.tp) x pipeline (parallel.pp) parallel, data parallel over the rest")
+
 
 def strategy_names() -> tuple[str, ...]:
     """The names ``train.strategy`` accepts."""
@@ -39,4 +44,7 @@ def make_strategy(name: str, info: Any, device: Any, cfg: dict | None = None):
     if name not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {name!r}")
     module, cls, _ = STRATEGIES[name]
+    par = (cfg or {}).get("parallel", {})
+    if par.get("tp", 1) * par.get("pp", 1) * par.get("cp", 1) > 1:  # train_config allows only "ddp" here
+        module, cls, _ = MODEL_PARALLEL
     return getattr(importlib.import_module(module), cls)(info, device, cfg)

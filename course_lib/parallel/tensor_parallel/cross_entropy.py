@@ -55,7 +55,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, group=None,
-                                 ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+                                 ignore_index: int = -100, reduction: str = "mean",
+                                 check_targets: bool = True) -> torch.Tensor:
     """Cross-entropy (nats) of logits split over the vocabulary, equal to ``F.cross_entropy`` on
     the gathered logits, forward and backward, without gathering them.
 
@@ -65,7 +66,10 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     same on every rank; ``ignore_index`` marks tokens left out. ``reduction``: ``mean`` (over the
     scored tokens; NaN when none is scored, as torch), ``sum`` or ``none`` (per-token, 0 where
     ignored). Computed in float32. Cost: 2 all-reduces of ``tokens`` elements (a max, then two sums
-    in one call), instead of gathering ``tokens x V`` logits.
+    in one call), instead of gathering ``tokens x V`` logits. ``check_targets``: refuse ids out of
+    range with a ValueError, as ``F.cross_entropy`` does on a CPU - at the price of a host read
+    (device -> host sync); training loops whose data were checked once (the trainer checks
+    ``data.vocab_size <= model.vocab_size`` at start-up) pass False and keep one host read a step.
     """
     if not isinstance(logits_shard, torch.Tensor) or not logits_shard.is_floating_point():
         raise TypeError("logits_shard must be a floating-point torch.Tensor [..., V/N]")
@@ -78,10 +82,11 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     tp, rank = tp_size_and_rank(group, "vocab_parallel_cross_entropy")
     per = logits_shard.shape[-1]
     flat_t = targets.reshape(-1).long()
-    scored = flat_t[flat_t != ignore_index]
-    if scored.numel() and (scored.min() < 0 or scored.max() >= per * tp):  # F.cross_entropy refuses too
-        raise ValueError(f"targets must be token ids in [0, {per * tp}) or ignore_index={ignore_index}; "
-                         f"got values in [{scored.min().item()}, {scored.max().item()}]")
+    if check_targets:
+        scored = flat_t[flat_t != ignore_index]
+        if scored.numel() and (scored.min() < 0 or scored.max() >= per * tp):  # F.cross_entropy refuses too
+            raise ValueError(f"targets must be token ids in [0, {per * tp}) or ignore_index={ignore_index}; "
+                             f"got values in [{scored.min().item()}, {scored.max().item()}]")
     losses = _VocabParallelCrossEntropy.apply(logits_shard.reshape(-1, per), flat_t, group, rank * per,
                                               ignore_index)
     if reduction == "none":

@@ -32,7 +32,11 @@ from course_lib.validate import check_bool
 class TPTinyGPT(nn.Module):
     """``forward(idx, targets=None) -> (logits_shard [B, T, vocab/N], loss or None)``; parameter
     names are those of the dense TinyGPT (``blocks.0.attn.q_proj.weight`` ...), each holding this
-    rank's shard (``tp_partition_dim`` says along which dense dim) or a replica."""
+    rank's shard (``tp_partition_dim`` says along which dense dim) or a replica.
+    ``check_targets``: see :func:`.vocab_parallel_cross_entropy` (the trainer sets it False: its
+    data are checked at start-up, and the check costs a host read per micro-batch)."""
+
+    check_targets = True
 
     def __init__(self, model, group=None, sequence_parallel: bool = False):
         super().__init__()
@@ -88,7 +92,7 @@ class TPTinyGPT(nn.Module):
         logits = self.lm_head(self.norm_f(x))  # [B, T, vocab/N]
         loss = None
         if targets is not None:
-            loss = vocab_parallel_cross_entropy(logits, targets, self.group)
+            loss = vocab_parallel_cross_entropy(logits, targets, self.group, check_targets=self.check_targets)
         return logits, loss
 
     def finish_gradient_synchronization(self) -> None:

@@ -1,0 +1,253 @@
+"""Tensor and pipeline parallelism composed with data parallelism, behind the strategy interface.
+
+Chosen by :func:`~course_lib.parallel.registry.make_strategy` (so by the trainer) when
+``parallel.tp * parallel.pp > 1``, with ``train.strategy = "ddp"`` naming the data-parallel
+dimension; ``dp = world_size / (tp * pp)`` (or ``parallel.dp``, which must then fit exactly). The ranks form a
+:mod:`~course_lib.parallel.mesh` (tp innermost, pp outermost) and each rank holds:
+
+* **TP** (``parallel.tp``): :func:`~course_lib.parallel.tensor_parallel.tp_tinygpt` on its tp
+  group - its heads, MLP columns and vocabulary rows (``parallel.sequence_parallel``: the residual
+  stream split along the sequence between the TP regions);
+* **PP** (``parallel.pp``): its pipeline stage (a contiguous run of blocks, embeddings on the
+  first, head and loss on the last); the step's ``train.grad_accum`` micro-batches are the
+  pipeline's micro-batches, run in the order of ``parallel.pp_schedule``: "gpipe" | "1f1b" by
+  our runner (:mod:`.model_parallel_stage`), "interleaved" by torch's
+  ``ScheduleInterleaved1F1B`` over ``parallel.virtual_stages`` stages per rank
+  (:mod:`.pipeline.torch_pipelining`; tp = 1 and fp32 only);
+* **DP**: after the last micro-batch the gradients are averaged over the dp group, one
+  all-reduce of all of them flattened.
+
+TP and PP peers read the *same* batch: :attr:`dp_rank`/:attr:`dp_size` are the data-parallel
+coordinates only, so the global batch is ``micro_batch * grad_accum * dp`` sequences a step, as
+for plain DDP on ``dp`` ranks.
+
+Every rank builds the whole dense model with the trainer's seed and cuts its part out of it: the
+shards start bit-equal to one process, which is what the tests compare against. The price is the
+dense model's memory on every rank while it lives (the trainer keeps it; under PP the stage shares
+its modules, under TP the shards are copies) - fine for the course's models; a 70B model would be
+built per stage on the meta device and loaded from a checkpoint instead.
+
+``train.compile`` compiles what forward is called on (``module``): the TP model, or this rank's
+stage, which our pipeline runner calls (torch's interleaved schedule calls its own stages, so
+train_config refuses compile there). ``optim.fused`` is kept: the optimizer is re-created with the
+trainer's class and options.
+
+After backward, in this order: sequence-parallel partial gradients are summed over tp; every
+gradient is averaged over dp; the tied embedding / LM head copies on the first and last stage add
+their parts (both get bit-identical sums, so the copies never drift). The stabilizer's norm
+(:meth:`reduce_grad_sq`) counts every logical parameter once. Checkpoints are full, in the dense
+model's names and layout (:mod:`.model_parallel_checkpoint`): one process can resume them, and
+so can any other tp x pp x dp layout of the same model.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib.parallel.data_parallel.optimizer_rebuild import constructor_kwargs, groups_by_name
+from course_lib.parallel.strategy import Distributed
+
+
+def _config_error(message: str):
+    from course_lib.train_config import ConfigError
+
+    return ConfigError(message)
+
+
+class ModelParallel(Distributed):
+    """DP x TP x PP by hand (see the module docstring). ``mesh``: the rank layout and its groups
+    (:class:`~course_lib.parallel.mesh.ProcessMesh`): pass one built with
+    :func:`~course_lib.parallel.mesh.build_mesh` (its sizes must match ``[parallel]``), or leave it
+    None and the strategy builds it from ``[parallel]`` (the trainer's way). There is no global
+    mesh: whoever needs the groups asks this object (``strategy.mesh``)."""
+
+    name = "ddp+tp/pp"
+    checkpoint_format = "full"
+    checkpoint_formats = ("full",)  # shards in the dense layout; DCP would need DTensors
+
+    def __init__(self, info, device, cfg=None, mesh=None):
+        super().__init__(info, device, cfg)
+        from course_lib.parallel.mesh import build_mesh, mesh_layout
+
+        par = self.cfg["parallel"]
+        self.tp, self.pp, self.cp = par["tp"], par["pp"], par["cp"]
+        self.sequence_parallel, self.schedule = par["sequence_parallel"], par["pp_schedule"]
+        if self.cp > 1:  # train_config refuses it first; a direct caller gets the same words
+            raise _config_error("parallel.cp > 1 runs in course_lib.parallel.context_parallel only, not in the "
+                                "trainer; set parallel.cp = 1")
+        self.virtual_stages = par["virtual_stages"]
+        try:
+            layout = mesh_layout(info.world_size, tp=self.tp, pp=self.pp, cp=self.cp, dp=par["dp"])
+        except ValueError as exc:
+            raise _config_error(f"parallel.dp/tp/pp/cp do not fit the {info.world_size} ranks started: {exc} "
+                                f"(parallel.dp = 0 takes what is left)") from None
+        if mesh is not None and mesh.layout != layout:
+            raise _config_error(f"the mesh passed ({mesh.layout}) does not match [parallel] ({layout})")
+        self.mesh = mesh if mesh is not None else build_mesh(layout)  # collective: every rank, every group
+        c = self.mesh.coords
+        self.pp_rank, self.tp_rank = c["pp"], c["tp"]
+        self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp - 1
+        self.tp_group, self.dp_group, self.mp_group = (self.mesh.groups[d] for d in ("tp", "dp", "mp"))
+        self._policy = None
+        self._mask = None
+
+    # ------------------------------------------------------------------ where this rank sits
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.coords["dp"]
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.layout.dp
+
+    # ------------------------------------------------------------------ building
+    def setup(self, model: nn.Module, make_optimizer) -> None:
+        """Cut this rank's part out of the dense ``model`` (built with the same seed on every rank),
+        then build the trainer's optimizer over it: same class, options and groups as one process
+        would use (decay decided on the dense shapes), restricted to the parameters held here."""
+        from course_lib.model import TinyGPT
+        from course_lib.parallel.model_parallel_checkpoint import DenseLayout
+
+        if not isinstance(model, TinyGPT):
+            raise TypeError(f"tensor/pipeline parallelism cuts a course_lib.model.TinyGPT, got {type(model).__name__}")
+        base = make_optimizer(model)  # on the dense model: grouping by the dense shapes
+        named_groups = groups_by_name(base, model)
+        self.layout = DenseLayout(model, named_groups)
+        local = model
+        if self.tp > 1:
+            from course_lib.parallel.tensor_parallel.gpt import tp_tinygpt
+
+            try:
+                local = tp_tinygpt(model, self.tp_group, self.sequence_parallel)
+                local.check_targets = False  # data checked at start-up: no host read per micro-batch
+            except ValueError as exc:  # train_config checks these first; say which key anyway
+                raise _config_error(f"parallel.tp = {self.tp}: {exc}") from None
+        if self.pp > 1 and self.schedule == "interleaved":  # torch's schedule over our stage split
+            from course_lib.parallel.model_parallel_stage import HeldStages
+            from course_lib.parallel.pipeline.torch_pipelining import build_torch_stages
+
+            stages = build_torch_stages(model, self.pp_rank, self.pp, self.virtual_stages,
+                                        group=self.mesh.groups["pp"], device=self.device)
+            local = HeldStages(stages, self.mesh.ranks["pp"])
+        elif self.pp > 1:
+            if self.tp > 1:
+                from course_lib.parallel.model_parallel_stage import TPPipelineStage
+
+                local = TPPipelineStage(local, self.pp_rank, self.pp)
+            else:
+                from course_lib.parallel.pipeline.stages import build_stage
+
+                local = build_stage(model, self.pp_rank, self.pp)
+        self.model = self.module = local
+        self.layout.bind(local)
+        self.optimizer = type(base)(self.layout.local_groups(named_groups), **constructor_kwargs(base))
+        self.reduce_grad_sq = self._reduce_grad_sq
+
+    def precision_policy(self, precision: str):
+        self._policy = super().precision_policy(precision)
+        return self._policy
+
+    # ------------------------------------------------------------------ one step
+    def forward_backward(self, batches, *, autocast, on_loss, backward) -> torch.Tensor:
+        batches = list(batches)
+        if not batches:
+            raise ValueError("forward_backward needs at least one micro-batch")
+        if self.pp == 1:  # the usual micro-batch loop; TPTinyGPT returns (logits, loss)
+            local = super().forward_backward(batches, autocast=autocast, on_loss=on_loss, backward=backward)
+        elif self.schedule == "interleaved":  # fp32 only (train_config): torch runs forward and backward
+            from course_lib.parallel.model_parallel_stage import run_interleaved
+
+            local = run_interleaved(self.model, batches, on_loss=on_loss)
+            local = local if local is not None else torch.zeros((), device=self.device)
+        else:
+            local = self._pipeline(batches, autocast, on_loss, backward)
+        self._finish_gradients()
+        return local
+
+    def _pipeline(self, batches, autocast, on_loss, backward):
+        from course_lib.parallel.model_parallel_stage import run_pipeline
+
+        scaler = self._policy.scaler if self._policy is not None else None
+        if scaler is not None and not self.is_last and scaler._scale is None:
+            # fp16: only the last stage scales a loss, but every stage unscales its gradients
+            # (scaled by the same factor on the way back); this creates the scale tensor here.
+            scaler.scale(torch.ones((), device=self.device))
+        mb, T = batches[0][0].shape
+        act_shape = (mb, T // self.tp if self.sequence_parallel else T, self.model.cfg.d_model)
+        dtype = next(self.model.parameters()).dtype
+        loss = run_pipeline(self.model, batches, schedule=self.schedule, ranks=self.mesh.ranks["pp"],
+                            act_shape=act_shape, act_dtype=dtype, device=self.device, autocast=autocast,
+                            on_loss=on_loss, backward=backward, forward=self.module)
+        return loss if loss is not None else torch.zeros((), device=self.device)
+
+    @torch.no_grad()
+    def _finish_gradients(self) -> None:
+        """SP partial sums (tp), the data-parallel mean (dp), then the tied copies' sum (pp)."""
+        if self.sequence_parallel:
+            from course_lib.parallel.tensor_parallel.blocks import sync_sequence_parallel_grads
+
+            sync_sequence_parallel_grads(self.model, self.tp_group)
+        if self.dp_size > 1:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            # One collective for every gradient (per-call latency dominates small tensors on gloo).
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= self.dp_size
+            torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        if self.pp > 1 and self.model.tied:
+            # After the dp mean, so both copies add the same two (dp-averaged) parts.
+            from course_lib.parallel.pipeline.schedules import sync_tied_grads
+
+            if self.schedule == "interleaved":
+                self.model.sync_tied()  # each of this rank's virtual stages that holds a copy
+            else:
+                sync_tied_grads(self.model, self.mesh.ranks["pp"])
+
+    def global_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The loss over the dp replicas, equal on every rank: only the last stage computed it
+        (and every tp rank of it the same number), so one rank per replica contributes."""
+        owner = self.is_last and self.tp_rank == 0
+        out = value.detach().float().clone() if owner else torch.zeros((), device=self.device)
+        dist.all_reduce(out)  # over the world: every rank gets the sum over the replicas
+        return out / self.dp_size
+
+    def _reduce_grad_sq(self, sq: torch.Tensor):
+        """Per-tensor squared norms of this rank's gradients -> (whole-tensor squares, global total).
+
+        A TP shard's square sums over the tp group into the whole tensor's; a replicated tensor's
+        is already whole. The total counts each logical parameter once: shards on every tp rank,
+        replicas on tp rank 0 only, the tied LM head copy of the last stage not at all (the first
+        stage counts the matrix), every stage once - summed over the model-parallel group (all
+        ranks of one dp replica: after the dp mean the replicas hold the same gradients)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self._mask is None or self._mask[0] != len(params):
+            tied = self.model.tied_param if self.pp > 1 and self.model.tied and self.is_last else None
+            sharded = [1.0 if hasattr(p, "tp_partition_dim") else 0.0 for p in params]
+            count = [0.0 if p is tied else (1.0 if s or self.tp_rank == 0 else 0.0) for p, s in zip(params, sharded)]
+            self._mask = (len(params), torch.tensor(sharded, device=sq.device), torch.tensor(count, device=sq.device))
+        _, sharded, count = self._mask
+        total = (sq * count).sum()
+        dist.all_reduce(total, group=self.mp_group)
+        if self.tp > 1:
+            shard_sq = sq * sharded
+            dist.all_reduce(shard_sq, group=self.tp_group)
+            sq = shard_sq + sq * (1 - sharded)
+        return sq, total
+
+    # ------------------------------------------------------------------ checkpoints
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The dense model's state dict on every rank (gathered to rank 0, then broadcast)."""
+        full = self.layout.gather_model(self.mesh)
+        return self.broadcast_object(full)
+
+    def checkpoint_state(self, state, *, saving: bool):
+        """Full-layout views of the local model and optimizer (collective when ``saving``): the
+        writer saves the dense names and shapes, every rank slices its part on load."""
+        from dataclasses import replace
+
+        from course_lib.parallel.model_parallel_checkpoint import FullModelView, FullOptimizerView
+
+        model, optim = self.layout.gather(self.mesh, self.optimizer) if saving else (None, None)
+        return replace(state, model=FullModelView(self.layout, self.mesh, model),
+                       optimizer=FullOptimizerView(self.layout, self.mesh, self.optimizer, optim))

@@ -1,0 +1,243 @@
+"""Tensor and pipeline parallelism composed with data parallelism, in the trainer.
+
+Every layout runs on 4 gloo ranks and trains the tiny config (fp32) on the same global batch as
+one process: each data-parallel replica reads ``micro_batch`` sequences per micro-batch, TP and PP
+peers read the same ones, so ``micro_batch * dp`` equals the reference's micro-batch and the
+``train.grad_accum`` micro-batches are the pipeline's. Per-step losses and gradient norms must
+equal one process within 1e-4 relative (tp2 x dp2 and pp2 x dp2 1F1B over 50 steps; GPipe,
+tp2 x pp2, sequence parallelism and the interleaved schedule over 8), the final weights too, and
+every layout resumes bit-exact from a mid-run checkpoint, which is written in the dense layout (so
+one process can load it).
+
+Two launches of 4 ranks in all (starting ranks is the slow part): the fresh runs (after the
+world-size refusals), then every resume.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import model_parallel_rank_fns as fns
+from course_lib import train_config
+from course_lib.parallel import run_ranks
+from course_lib.parallel.mesh import MeshLayout, mesh_layout
+from course_lib.train import train
+
+TINY = Path(__file__).resolve().parents[1] / "labs" / "configs" / "tiny-cpu.toml"
+MB, ACCUM = 8, 2  # the reference: 8 sequences per micro-batch, 2 micro-batches per step
+
+# name -> (steps, [parallel] settings, micro_batch per data-parallel replica, model.n_layers)
+LAYOUTS = {
+    "tp2-dp2": (50, {"tp": 2}, MB // 2, 2),
+    "pp2-dp2-1f1b": (50, {"pp": 2, "pp_schedule": "1f1b"}, MB // 2, 2),
+    "pp2-dp2-gpipe": (8, {"pp": 2, "pp_schedule": "gpipe"}, MB // 2, 2),
+    "tp2-pp2": (8, {"tp": 2, "pp": 2}, MB, 2),
+    "tp2-dp2-sp": (8, {"tp": 2, "sequence_parallel": True}, MB // 2, 2),
+    # torch's ScheduleInterleaved1F1B: 2 virtual stages per rank need 4 blocks
+    "pp2-dp2-interleaved": (8, {"pp": 2, "pp_schedule": "interleaved", "virtual_stages": 2}, MB // 2, 4),
+}
+REFERENCES = sorted({(steps, layers) for steps, _, _, layers in LAYOUTS.values()})
+
+
+def every(steps):
+    """Checkpoint interval: the resume starts from the one before the last."""
+    return 10 if steps == 50 else 4
+
+
+def cfg(**sets):
+    overrides = ["train.progress=false", "schedule.warmup_steps=3", "train.peak_flops=1e12",
+                 f"train.grad_accum={ACCUM}", "checkpoint.async_save=false"]
+    overrides += [f"{k.replace('__', '.')}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
+                  for k, v in sets.items()]
+    return train_config.load(TINY, overrides)
+
+
+def layout_cfg(name):
+    steps, par, mb, layers = LAYOUTS[name]
+    sets = {f"parallel__{k}": v for k, v in par.items()}
+    return cfg(train__max_steps=steps, train__micro_batch=mb, train__strategy="ddp", model__n_layers=layers,
+               checkpoint__save_every=every(steps), **sets)
+
+
+def reference(steps, layers):
+    return f"single-{steps}-{layers}"
+
+
+def rows(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def max_rel(a, b):
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+REFUSED_AT_START = [  # the world size is known only when the ranks start: checked before any file
+    ("dp-tp-pp-not-4", {"parallel__dp": 2, "parallel__tp": 2, "parallel__pp": 2}),
+    ("dp3-pp2-on-4", {"parallel__pp": 2, "parallel__dp": 3}),
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("model_parallel")
+    single = {key: train(cfg(train__max_steps=key[0], train__micro_batch=MB, model__n_layers=key[1]),
+                         root / reference(*key)) for key in REFERENCES}
+    refusals = [(n, cfg(train__micro_batch=4, train__strategy="ddp", **sets)) for n, sets in REFUSED_AT_START]
+    jobs = [(layout_cfg(n), str(root / n / "full"), False) for n in LAYOUTS]
+    mesh_cfg = cfg(train__micro_batch=4, train__strategy="ddp", parallel__tp=2, parallel__pp=2)
+    first = run_ranks(fns.refusals_then_train, 4, refusals, str(root / "refused"), jobs, mesh_cfg, timeout=600)
+    for n in LAYOUTS:  # drop the newest checkpoint: the resume starts from the one before
+        shutil.copytree(root / n / "full", root / n / "cut")
+        shutil.rmtree(sorted((root / n / "cut" / "checkpoints").glob("step_*"))[-1])
+    second = run_ranks(fns.train_many, 4, [(layout_cfg(n), str(root / n / "cut"), True) for n in LAYOUTS],
+                       timeout=600)
+    return {"root": root, "single": single, "refusals": [r["refusals"] for r in first],
+            "first": dict(zip(LAYOUTS, first[0]["runs"])), "second": dict(zip(LAYOUTS, second[0])),
+            "coords": [dict(zip(LAYOUTS, r["runs"])) for r in first], "mesh": [r["mesh"] for r in first]}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_one_process(runs, name):
+    steps, _, _, layers = LAYOUTS[name]
+    root, single = runs["root"], runs["single"][steps, layers]
+    got, ref = rows(root / name / "full"), rows(root / reference(steps, layers))
+    rel = max_rel([r["loss"] for r in got], [r["loss"] for r in ref])
+    assert rel <= 1e-4, f"{name}: per-step losses differ from one process by up to {rel:.2e} (relative)"
+    # The stabilizer's norm counts each logical parameter once (shards summed over tp, replicas
+    # and the tied head copy once, every stage): it equals one process's, and so does clipping.
+    rel_g = max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
+    assert rel_g <= 1e-4, f"{name}: gradient norms differ from one process by up to {rel_g:.2e}"
+    assert [r["clipped"] for r in got] == [r["clipped"] for r in ref]
+    want = {k: v.float() for k, v in single.model.state_dict().items()}
+    weights = runs["first"][name]["weights"]
+    assert set(weights) == set(want), f"{name}: gathered weights have other names than the dense model"
+    diff = torch.cat([(weights[k] - want[k]).reshape(-1) for k in want]).norm()
+    rel_w = (diff / torch.cat([want[k].reshape(-1) for k in want]).norm()).item()
+    assert rel_w <= 1e-4, f"{name}: final weights differ from one process by {rel_w:.2e} (relative L2)"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_resume_is_bit_exact(runs, name):
+    steps = LAYOUTS[name][0]
+    start = steps - every(steps)
+    first, second = runs["first"][name], runs["second"][name]
+    assert second["resumed_from"] == start and second["steps"] == steps
+    for k, v in first["weights"].items():
+        assert torch.equal(second["weights"][k], v), f"{name}: {k} differs after the resume"
+    root = runs["root"]
+    cut, full = ([r["loss"] for r in rows(root / name / d)][start:] for d in ("cut", "full"))
+    assert cut == full, f"{name}: losses after the resume differ"
+
+
+def test_rank_layout_is_tp_innermost(runs):
+    coords = [r["tp2-pp2"]["coords"] for r in runs["coords"]]
+    assert coords == [{"pp": 0, "dp": 0, "cp": 0, "tp": 0}, {"pp": 0, "dp": 0, "cp": 0, "tp": 1},
+                      {"pp": 1, "dp": 0, "cp": 0, "tp": 0}, {"pp": 1, "dp": 0, "cp": 0, "tp": 1}]
+    assert [r["tp2-dp2"]["coords"]["dp"] for r in runs["coords"]] == [0, 0, 1, 1]
+
+
+def test_a_mesh_built_outside_is_the_one_the_strategy_uses(runs):
+    """tp 2 x pp 2 on 4 ranks: TP peers are adjacent ranks, a pipeline runs across ranks 0 -> 2."""
+    for rank, got in enumerate(runs["mesh"]):
+        assert got["kept"] and got["dp"] == (0, 1)
+        assert got["ranks"]["tp"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert got["ranks"]["pp"] == [rank % 2, rank % 2 + 2]
+        assert got["ranks"]["mp"] == [0, 1, 2, 3] and got["ranks"]["dp"] == [rank]
+
+
+def test_tokens_per_second_count_the_global_batch_once(runs):
+    """TP/PP peers share a batch: a step is micro_batch * grad_accum * seq_len * dp tokens."""
+    for row in rows(runs["root"] / "tp2-dp2" / "full"):
+        assert row["tokens_per_s"] * row["step_seconds"] == pytest.approx(4 * ACCUM * 64 * 2, rel=1e-9)
+
+
+@pytest.mark.filterwarnings("ignore:resuming with a different schedule")
+def test_checkpoint_loads_in_one_process(runs, tmp_path):
+    """The tp2 x pp2 checkpoint holds the dense names, shapes and AdamW state: one process loads
+    exactly the gathered weights, then trains on from it."""
+    src = runs["root"] / "tp2-pp2" / "full"
+    out = tmp_path / "single"
+    shutil.copytree(src, out)
+    loaded = train(cfg(train__max_steps=8, train__micro_batch=MB), out, resume=True)
+    assert loaded.resumed_from == 8 and loaded.steps == 8
+    for k, v in loaded.model.state_dict().items():
+        assert torch.equal(v, runs["first"]["tp2-pp2"]["weights"][k]), f"{k} differs in one process"
+    on = train(cfg(train__max_steps=10, train__micro_batch=MB), out, resume=True)
+    assert on.resumed_from == 8 and on.steps == 10
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows(out))
+
+
+def test_world_size_is_checked_when_the_ranks_start(runs):
+    for rank_out in runs["refusals"]:
+        for name, (message, exists) in rank_out.items():
+            assert message and "4 ranks started" in message and "parallel.dp" in message, (name, message)
+            assert not exists, f"{name}: the run folder was created before the refusal"
+
+
+@pytest.mark.parametrize("sets, match", [
+    ({"parallel__tp": 3, "train__strategy": "ddp"}, r"parallel.tp = 3 must divide model.n_heads \(4\)"),
+    ({"parallel__tp": 4, "train__strategy": "ddp", "model__preset": "llama-tiny"},
+     r"parallel.tp = 4 must divide model.n_kv_heads \(2\)"),
+    ({"parallel__tp": 2, "train__strategy": "ddp", "data__vocab_size": 63},
+     r"parallel.tp = 2 must divide model.vocab_size \(63\)"),
+    ({"parallel__pp": 3, "train__strategy": "ddp"}, r"parallel.pp = 3 stages, but model.n_layers = 2"),
+    ({"parallel__pp": 2, "parallel__virtual_stages": 2}, r"parallel.virtual_stages = 2 needs parallel.pp_schedule"),
+    ({"parallel__sequence_parallel": True}, r"parallel.sequence_parallel = true needs parallel.tp > 1"),
+    ({"parallel__tp": 2, "train__strategy": "zero1"}, r"parallel.tp = 2 composes with train.strategy = 'ddp' only"),
+    ({"parallel__pp": 2, "train__strategy": "fsdp"}, r"parallel.pp = 2 composes with train.strategy = 'ddp' only"),
+    ({"parallel__tp": 2}, r"parallel.tp = 2 composes with train.strategy = 'ddp' only.*'single'"),
+    ({"parallel__cp": 2, "train__strategy": "ddp"}, r"parallel.cp = 2: context parallelism runs in"),
+    ({"parallel__pp": 2, "train__strategy": "ddp", "parallel__pp_schedule": "interleaved", "train__compile": True},
+     r"train.compile = true does not apply to parallel.pp_schedule = 'interleaved'"),
+    ({"parallel__pp": 2, "train__strategy": "ddp", "checkpoint__format": "sharded"}, r"checkpoint.format = 'sharded'"),
+    ({"parallel__tp": 2, "train__strategy": "ddp", "model__dropout": 0.1}, r"parallel.tp = 2 needs model.dropout = 0"),
+    ({"parallel__pp": 2, "train__strategy": "ddp", "parallel__pp_schedule": "interleaved", "parallel__tp": 2},
+     r"'interleaved' runs dense stages only"),
+    ({"parallel__pp": 2, "train__strategy": "ddp", "parallel__pp_schedule": "interleaved", "train__precision": "bf16"},
+     r"'interleaved' runs with train.precision = 'fp32' only"),
+    ({"parallel__pp": 2, "train__strategy": "ddp", "parallel__pp_schedule": "interleaved", "train__grad_accum": 5},
+     r"train.grad_accum \(5\) must be a multiple of max\(1, grad_accum // parallel.pp\) = 2"),
+    ({"parallel__pp": 2, "parallel__virtual_stages": 2, "parallel__pp_schedule": "interleaved", "train__strategy": "ddp"},
+     r"parallel.pp x parallel.virtual_stages = 2 x 2 = 4 stages, but model.n_layers = 2"),
+    ({"parallel__pp_schedule": "interleaved", "parallel__virtual_stages": 2}, r"'interleaved' needs parallel.pp > 1"),
+    ({"parallel__tp": 0}, r"parallel.tp must be >= 1"),
+    ({"parallel__pp_schedule": "zb"}, r"parallel.pp_schedule must be one of 1f1b, gpipe, interleaved"),
+    ({"parallel__dp": 2}, r"parallel.dp = 2 is read with parallel.tp or parallel.pp > 1 only"),
+])
+def test_bad_combinations_are_refused_before_any_file(tmp_path, sets, match):
+    with pytest.raises(train_config.ConfigError, match=match):
+        train(cfg(**sets), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_mesh_layout_and_drawing():
+    lay = mesh_layout(8, tp=2, pp=2)
+    assert lay == MeshLayout(dp=2, tp=2, pp=2)
+    assert [lay.rank_of(**lay.coords_of(r)) for r in range(8)] == list(range(8))
+    assert lay.group_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # TP peers adjacent
+    assert lay.group_ranks("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lay.group_ranks("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]  # stages furthest apart
+    assert lay.group_ranks("mp") == [[0, 1, 4, 5], [2, 3, 6, 7]]  # one data-parallel replica each
+    text = lay.draw(lay.describe(n_layers=2, n_heads=4, vocab_size=64))
+    assert "pp1 dp1" in text and "rank 5: stage 1: block 1, final norm, head, loss; tp shard 1/2 (heads 2-3, " \
+        "vocab 32-63); batch share 0/2" in text, text
+    with pytest.raises(ValueError, match="dp\\*tp\\*pp\\*cp = 1\\*2\\*2\\*1 = 4 must equal the world size 8"):
+        mesh_layout(8, tp=2, pp=2, dp=1)
+    with pytest.raises(ValueError, match="not a multiple of tp\\*pp\\*cp"):
+        mesh_layout(6, tp=4)
+
+
+def test_tp_and_pp_keep_one_host_read_per_step(tmp_path):
+    """tp2 x pp2 on 4 ranks: the vocab-parallel loss and the pipeline add no host read to the
+    stabilizer's one per step (the targets' range is checked once, at start-up, not per micro-batch)."""
+    import rank_fns
+
+    c = layout_cfg("tp2-pp2")
+    c["checkpoint"]["save_every"] = 0  # saves gather to the writer: counted apart, in their own tests
+    per_step = run_ranks(rank_fns.host_reads_on_rank, 4, c, str(tmp_path), timeout=300)
+    assert per_step == [1.0] * 4, per_step
