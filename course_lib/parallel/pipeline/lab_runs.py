@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from course_lib.data import make_dataset
 from course_lib.model import ModelConfig, TinyGPT
+from course_lib.parallel.pipeline.live_bytes import LiveSavedBytes
 
 VOCAB = 64  # the Markov task's vocabulary
 
@@ -140,63 +141,6 @@ def scratch_runs(rank: int, world_size: int, jobs: list[dict], batch: int) -> li
 
 
 # ------------------------------------------------------------------------------ torch's schedules
-class _Held:
-    """What autograd keeps instead of a saved tensor: the tensor, and a release when freed."""
-    __slots__ = ("owner", "key", "t")
-
-    def __init__(self, owner, key, t):
-        self.owner, self.key, self.t = owner, key, t
-
-    def __del__(self):
-        self.owner._release(self.key)
-
-
-class LiveSavedBytes:
-    """Bytes autograd holds for backward right now (each storage once, parameters and buffers of
-    ``modules`` skipped) and their ``peak``: a ``saved_tensors_hooks`` pack hook that counts a
-    storage when it is saved and gives it back when autograd frees it (as in
-    benchmarks/_pp_bench_ranks.py)."""
-
-    def __init__(self, modules):
-        self.skip = {t.untyped_storage().data_ptr() for m in modules for t in [*m.parameters(), *m.buffers()]}
-        self.refs: dict[int, list[int]] = {}
-        self.live = self.peak = 0
-        self._ctx = None
-
-    def _pack(self, t):
-        st = t.untyped_storage()
-        key = st.data_ptr()
-        if key in self.skip or st.nbytes() == 0:
-            return t
-        entry = self.refs.get(key)
-        if entry is None:
-            self.refs[key] = [1, st.nbytes()]
-            self.live += st.nbytes()
-            self.peak = max(self.peak, self.live)
-        else:
-            entry[0] += 1
-        return _Held(self, key, t)
-
-    @staticmethod
-    def _unpack(h):
-        return h.t if isinstance(h, _Held) else h
-
-    def _release(self, key):
-        entry = self.refs[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self.refs[key]
-
-    def __enter__(self):
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
-
-
 class _Recorder:
     """Timeline and in-flight count of one rank's torch stages (filled while ``active``)."""
 
