@@ -159,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("estimate", help="memory / FLOPs per rank for a model and a parallel layout")
     estimate_cli.add_arguments(p)
     p.set_defaults(func=estimate_cli.run)
+
+    from course_lib.launchers.cli import add_launch_parser
+
+    add_launch_parser(sub)  # `course launch`: torchrun / deepspeed / accelerate / sbatch scripts
     return parser
 
 

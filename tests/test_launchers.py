@@ -1,0 +1,248 @@
+"""`course launch` and the generators in course_lib/launchers/.
+
+Generated scripts must parse (``bash -n``) and pass ``shellcheck``; the single-node torchrun
+command really trains on 2 CPU ranks; the sbatch script's body really trains with SLURM faked by
+two small scripts (``COURSE_SRUN``/``COURSE_SCONTROL``), and its USR1 trap requeues; bad input
+names the field or flag; ``--dry-run`` writes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from course_lib.launchers import commands as C
+from course_lib.launchers.cli import add_launch_parser
+from course_lib.launchers.cluster import Cluster
+from course_lib.launchers.nccl_env import nccl_exports
+from course_lib.launchers.slurm import sbatch_script
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = "labs/configs/tiny-cpu.toml"
+VENV_BIN = str(Path(sys.executable).parent)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="course")
+    add_launch_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["launch", *argv])
+
+
+def run_env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = VENV_BIN + os.pathsep + env.get("PATH", "")  # torchrun of this venv
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics_rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+# --------------------------------------------------------------------------------------------
+# validation: errors name the field / flag
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(nodes=0), "nodes"), (dict(gpus_per_node=-1), "gpus_per_node"),
+    (dict(gpus_per_node=4, nproc_per_node=8), "nproc_per_node"), (dict(cpus_per_task=0), "cpus_per_task"),
+    (dict(time_limit="1:00"), "time_limit"), (dict(time_limit="01:60:00"), "time_limit"),
+    (dict(time_limit="00:00:00"), "time_limit"), (dict(master_port=80), "master_port"),
+    (dict(master_port=70000), "master_port"), (dict(partition="gpu; rm"), "partition"),
+    (dict(rdzv_backend="etcd"), "rdzv_backend"), (dict(rdzv_endpoint="nohostport"), "rdzv_endpoint"),
+])
+def test_cluster_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        Cluster(**kwargs)
+
+
+def test_cluster_defaults_and_derived_values():
+    c = Cluster(nodes=2, gpus_per_node=8, time_limit="72:30:00")
+    assert c.nproc_per_node == 8 and c.world_size == 16 and c.time_limit_s == 72 * 3600 + 1800
+    assert Cluster().nproc_per_node == 1 and Cluster().endpoint == "127.0.0.1:29500"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--nodes", "0"], "--nodes"), (["--gpus-per-node", "-2"], "--gpus-per-node"),
+    (["--time", "soon"], "--time"), (["--master-port", "22"], "--master-port"),
+    (["--nproc-per-node", "0"], "--nproc-per-node"), (["--set", "nokey"], "--set"),
+    (["--max-steps", "0"], "--max-steps"), (["--config", "no/such.toml"], "--config"),
+    (["--set", "train.strategy=nope"], "--config/--set"),
+])
+def test_cli_errors_name_the_flag(argv, flag, tmp_path, capsys):
+    args = parse(["--config", CONFIG, "--out", str(tmp_path / "l"), "--dry-run", *argv])
+    assert args.func(args) == 2
+    assert flag in capsys.readouterr().err
+    assert not (tmp_path / "l").exists()
+
+
+def test_dry_run_writes_nothing_and_prints_every_file(tmp_path, capsys):
+    out = tmp_path / "launch"
+    args = parse(["--config", CONFIG, "--nodes", "2", "--gpus-per-node", "4", "--out", str(out),
+                  "--train-out", str(tmp_path / "train"), "--dry-run"])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    for name in ("launch_torchrun.sh", "launch_deepspeed.sh", "hostfile", "accelerate_config.yaml",
+                 "launch_accelerate.sh", "job.sbatch"):
+        assert f"===== {name} =====" in text
+    assert not out.exists() and not (tmp_path / "train").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# what the generators contain
+# --------------------------------------------------------------------------------------------
+
+def test_commands_resume_and_rendezvous():
+    c = Cluster(nodes=4, gpus_per_node=8, master_addr="n0", max_restarts=2)
+    static = C.torchrun_multi_node(CONFIG, ["train.strategy=ddp"], c, mode="static")
+    assert static[static.index("--node-rank") + 1] == "$NODE_RANK" and "--master-addr" in static
+    rdzv = C.torchrun_multi_node(CONFIG, [], c)
+    assert rdzv[rdzv.index("--rdzv-endpoint") + 1] == "n0:29500"
+    assert rdzv[rdzv.index("--max-restarts") + 1] == "2" and "--node-rank" not in rdzv
+    ds = C.deepspeed_command(CONFIG, ["train.strategy=ddp"], c)
+    assert "train.strategy=deepspeed" in ds and "train.strategy=ddp" not in ds and "--master_addr" not in ds
+    acc = C.accelerate_command(CONFIG, [], c)
+    for cmd in (static, rdzv, ds, acc, C.torchrun_single_node(CONFIG, [], Cluster(nproc_per_node=2))):
+        assert cmd[cmd.index("--resume") + 1] == "auto"
+    assert C.hostfile_text(["a", "b"], 8) == "a slots=8\nb slots=8\n"
+    yaml = C.accelerate_config_yaml(c)
+    assert "num_machines: 4" in yaml and "num_processes: 32" in yaml and "MULTI_GPU" in yaml
+    assert "MULTI_CPU" in C.accelerate_config_yaml(Cluster(nodes=2))
+    with pytest.raises(ValueError, match="nodes"):
+        C.torchrun_single_node(CONFIG, [], c)
+
+
+def test_nccl_block_only_on_gpus():
+    assert nccl_exports(Cluster()) == ""
+    block = nccl_exports(Cluster(gpus_per_node=8), socket_ifname="ib0")
+    for var in ("NCCL_DEBUG", "NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                "TORCH_NCCL_BLOCKING_WAIT"):
+        assert f"# {var}: " in block and f"export {var}=" in block
+    assert 'NCCL_SOCKET_IFNAME:-ib0' in block
+
+
+def test_sbatch_header():
+    text = sbatch_script(CONFIG, [], Cluster(nodes=2, gpus_per_node=4, partition="gpu", time_limit="02:00:00"))
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --partition=gpu", "#SBATCH --time=02:00:00", "#SBATCH --requeue",
+                 "#SBATCH --signal=B:USR1@120", 'show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p'):
+        assert line in text
+    with pytest.raises(ValueError, match="signal_lead_s"):
+        sbatch_script(CONFIG, [], Cluster(time_limit="00:01:00"))
+
+
+# --------------------------------------------------------------------------------------------
+# bash -n and shellcheck over every generated script
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [[], ["--nodes", "2", "--gpus-per-node", "8", "--partition", "gpu"]])
+def test_scripts_parse_and_pass_shellcheck(shape, tmp_path):
+    out = tmp_path / "launch"
+    args = parse(["--config", CONFIG, "--out", str(out), "--set", "train.strategy=ddp", *shape])
+    from course_lib.launchers.cli import build_files
+
+    files = build_files(args)
+    out.mkdir()
+    scripts = []
+    for name, text in files.items():
+        (out / name).write_text(text)
+        if name.endswith((".sh", ".sbatch")):
+            scripts.append(out / name)
+    assert len(scripts) == 4
+    for path in scripts:
+        res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert res.returncode == 0, f"{path.name}: {res.stderr}"
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install -y shellcheck); bash -n passed")
+    res = subprocess.run(["shellcheck", "-s", "bash", *map(str, scripts)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# real runs on 2 CPU ranks
+# --------------------------------------------------------------------------------------------
+
+def test_single_node_launch_trains_here(tmp_path):
+    """`course launch --nodes 1` (not a dry run) writes the scripts and runs torchrun here."""
+    train = tmp_path / "train"
+    argv = ["--config", CONFIG, "--set", "train.strategy=ddp", "--set", "schedule.warmup_steps=1", "--max-steps", "4", "--nproc-per-node", "2",
+            "--out", str(tmp_path / "launch"), "--train-out", str(train)]
+    res = subprocess.run([sys.executable, "-m", "course_lib.launchers.cli", *argv], cwd=ROOT, env=run_env(),
+                         capture_output=True, text=True, timeout=90)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert [r["step"] for r in metrics_rows(train)] == [1, 2, 3, 4]
+    assert (tmp_path / "launch" / "launch_torchrun.sh").exists()
+
+
+FAKE_SCONTROL = """#!/bin/bash
+# scontrol stand-in: two "nodes" on this machine; requeue requests are logged, not acted on.
+case "$1" in
+  show) printf '127.0.0.1\\n127.0.0.1\\n' ;;
+  requeue) echo "requeue $2" >> "$FAKE_LOG" ;;
+esac
+"""
+
+FAKE_SRUN = """#!/bin/bash
+# srun stand-in: drop srun's own --options, then start the command once per "node".
+while [[ "${1:-}" == --* ]]; do shift; done
+pids=()
+for node in 0 1; do SLURM_NODEID=$node SLURM_PROCID=$node "$@" & pids+=("$!"); done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit "$rc"
+"""
+
+
+def _fake_slurm(tmp_path: Path, srun: str) -> dict:
+    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", srun)):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    env = run_env()
+    env.update(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="fake[0-1]", SLURM_NNODES="2", SLURM_NODEID="0",
+               COURSE_SRUN=str(tmp_path / "srun"), COURSE_SCONTROL=str(tmp_path / "scontrol"),
+               COURSE_RDZV_PORT=str(free_port()), FAKE_LOG=str(tmp_path / "scontrol.log"))
+    return env
+
+
+def test_sbatch_body_trains_on_two_fake_nodes(tmp_path):
+    train = tmp_path / "train"
+    cluster = Cluster(nodes=2, nproc_per_node=1, cpus_per_task=1, rdzv_id="unused")
+    script = tmp_path / "job.sbatch"
+    script.write_text(sbatch_script(CONFIG, ["train.strategy=ddp", "train.max_steps=4", "schedule.warmup_steps=1"], cluster, str(train)))
+    res = subprocess.run(["bash", str(script)], cwd=ROOT, env=_fake_slurm(tmp_path, FAKE_SRUN),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert [r["step"] for r in metrics_rows(train)] == [1, 2, 3, 4]
+    assert "rendezvous 127.0.0.1:" in res.stderr
+
+
+def test_sbatch_usr1_stops_the_step_and_requeues(tmp_path):
+    script = tmp_path / "job.sbatch"
+    script.write_text(sbatch_script(CONFIG, [], Cluster(nodes=2), str(tmp_path / "train")))
+    env = _fake_slurm(tmp_path, "#!/bin/bash\nexec sleep 60\n")  # a step that would outlive the test
+    proc = subprocess.Popen(["bash", str(script)], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)  # let the script reach `wait`
+        proc.send_signal(signal.SIGUSR1)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    assert "requeueing job 4242" in err
