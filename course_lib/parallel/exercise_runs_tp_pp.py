@@ -29,28 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.checks import CheckFailed
-from course_lib.parallel.data_parallel.exercise_runs import _first_problem, _guard, impl_ref, load_impl
-from course_lib.parallel.launch import RankFailedError, run_ranks
+from course_lib.parallel.data_parallel.exercise_runs import _first_problem, _guard, _launch, impl_ref, load_impl
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32: sums over ranks and matmul shards add in another order
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                "broadcast", "send", "recv", "isend", "irecv")
-
-
-def _launch(fn, world_size: int, what: str, timeout: float, deadlock_hint: str, *args) -> list:
-    try:
-        return run_ranks(fn, world_size, *args, timeout=timeout, show_output=False)
-    except RankFailedError as exc:
-        if exc.exc_type == "NotImplementedError":
-            raise NotImplementedError(
-                f"{what}: rank {exc.rank} still hit a NotImplementedError. Fill in every "
-                "'YOUR CODE HERE', run that cell, then this check") from None
-        tail = "\n".join(exc.remote_traceback.strip().splitlines()[-6:])
-        raise CheckFailed(f"{what} raised an exception on {world_size} ranks (rank {exc.rank}); "
-                          f"the end of its traceback:\n{tail}") from None
-    except TimeoutError:
-        raise CheckFailed(f"{what} did not finish within {timeout:g} s on {world_size} ranks: a "
-                          f"deadlock. {deadlock_hint}") from None
 
 
 class _Counter:
@@ -204,8 +187,8 @@ def check_conjugate_ops(f, g, world_size: int, shapes: list, *, tp: int | None =
     raise on the first problem, else one row per shape with the collectives of each phase."""
     refs = [impl_ref(fn) for fn in (f, g)]
     per_rank = _launch(ops_rank, world_size, "your f and g", timeout,
-                       "Every rank of the group must call the same all_reduce, with the same group.",
-                       tuple(ref for ref, _ in refs), refs[0][1], [tuple(s) for s in shapes], tp)
+                       tuple(ref for ref, _ in refs), refs[0][1], [tuple(s) for s in shapes], tp,
+                       deadlock_hint="Every rank of the group must call the same all_reduce, with the same group.")
     _first_problem(per_rank, world_size)
     return [{"ranks": world_size, "shape": name, **per_rank[0][name]["counts"]} for name in per_rank[0]]
 
@@ -340,8 +323,8 @@ def check_parallel_linears(col_cls, row_cls, world_size: int, scenarios: list, *
     scenarios = [tuple(sc) + (None,) * (6 - len(sc)) for sc in scenarios]
     refs = [impl_ref(cls) for cls in (col_cls, row_cls)]
     per_rank = _launch(layers_rank, world_size, "your tensor-parallel layers", timeout,
-                       "Every rank of the group must issue the same all-reduces, on the same group.",
-                       tuple(ref for ref, _ in refs), refs[0][1], scenarios)
+                       tuple(ref for ref, _ in refs), refs[0][1], scenarios,
+                       deadlock_hint="Every rank of the group must issue the same all-reduces, on the same group.")
     _first_problem(per_rank, world_size)
     rows = []
     for name, kind, dims, bias, lead, _tp in scenarios:
@@ -560,8 +543,8 @@ def check_one_f_one_b_on_ranks(fn, pp: int, micro_batch_counts: list, *,
     for m in micro_batch_counts:
         check_schedule_fn(fn, pp, m)
         scenarios.append((f"pp={pp}, m={m}", m, [_normalise(fn(pp, m, s)) for s in range(pp)]))
-    per_rank = _launch(pp_rank, pp, "your 1F1B order", timeout,
-                       "The simulation found none, so look at what the runner was given.", scenarios)
+    per_rank = _launch(pp_rank, pp, "your 1F1B order", timeout, scenarios,
+                       deadlock_hint="The simulation found none, so look at what the runner was given.")
     _first_problem(per_rank, pp)
     return [{"pp": pp, "micro_batches": m, "loss": per_rank[-1][name]["loss"],
              "ref_loss": per_rank[-1][name]["ref_loss"],

@@ -62,23 +62,29 @@ def _guard(name: str, fn, *args):
         raise RuntimeError(f"in scenario {name!r}: {type(exc).__name__}: {exc}") from exc
 
 
-def _launch(fn, world_size: int, what: str, timeout: float, *args) -> list:
+DDP_DEADLOCK_HINT = ("Every rank must issue the same collectives in the same order (launch buckets in a "
+                     "fixed order, launch one even when a gradient in it is missing) and wait for every "
+                     "handle it started")
+
+
+def _launch(fn, world_size: int, what: str, timeout: float, *args,
+            deadlock_hint: str = DDP_DEADLOCK_HINT) -> list:
+    """Run the learner's code on ``world_size`` ranks; a NotImplementedError, an exception or a
+    hang (``timeout`` seconds) becomes a message that says what to do (``deadlock_hint``: the
+    likely cause of a hang in this exercise)."""
     try:
         return run_ranks(fn, world_size, *args, timeout=timeout, show_output=False)
     except RankFailedError as exc:
         if exc.exc_type == "NotImplementedError":
             raise NotImplementedError(
                 f"{what} still raises NotImplementedError (rank {exc.rank}): fill in every "
-                "'YOUR CODE HERE' in the %%writefile cell, run that cell, then this check") from None
+                "'YOUR CODE HERE', run that cell, then this check") from None
         tail = "\n".join(exc.remote_traceback.strip().splitlines()[-6:])
         raise CheckFailed(f"{what} raised an exception on {world_size} ranks (rank {exc.rank}); "
                           f"the end of its traceback:\n{tail}") from None
     except TimeoutError:
-        raise CheckFailed(
-            f"{what} did not finish within {timeout:g} s on {world_size} ranks: a deadlock. Every "
-            "rank must issue the same collectives in the same order (launch buckets in a fixed "
-            "order, launch one even when a gradient in it is missing) and wait for every handle "
-            "it started") from None
+        raise CheckFailed(f"{what} did not finish within {timeout:g} s on {world_size} ranks: a "
+                          f"deadlock. {deadlock_hint}") from None
 
 
 def _first_problem(per_rank: list[dict], world_size: int) -> None:
