@@ -320,3 +320,25 @@ def test_tensorboard_gets_the_cleaned_numbers(tmp_path, monkeypatch):
     assert calls == [("init", tmp_path / "tensorboard"), ("train/loss", 2.0, 3),
                      ("train/tokens_per_s", 10, 3), ("close",)]
     assert read_rows(tmp_path / "m.jsonl")[0]["lr"] is None
+
+
+def test_trainer_event_files_read_back_with_tensorboards_own_reader(tmp_path):
+    """A real run with train.tensorboard = true: TensorBoard's event reader finds train/loss at
+    every step, equal to metrics.jsonl's (the files a learner opens with
+    `tensorboard --logdir RUN/tensorboard`)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from course_lib import train_config
+    from course_lib.train import train
+
+    tiny = Path(__file__).resolve().parents[1] / "labs" / "configs" / "tiny-cpu.toml"
+    cfg = train_config.load(tiny, ["train.max_steps=6", "schedule.warmup_steps=2", "train.progress=false",
+                                   "train.tensorboard=true", "train.metrics_flush_s=0"])
+    train(cfg, tmp_path)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert "train/loss" in events.Tags()["scalars"] and "train/lr" in events.Tags()["scalars"]
+    logged = {e.step: e.value for e in events.Scalars("train/loss")}
+    rows = {r["step"]: r["loss"] for r in read_rows(tmp_path / "metrics.jsonl")}
+    assert sorted(logged) == sorted(rows) == list(range(1, 7))
+    assert all(abs(logged[s] - rows[s]) <= 1e-6 * abs(rows[s]) for s in rows), (logged, rows)
