@@ -49,7 +49,7 @@ TINY_SEQ, TINY_BATCH = (32, 2) if SMOKE else (128, 8)  # the model we measure on
 # A quick budget often quoted for a 7B model trained with AdamW in mixed precision uses two rules:
 #
 # * **12 bytes per parameter** for weights + gradients + optimizer: 2 (bf16 weights) + 2 (bf16
-#   gradients) + 8 (Adam's two fp32 moments). In `course_lib.estimate` this is recipe `"seed"`.
+#   gradients) + 8 (Adam's two fp32 moments). In `course_lib.estimate` this is recipe `"bf16-adam-no-master"` (bf16 weights and gradients, Adam moments, no fp32 master copy).
 # * **34 bytes per token per hidden unit per layer** for activations: 34 x s x b x h x L.
 #
 # Next to them, the published numbers: the ZeRO paper's **16 bytes per parameter** (recipe
@@ -61,22 +61,22 @@ TINY_SEQ, TINY_BATCH = (32, 2) if SMOKE else (128, 8)  # the model we measure on
 shape = estimate.ModelShape.preset(MODEL)
 N, L, h, a = shape.num_params(), shape.n_layers, shape.d_model, shape.n_heads
 s, b = SEQ, MICRO_BATCH
-text_state = estimate.model_state_bytes(N, recipe="seed")  # 2 + 2 + 8
+rule_state = estimate.model_state_bytes(N, recipe="bf16-adam-no-master")  # 2 + 2 + 8
 zero_state = estimate.model_state_bytes(N, recipe="mixed-adam")  # 2 + 2 + 4 + 8 (ZeRO paper)
-text_acts = 34 * s * b * h * L  # the rule of thumb
+rule_acts = 34 * s * b * h * L  # the rule of thumb
 korthikanti_acts = L * estimate.activation_bytes_per_layer(seq_len=s, micro_batch=b, d_model=h, n_heads=a)
 
-rows = [("parameters (bf16)", text_state.params, zero_state.params),
-        ("gradients (bf16)", text_state.grads, zero_state.grads),
-        ("optimizer state", text_state.optimizer, zero_state.optimizer),
-        (f"activations, {L} layers", text_acts, korthikanti_acts)]
+rows = [("parameters (bf16)", rule_state.params, zero_state.params),
+        ("gradients (bf16)", rule_state.grads, zero_state.grads),
+        ("optimizer state", rule_state.optimizer, zero_state.optimizer),
+        (f"activations, {L} layers", rule_acts, korthikanti_acts)]
 rows.append(("total", sum(r[1] for r in rows), sum(r[2] for r in rows)))
 print(f"{MODEL}: N = {N:,} parameters, s = {s}, b = {b}, h = {h}, a = {a}, L = {L}\n")
 print(f"{'':<24}{'rule of thumb':>14}{'corrected':>14}{'corrected':>14}")
 for name, text, fixed in rows:
     print(f"{name:<24}{format_bytes(text, 'GB', 1):>14}{format_bytes(fixed, 'GB', 1):>14}"
           f"{format_bytes(fixed, 'GiB', 1):>14}")
-print(f"\nbytes per parameter of model state: rule of thumb {text_state.total / N:g}, "
+print(f"\nbytes per parameter of model state: rule of thumb {rule_state.total / N:g}, "
       f"ZeRO paper {zero_state.total / N:g}")
 
 # %% [markdown]
@@ -97,8 +97,8 @@ print(f"\nbytes per parameter of model state: rule of thumb {text_state.total / 
 #   kernel. At long sequences the term dominates.
 
 # %%
-extra_state = zero_state.total - text_state.total
-extra_acts = korthikanti_acts - text_acts
+extra_state = zero_state.total - rule_state.total
+extra_acts = korthikanti_acts - rule_acts
 check(extra_state == 4 * N, "the corrected optimizer state should differ by exactly the fp32 master copy, 4 bytes "
       "per parameter")
 check(extra_acts == 5 * a * s * s * b * L, "the activation difference should be exactly the attention-score "

@@ -213,7 +213,7 @@ del total_steps
 
 # %%
 check(leftover[300] == FLOOR and max(leftover[301:]) > 0.9 * PEAK,
-      "with the leftover global the seed schedule should reach its floor at step 300 and then climb "
+      "with the leftover global the flawed schedule should reach its floor at step 300 and then climb "
       "back towards max_lr: cos(pi * progress) rises again once progress > 1")
 fig, ax = plt.subplots(figsize=(7, 3.5))
 plots.plot_schedules(ax, {"flawed, leftover total_steps=300": leftover,
@@ -222,7 +222,7 @@ plots.plot_schedules(ax, {"flawed, leftover total_steps=300": leftover,
 plt.show()
 
 # %% [markdown]
-# **What you should see:** the seed version silently uses the wrong horizon: it reaches its floor
+# **What you should see:** the flawed version silently uses the wrong horizon: it reaches its floor
 # at step 300, then (because nothing clamps `progress` at 1) the cosine climbs back up to the
 # peak and oscillates. No error, just a run that mysteriously gets worse. Ours takes every size
 # as an argument and checks it before the first step; a missing or impossible value is an error

@@ -37,13 +37,13 @@ def test_playbook_table(params, without_gb, with_gb):
     assert model_state_bytes(params, recipe="mixed-adam-fp32-grads").total / GB == pytest.approx(with_gb)
 
 
-def test_recipe_bytes_per_param_and_the_seed_omission():
+def test_recipe_bytes_per_param_and_the_rule_of_thumbs_omission():
     assert {n: r.bytes_per_param for n, r in RECIPES.items()} == {
-        "mixed-adam": 16, "mixed-adam-fp32-grads": 20, "fp32-adam": 16, "fp32-sgd-momentum": 12, "seed": 12}
-    # The seed text's 2 + 2 + 8 differs from the ZeRO paper by exactly the fp32 master copy.
-    seed, zero = model_state_bytes(7e9, recipe="seed"), model_state_bytes(7e9, recipe="mixed-adam")
-    assert zero.total - seed.total == pytest.approx(4 * 7e9)
-    assert zero.master_weights == 4 * 7e9 and seed.master_weights == 0
+        "mixed-adam": 16, "mixed-adam-fp32-grads": 20, "fp32-adam": 16, "fp32-sgd-momentum": 12, "bf16-adam-no-master": 12}
+    # The 2 + 2 + 8 rule of thumb differs from the ZeRO paper by exactly the fp32 master copy.
+    rule, zero = model_state_bytes(7e9, recipe="bf16-adam-no-master"), model_state_bytes(7e9, recipe="mixed-adam")
+    assert zero.total - rule.total == pytest.approx(4 * 7e9)
+    assert zero.master_weights == 4 * 7e9 and rule.master_weights == 0
     for r in RECIPES.values():
         assert r.source, r.name
 
@@ -119,7 +119,7 @@ def test_format_bytes_is_explicit():
     ((7e9,), dict(zero_stage=-1), ValueError, ["zero_stage", "[0, 3]"]),
     ((7e9,), dict(dp=0), ValueError, ["dp", ">= 1"]),
     ((7e9,), dict(dp=True), TypeError, ["dp", "int"]),
-    ((7e9,), dict(recipe="bf16-lion"), ValueError, ["recipe", "'mixed-adam'", "'seed'"]),
+    ((7e9,), dict(recipe="bf16-lion"), ValueError, ["recipe", "'mixed-adam'", "'bf16-adam-no-master'"]),
     ((7e9,), dict(recipe=16), TypeError, ["recipe"]),
     ((7.5,), {}, ValueError, ["num_params", "whole"]),
     (("7e9",), {}, TypeError, ["num_params", "number"]),

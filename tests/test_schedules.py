@@ -115,7 +115,7 @@ def test_bad_arguments_name_the_argument_and_range(kw, exc, word):
 
 def test_total_steps_is_required_and_step_is_checked():
     with pytest.raises(TypeError, match="total_steps"):
-        Schedule(max_lr=1e-3)  # the seed text read an undefined global; ours must be passed
+        Schedule(max_lr=1e-3)  # the flawed schedule read an undefined global; ours must be passed
     with pytest.raises(ValueError, match="step"):
         sched()(-1)
     with pytest.raises(TypeError, match="step"):

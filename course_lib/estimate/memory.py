@@ -64,8 +64,8 @@ RECIPES: dict[str, PrecisionRecipe] = {
         4, 4, 0, 8, "fp32-adam", "Ultra-Scale Playbook: full precision m_params 4 + m_grad 4 + m_opt (4+4) = 16"),
     "fp32-sgd-momentum": PrecisionRecipe(
         4, 4, 0, 4, "fp32-sgd-momentum", "fp32 weights and grads plus one fp32 momentum buffer (torch.optim.SGD)"),
-    "seed": PrecisionRecipe(
-        2, 2, 0, 8, "seed", "a widely quoted 2 + 2 + 8 rule of thumb; omits the fp32 master copy the ZeRO paper counts"),
+    "bf16-adam-no-master": PrecisionRecipe(
+        2, 2, 0, 8, "bf16-adam-no-master", "a widely quoted 2 + 2 + 8 rule of thumb; omits the fp32 master copy the ZeRO paper counts"),
 }
 
 

@@ -13,7 +13,7 @@ What enters the window (a common rolling mean/std detector stops updating after 
 * a value that stays "spiking" for ``patience`` consecutive steps is not a spike but a new level
   (the data changed, the LR schedule moved): the window is re-based on those raw values and the
   detector says ``level_shift`` instead of raising the alarm forever - a detector that flags every
-  step after a shift is the seed bug in another form.
+  step after a shift is as useless as one that never flags.
 
 Non-finite values are not a spike detector's business: :class:`~course_lib.stability.NonFiniteGuard`
 handles them before a detector sees the step, and :meth:`SpikeDetector.update` refuses them.
