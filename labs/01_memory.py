@@ -136,8 +136,9 @@ for label, kw in variants.items():
           f"  x {L} layers = {format_bytes(per_layer * L, 'GB', 1):>9}")
 
 # %% [markdown]
-# **What you should see:** selective recomputation and flash attention both land near the course
-# text's 34 (SwiGLU's hidden tensors move it a little), full recomputation keeps only each layer's
+# **What you should see:** selective recomputation and flash attention both land near 34 bytes
+# per token per hidden unit, the figure Korthikanti et al. (2022) give for selective recomputation
+# (SwiGLU's hidden tensors move it a little), full recomputation keeps only each layer's
 # input: 2 bytes per token per hidden unit.
 #
 # ## 2. ZeRO: shard the model state

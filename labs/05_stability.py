@@ -285,9 +285,9 @@ check(len(dead_rows) == 12, f"the run should stop at the third bad step, after 1
 # %% [markdown]
 # ## 4. Spike detection: a rolling mean/std detector and ours
 #
-# A spike detector compares each step's loss (or gradient norm) with the recent past. The course
-# text keeps a rolling window of the last values and flags a value above `mean + k x std`; a
-# flagged value is not added to the window. That last rule is the bug: after the loss *shifts*
+# A spike detector compares each step's loss (or gradient norm) with the recent past. The version
+# many tutorials show (`MeanStdDetector` below, written small) keeps a rolling window of the last
+# values and flags a value above `mean + k x std`; a flagged value is not added to the window. That last rule is the bug: after the loss *shifts*
 # (a new data mix, an LR change, the aftermath of a real spike) every value is above the old
 # bound, none enters the window, and **the window stops updating**: every later step is a "spike".
 # With a skip policy, training silently stops. The obvious patch, adding every value, fails the
