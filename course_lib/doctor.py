@@ -12,7 +12,7 @@ import platform
 import sys
 from pathlib import Path
 
-from course_lib import catalog
+from course_lib import catalog, notebooks
 
 KERNEL_NAME = "course-kit"
 PINNED_TORCH = "2.13.0"
@@ -117,9 +117,12 @@ def _labs(root: Path | None, has_cuda: bool) -> list[dict]:
     rows = []
     for name in names:
         info = catalog.LABS.get(name)
+        run = notebooks.recorded_run(root / "labs" / f"{name}.ipynb")
         rows.append({"lab": name,
                      "verdict": catalog.verdict(info, has_cuda=has_cuda) if info
-                     else "unknown: add it to course_lib/catalog.py"})
+                     else "unknown: add it to course_lib/catalog.py",
+                     "full_size_seconds": run.get("full_size_seconds"),
+                     "measured_on": run.get("measured_on", "")})
     return rows
 
 
@@ -208,8 +211,13 @@ def format_report(report: dict) -> str:
     if report.get("labs"):
         lines.append("")
         lines.append("labs")
+        machines = sorted({row["measured_on"] for row in report["labs"] if row.get("measured_on")})
         for row in report["labs"]:
-            lines.append(f"  {row['lab']:<32}{row['verdict']}")
+            secs = row.get("full_size_seconds")
+            took = (f"full size {secs / 60:4.1f} min" if secs is not None else "full size not timed yet")
+            lines.append(f"  {row['lab']:<32}{took:<26}{row['verdict']}")
+        lines.append("  (full-size times as recorded by `course labs run NN --in-place`"
+                     + (f"; measured on {'; '.join(machines)})" if machines else ")"))
     lines.append("")
     if report["problems"]:
         lines.append(f"{len(report['problems'])} problem(s):")

@@ -184,9 +184,9 @@ def _keep_outputs(new_nb, old_path: Path) -> None:
         if cell.cell_type == "code" and prev is not None and prev.source == cell.source:
             cell.outputs = prev.outputs
             cell.execution_count = prev.execution_count
-    executed = old.metadata.get("course", {}).get("executed_code_sha256")
-    if executed:
-        new_nb.metadata["course"] = {"executed_code_sha256": executed}
+    recorded = old.metadata.get("course", {})
+    if recorded.get("executed_code_sha256"):  # which code made the outputs, and how long it took
+        new_nb.metadata["course"] = dict(recorded)
 
 
 def dumps(nb) -> str:
@@ -272,13 +272,40 @@ def check_all(root: Path) -> list[str]:
     return problems
 
 
-def record_execution(executed_nb, target: Path) -> None:
-    """Write an executed lab back into ``labs/`` with clean metadata and the code hash it ran."""
+def record_execution(executed_nb, target: Path, *, seconds: float | None = None) -> None:
+    """Write an executed lab back into ``labs/`` with clean metadata, the code hash it ran and,
+    when given, its full-size wall time in ``seconds`` with the machine it was measured on (what
+    ``course doctor`` lists)."""
     clean = to_notebook_like(executed_nb)
     clean.metadata["course"] = {"executed_code_sha256": code_hash(clean)}
+    if seconds is not None:
+        clean.metadata["course"]["full_size_seconds"] = round(float(seconds), 1)
+        clean.metadata["course"]["measured_on"] = _machine_line()
     tmp = target.with_suffix(".ipynb.tmp")
     tmp.write_text(dumps(clean))
     tmp.replace(target)
+
+
+def _machine_line() -> str:
+    """'N CPU cores, torch X, GPU or none, date': enough to read a recorded lab time in context."""
+    import datetime
+    import os
+
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cores} CPU cores, {gpu}, torch {torch.__version__}, {datetime.date.today().isoformat()}"
+
+
+def recorded_run(path: Path) -> dict:
+    """What an in-place run recorded in a committed lab: ``full_size_seconds`` (wall seconds of
+    the whole notebook at full size) and ``measured_on``; empty when it was never timed."""
+    try:
+        meta = json.loads(Path(path).read_text()).get("metadata", {}).get("course", {})
+    except (OSError, ValueError):
+        return {}
+    return {k: meta[k] for k in ("full_size_seconds", "measured_on") if k in meta}
 
 
 def to_notebook_like(executed_nb):

@@ -51,3 +51,26 @@ def test_every_lab_has_a_catalog_entry():
         assert path.stem in catalog.LABS, f"add {path.stem} to course_lib/catalog.py"
     info = catalog.LABS["00_orientation"]
     assert catalog.verdict(info, has_cuda=True) == "runs fully here"
+
+
+def test_doctor_lists_the_full_size_time_an_in_place_run_recorded(tmp_path):
+    """`course labs run NN --in-place` records the wall time; a rebuild keeps it; doctor prints it."""
+    import nbformat
+
+    from course_lib import notebooks
+
+    (tmp_path / "labs").mkdir()
+    (tmp_path / "labs" / "00_orientation.py").write_text("# %%\nprint(1)\n")
+    (tmp_path / "labs" / "01_memory.py").write_text("# %%\nprint(2)\n")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(1)")])
+    notebooks.record_execution(nb, tmp_path / "labs" / "00_orientation.ipynb", seconds=187.26)
+    run = notebooks.recorded_run(tmp_path / "labs" / "00_orientation.ipynb")
+    assert run["full_size_seconds"] == 187.3 and "CPU cores" in run["measured_on"]
+    rebuilt = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(1)")])
+    notebooks._keep_outputs(rebuilt, tmp_path / "labs" / "00_orientation.ipynb")
+    assert rebuilt.metadata["course"]["full_size_seconds"] == 187.3
+    report = doctor.gather(root=tmp_path)
+    text = doctor.format_report(report)
+    line = next(ln for ln in text.splitlines() if "00_orientation" in ln)
+    assert "full size  3.1 min" in line, line
+    assert "full size not timed yet" in next(ln for ln in text.splitlines() if "01_memory" in ln)
