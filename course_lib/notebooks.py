@@ -259,6 +259,12 @@ def check_all(root: Path) -> list[str]:
             problems.append(f"{rel}: missing (run `course notebooks build`)")
         elif item.path.read_text() != item.text:
             problems.append(f"{rel}: differs from its source (run `course notebooks build`)")
+        if item.path.parent.name == "labs":
+            problems += [f"{rel}: cell {cell.id} marks itself with a '# NBVAL_...' comment, which the learner "
+                         f"reads; put the marker in the cell's tags instead (# %% tags=[\"nbval-check-output\"])"
+                         for cell in nbformat.reads(item.text, as_version=4).cells
+                         if cell.cell_type == "code" and any(line.strip().startswith("# NBVAL_")
+                                                              for line in cell.source.splitlines())]
         if item.path.parent.name == "labs" and item.path.exists():
             nb = nbformat.reads(item.text, as_version=4)
             executed = nb.metadata.get("course", {}).get("executed_code_sha256")

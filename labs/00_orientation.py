@@ -43,8 +43,7 @@ SMOKE = course_lib.smoke(SMOKE)
 # CPU stand-in for one GPU-only part, named by `course doctor`, which also lists the labs your
 # checkout has):
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 print(f"{'lab':<32} {'needs':<13} title")
 for info in catalog.LABS.values():
     print(f"{info.name:<32} {info.needs:<13} {info.title}")
@@ -88,8 +87,7 @@ check([r["rank"] for r in ranks] == list(range(WORLD_SIZE)),
 #
 # Rank `r` starts with `[10r+1, 10r+2, ...]`, so every number tells you where it came from.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 shown = run_ranks(collectives.show_collectives, WORLD_SIZE, show_output=False)
 for name in shown[0]:
     print(name)

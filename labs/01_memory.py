@@ -56,8 +56,7 @@ TINY_SEQ, TINY_BATCH = (32, 2) if SMOKE else (128, 8)  # the model we measure on
 # `"mixed-adam"`) and Korthikanti et al.'s **s b h (34 + 5 a s / h)** bytes per layer
 # (`estimate.activation_bytes_per_layer` with its defaults, which are the paper's assumptions).
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 shape = estimate.ModelShape.preset(MODEL)
 N, L, h, a = shape.num_params(), shape.n_layers, shape.d_model, shape.n_heads
 s, b = SEQ, MICRO_BATCH
@@ -121,8 +120,7 @@ for label, parts in [("rule of thumb", dict(zip(("params", "grads", "optimizer",
 # dropout, scores materialised). Each assumption is a keyword of the estimator. A Llama block has
 # a SwiGLU MLP instead, and a fused attention kernel with no dropout keeps no score matrix at all:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 variants = {
     "Korthikanti (GELU 4h, dropout, scores stored)": {},
     "  + Llama's SwiGLU MLP (d_ff = %d)" % shape.ffn_dim: dict(mlp="swiglu", d_ff=shape.ffn_dim),
@@ -148,8 +146,7 @@ for label, kw in variants.items():
 # **stage 3** also the parameters. Activations are not sharded by ZeRO: each rank runs its own
 # micro-batch. Per rank, with selective recomputation:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 budgets = {z: memory_per_rank(MODEL, micro_batch=b, seq=s, zero_stage=z, dp=DP, recompute="selective")
            for z in range(4)}
 print(f"{MODEL}, dp = {DP}, micro-batch {b} x seq {s}, selective recomputation, GiB per rank")
@@ -181,8 +178,7 @@ plt.show()
 #
 # Per layer, by tensor, for one micro-batch of this model (Korthikanti's accounting, SwiGLU MLP):
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 layer_kw = dict(seq_len=s, micro_batch=b, d_model=h, n_heads=a, mlp=shape.mlp, d_ff=shape.ffn_dim)
 modes = {"none": dict(recompute="none"), "selective": dict(recompute="selective"),
          "full": dict(recompute="full"), "none + flash": dict(attention="flash", dropout=False)}
@@ -226,8 +222,7 @@ plt.show()
 calc = MemoryCalculator(model=MODEL, seq=SEQ, micro_batch=MICRO_BATCH, dp=DP)
 calc
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 print(calc.budget.text("GiB"))  # the same table as text, for a notebook opened without a kernel
 
 # %% [markdown]

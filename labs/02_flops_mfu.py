@@ -45,8 +45,7 @@ if SMOKE:
 # 2 x 2 x s x h per token per layer forward, x 3 with backward. PaLM (Appendix B) adds them:
 # **6N + 12 L H Q T** (L layers, H heads, Q head dimension, T sequence length).
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 print(f"{'model':<12}{'params N':>18}{'seq T':>7}{'6N':>14}{'6N + 12LHQT':>14}{'attention share':>17}")
 for name in ("gpt2-small", "gpt2-xl", "llama2-7b", "llama3-70b", "gpt3-175b"):
     shape = estimate.ModelShape.preset(name)
@@ -85,8 +84,7 @@ plt.show()
 # per iteration for 600,000 iterations, and the README reports about **4 days on 8 A100 40GB**.
 # nanoGPT divides by the A100's bf16 peak, 312 TFLOP/s.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 gpt2 = estimate.ModelShape.preset("gpt2-small")
 n_nano = gpt2.num_params() - gpt2.position_params()
 per_token = estimate.flops_per_token(gpt2, formula="palm", params="no-position")
@@ -242,8 +240,7 @@ for name, dtype, peak, tps in rows:
 # GPT-3 175B on 300B tokens with 1024 A100s sustaining 140 TFLOP/s each, with recomputation, and
 # estimate **34 days**.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 gpt3 = estimate.ModelShape.preset("gpt3-175b")
 h100 = estimate.accelerator("h100-sxm5-80gb")
 scenarios = [

@@ -57,8 +57,7 @@ torch.set_num_threads(1)
 # *subnormals*, evenly spaced and with fewer significant bits, down to the smallest subnormal;
 # anything smaller rounds to zero.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 print(format_dtype_table())
 ranges = {row["dtype"]: row for row in dtype_ranges()}
 
@@ -93,8 +92,7 @@ plt.show()
 #
 # Storing a number in a format rounds it to the nearest representable value:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 samples = [0.1, 1 + 2**-9, 1000.3, 70000.0, 3e-5, 1e-8, 1e-39]
 print(f"{'value':>12} {'fp32':>14} {'bf16':>14} {'fp16':>14}")
 for v in samples:
@@ -110,8 +108,7 @@ for v in samples:
 # update (`lr × gradient`) to each weight. Add an update of 1e-3 to a weight of 1.0, a thousand
 # times, in each format:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 UPDATES, DELTA = 1000, 1e-3
 accumulated = {}
 for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):

@@ -329,8 +329,7 @@ check(seconds["full causal", "full"] > seconds["full causal", "none"],
 #
 # The window is a boolean `[T, T]` mask (True = may attend), here for `T = 8`, window 3:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 demo = sliding_window_mask(8, 3, "cpu")
 for row in demo.int().tolist():
     print(" ".join("x" if v else "." for v in row))
@@ -681,8 +680,7 @@ check(acc_saved[ACCUM] < acc_saved[1] / ACCUM * 1.1,
 # SwiGLU MLP), from the estimators alone: activation memory of all layers and the FLOP overhead of
 # recomputation. Eager attention stores the scores; flash attention does not.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 llama = estimate.ModelShape.preset("llama2-7b")
 S, L7 = 4096, llama.n_layers
 kw7 = dict(seq_len=S, micro_batch=1, d_model=llama.d_model, n_heads=llama.n_heads, mlp="swiglu",

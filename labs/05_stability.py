@@ -358,8 +358,7 @@ for name, det in detectors.items():
     flags[name] = [i for i, (f, _) in enumerate(out) if f]
     bounds[name] = [b for _, b in out]
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 after_shift = range(SHIFT_AT, SHIFT_AT + 8)
 print(f"{len(PLANTED)} planted spikes at {sorted(PLANTED)}; level +{SHIFT} from step {SHIFT_AT}")
 print(f"{'detector':<40} {'found':>6} {'missed':>12} {'false alarms':>13} {'longest run':>12} {'window frozen':>14}")

@@ -83,8 +83,7 @@ plots.plot_schedules(ax2, {"cosine (for comparison)": schedules["cosine"],
                      styles={"cosine (for comparison)": ":"}, title="warmup-stable-decay, last 200 steps decay")
 plt.show()
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 probe = [0, 50, 99, 100, 300, 550, 800, 900, 999, 1000, 1500]
 print(f"{'step':>5} " + " ".join(f"{name:>11}" for name in schedules))
 for step in probe:
@@ -127,8 +126,7 @@ print("every schedule warms up to max_lr, never rises afterwards, and holds afte
 # | `it/W` | starts at 0; reaches 1 at step `W` | Hugging Face `get_*_schedule_with_warmup` |
 # | `(it+1)/(W+1)` | never reaches 1 inside warmup | nanoGPT |
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 WARM = 5
 conventions = {c: Schedule(max_lr=1.0, total_steps=20, warmup_steps=WARM, kind="cosine", warmup_convention=c)
                for c in ("(it+1)/W", "it/W", "(it+1)/(W+1)")}
@@ -182,8 +180,7 @@ check(torch.equal(before, layer.weight) and int(state["step"]) == 1 and state["e
 # Tutorial code sometimes has a cosine schedule of this shape (shown in full below): its decay branch divides
 # by `total_steps`, which the function neither defines nor receives.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 def flawed_lr(step, warmup_steps=100, max_lr=1e-3, min_lr=1e-4):
     """The flawed schedule (its shape, bug included): `total_steps` is never defined."""
     if step < warmup_steps:
@@ -203,8 +200,7 @@ except NameError as exc:
 # Worse, in a notebook or a script with globals the name may exist, left over from something
 # else. Say an earlier experiment set `total_steps = 300`, and this run is 1000 steps long:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 total_steps = 300  # a leftover global from an earlier, shorter experiment
 for step in (150, 300, 500, 700, 999):
     print(f"step {step:>4}: flawed {flawed_lr(step):.2e}   ours (T=1000) {schedules['cosine'](step):.2e}")
@@ -228,8 +224,7 @@ plt.show()
 # as an argument and checks it before the first step; a missing or impossible value is an error
 # that names the argument:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 bad_arguments = {
     "no total_steps": dict(max_lr=1e-3, warmup_steps=100),
     "total_steps=0": dict(max_lr=1e-3, total_steps=0),
@@ -374,8 +369,7 @@ print(f"during the last {RUN_STEPS - wsd_start} steps WSD's loss fell by {wsd_dr
 # from step 0: **warmup again**, then a decay over a horizon shifted by the resume point. First
 # at the level of learning rates (a cosine, `W = 100`, `T = 1000`, interrupted after 400 steps):
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 sched = schedules["cosine"]
 STOP = 400
 

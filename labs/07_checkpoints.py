@@ -139,8 +139,7 @@ print(f"naive: {n_bad_naive}/{KILL_CYCLES} checkpoints destroyed; atomic: 0/{KIL
 # loaded) **before** anything older is deleted: a common retention loop prunes first and saves second
 # (`os.remove(oldest); torch.save(state, newest)`), so a crash in between leaves one checkpoint fewer than promised, and with `keep_last=1`, none.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 losses = [3.0, 2.4, 1.9, 2.2, 2.5, 2.3, 2.6, 2.8]  # the loss at each save: the best is the third
 mgr = CheckpointManager(RUNS / "retention", keep_last=2, keep_best=1, best_metric="loss", async_save=False)
 tiny = torch.nn.Linear(4, 4)

@@ -72,8 +72,7 @@ RUNS = Path(tempfile.mkdtemp(prefix="lab09-"))  # scratch: every file this lab w
 # of fp32 gradients, 8 bytes of Adam states"). `course_lib.estimate.memory.model_state_bytes`
 # takes the recipe as an argument, so each number comes with its assumptions:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 PSI_7B = 7e9
 FP32_GRADS = PrecisionRecipe(2, 4, 4, 8, "mixed-adam+fp32-grads",
                              "bf16 weights 2, fp32 gradients 4, fp32 master 4, Adam moments 8")
@@ -98,8 +97,7 @@ check(seven_b["mixed-adam+fp32-grads"] == 126e9, "18 B/param x 7e9 should be 126
 #
 # The answer is ZeRO. Per GPU, with the ZeRO paper's 16 B/param recipe:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 GPU_GB = 80
 per_gpu = {}
 print(f"{'':<10}{'params':>10}{'grads':>10}{'optimizer':>11}{'total':>10}   fits 80 GB?")

@@ -424,8 +424,7 @@ check(all(r[4]["norms"] * WORLD_SIZE == s[4]["norms"] for r, s in zip(mem_rows[2
 # `course_lib.parallel.tensor_parallel.parallelize_tinygpt` applies this plan to a TinyGPT (with
 # sequence parallelism here); building the plan needs no ranks:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 plan = tinygpt_tp_plan(TinyGPT(lab_runs.lab_model_config("llama")), sequence_parallel=True)
 for path, style in plan.items():
     print(f"{path:<24} {lab_runs.describe_style(style)}")
@@ -557,8 +556,7 @@ check(all(p > 0 and m > 0 for _, p, m in replay_rows.values()), "predictions and
 # assumed 50% MFU of an H100's dense bf16 peak. Only the bandwidth term is counted (the latency
 # adds 320 x a few microseconds).
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 LLAMA70B = ModelShape.preset("llama2-70b")
 S, MB, BYTES = LLAMA70B.seq_len, 1, 2
 LINKS = {"NVLink 4": 450e9, "InfiniBand NDR": 50e9, "InfiniBand HDR": 25e9}

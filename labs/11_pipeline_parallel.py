@@ -79,8 +79,7 @@ print(f"TinyGPT: {CFG.n_layers} blocks, d_model {CFG.d_model}; {PP} stages of {C
 #
 # Every stage of 4 with m = 4 (F: forward, B: backward, then the micro-batch):
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 for schedule in ("gpipe", "1f1b"):
     for s in range(PP):
         ops = " ".join(f"{op[0].upper()}{i}" for op, i in compute_order(schedule, PP, 4, s))
@@ -201,8 +200,7 @@ plt.show()
 # share of the *whole* step instead, `(pp - 1) / (m + pp - 1)`: the same idle time, another
 # denominator (`bubble_fraction(..., relative_to="total")`). First the formula:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 print(f"pp = {PP}   {'m':>3} {'bubble / ideal':>15} {'bubble / total':>15}")
 for m in (1, 2, 4, 8, 16, 32, 64):
     print(f"{'':<8} {m:>3} {bubble_fraction(PP, m):>15.3f} {bubble_fraction(PP, m, relative_to='total'):>15.3f}")
@@ -443,8 +441,7 @@ for name, (layers, est_layers, got_b, est_b) in mem_torch.items():
 # on the last), and `balanced_split` picks the split that minimises the largest. For real models,
 # in units of one block:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 shapes = {"GPT-2 small (V 50257, 1K context)": ModelConfig.preset("gpt2-small"),
           "Llama-2 7B (V 32000, 4K)": ModelConfig.preset("llama2-7b"),
           "Llama-3 8B shape (V 128256, 8K)": ModelConfig.preset("llama2-7b", vocab_size=128256, d_ff=14336,
@@ -513,8 +510,7 @@ check(imb["even"][1]["measured"] > imb["balanced"][1]["measured"],
 # then dp, then pp outermost (pipeline messages are the smallest: they can cross nodes). On 8
 # GPUs, tp 2 x pp 2 x dp 2:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 TRAIN_CFG = Path(course_lib.__file__).resolve().parent.parent / "labs" / "configs" / "tiny-cpu.toml"
 tiny = train_config.build_model_config(train_config.load(TRAIN_CFG))
 layout8 = mesh_layout(8, tp=2, pp=2)
@@ -531,8 +527,7 @@ for dim in ("tp", "dp", "pp"):
 # each micro-batch; the `train.grad_accum` micro-batches are the pipeline's). The mesh of the
 # first layout, and what each rank holds:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 layout4 = mesh_layout(4, tp=2, pp=2)
 print(layout4.draw(layout4.describe(n_layers=tiny.n_layers, n_heads=tiny.n_heads, vocab_size=tiny.vocab_size)))
 
@@ -700,8 +695,7 @@ check(len(set(zz)) == 1, "zig-zag should give every rank the same causal work")
 # of all 32 layers (without and with full recomputation), the scores an attention that stored them
 # would need per layer, and the ring's traffic per layer.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 S7, L7, H7, A7, DH7, FF7 = 8192, 32, 4096, 32, 128, 11008
 GB = 1e9
 print(f"7B, {S7:,}-token context, micro-batch 1, bf16; per GPU:")
@@ -731,8 +725,7 @@ for n in (1, 2, 4, 8):
 # NVLink-class 400 GB/s or an InfiniBand 50 GB/s link per direction (assumptions, not
 # measurements):
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 h100 = accelerator("h100-sxm5-80gb")
 FLOP_S = 0.5 * h100.peak_flops("bf16")
 print(f"{'CP N':>4} {'K/V block':>10} {'block attention fwd':>20} {'hop @ 400 GB/s':>15} {'hop @ 50 GB/s':>14}")

@@ -123,6 +123,17 @@ def test_markers_in_labs_are_refused(project):
         notebooks.build_all(project)
 
 
+def test_nbval_markers_are_cell_tags_not_comments_the_learner_reads(project):
+    notebooks.write_all(project)
+    (project / "labs" / "99_demo.py").write_text(LAB + "\n# %%\n# NBVAL_CHECK_OUTPUT\nprint(2)\n")
+    notebooks.write_all(project)
+    problems = notebooks.check_all(project)
+    assert any("NBVAL_" in p and "tags" in p and "99_demo" in p for p in problems), problems
+    (project / "labs" / "99_demo.py").write_text(LAB + '\n# %% tags=["nbval-check-output"]\nprint(2)\n')
+    notebooks.write_all(project)
+    assert not any("NBVAL_" in p for p in notebooks.check_all(project))
+
+
 def test_committed_notebooks_match_their_sources():
     """The sync check CI relies on: every generated notebook in the repository is fresh."""
     problems = notebooks.check_all(ROOT)

@@ -25,8 +25,8 @@ def _run(nb: Path, tmp_path: Path) -> run_notebooks.RunResult:
 
 
 # Labs are not run here: nbval executes each of them (pyproject's testpaths include labs/, at smoke
-# size through conftest's COURSE_SMOKE=1) and fails on any error, besides comparing the cells marked
-# NBVAL_CHECK_OUTPUT. Running them here too would execute every lab twice per test run.
+# size through conftest's COURSE_SMOKE=1) and fails on any error, besides comparing the cells tagged
+# nbval-check-output. Running them here too would execute every lab twice per test run.
 @pytest.mark.parametrize("nb", SOLUTIONS, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_notebook_runs_clean_at_smoke_size(nb, tmp_path):
     result = _run(nb, tmp_path)
