@@ -267,6 +267,11 @@ def check_all(root: Path) -> list[str]:
                                                               for line in cell.source.splitlines())]
         if item.path.parent.name == "labs" and item.path.exists():
             nb = nbformat.reads(item.text, as_version=4)
+            from course_lib.notebook_paths import machine_paths
+
+            problems += [f"{rel}: cell {cell_id} shows a path of the machine it ran on ({path[:60]}); re-record it "
+                         f"with `course labs run {item.path.stem} --in-place` (it writes <repo>/<tmp>/~ instead)"
+                         for cell_id, path in machine_paths(nb)]
             executed = nb.metadata.get("course", {}).get("executed_code_sha256")
             if executed != code_hash(nb):
                 problems.append(f"{rel}: outputs are from older code or missing "
@@ -282,7 +287,10 @@ def record_execution(executed_nb, target: Path, *, seconds: float | None = None)
     """Write an executed lab back into ``labs/`` with clean metadata, the code hash it ran and,
     when given, its full-size wall time in ``seconds`` with the machine it was measured on (what
     ``course doctor`` lists)."""
+    from course_lib.notebook_paths import scrub_paths
+
     clean = to_notebook_like(executed_nb)
+    scrub_paths(clean, Path(target).resolve().parent.parent)  # no path of this machine is committed
     clean.metadata["course"] = {"executed_code_sha256": code_hash(clean)}
     if seconds is not None:
         clean.metadata["course"]["full_size_seconds"] = round(float(seconds), 1)

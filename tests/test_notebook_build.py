@@ -161,3 +161,25 @@ def test_labs_are_committed_executed():
         nb = nbformat.read(path, as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]
         assert all(c.execution_count for c in code), f"{path.name} has unexecuted cells"
+
+
+def test_no_committed_output_shows_a_path_of_the_machine(project):
+    """record_execution writes <repo>/<tmp>/~ instead of this machine's prefixes; check flags any left."""
+    import tempfile
+
+    import nbformat
+
+    notebooks.write_all(project)
+    lab = project / "labs" / "99_demo.ipynb"
+    nb = nbformat.read(lab, as_version=4)
+    code = next(c for c in nb.cells if c.cell_type == "code" and "hi" in c.source)
+    code.outputs = [nbformat.v4.new_output("stream", name="stdout",
+                                           text=f"wrote {project}/runs/a.json and {tempfile.gettempdir()}/lab-x/b\n")]
+    notebooks.record_execution(nb, lab)
+    text = nbformat.read(lab, as_version=4)
+    shown = next(c for c in text.cells if c.cell_type == "code" and "hi" in c.source).outputs[0]["text"]
+    assert shown == "wrote <repo>/runs/a.json and <tmp>/lab-x/b\n", shown
+    assert not any("path of the machine" in p for p in notebooks.check_all(project))
+    code.outputs = [nbformat.v4.new_output("stream", name="stdout", text="saved to /home/alice/kit/x.pt\n")]
+    lab.write_text(notebooks.dumps(nb))  # as if committed by hand from another machine
+    assert any("path of the machine" in p and "/home/alice/kit/x.pt" in p for p in notebooks.check_all(project))
