@@ -301,7 +301,8 @@ def record_execution(executed_nb, target: Path, *, seconds: float | None = None)
 
 
 def _machine_line() -> str:
-    """'N CPU cores, torch X, GPU or none, date': enough to read a recorded lab time in context."""
+    """'N CPU cores, load L, GPU or none, torch X, date': enough to read a recorded lab time in context
+    (L: the 1-minute load average when the run ended; above the core count, the lab shared the CPU)."""
     import datetime
     import os
 
@@ -309,7 +310,8 @@ def _machine_line() -> str:
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{cores} CPU cores, {gpu}, torch {torch.__version__}, {datetime.date.today().isoformat()}"
+    load = f", load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""  # busy machine = slower lab
+    return f"{cores} CPU cores{load}, {gpu}, torch {torch.__version__}, {datetime.date.today().isoformat()}"
 
 
 def recorded_run(path: Path) -> dict:
