@@ -46,6 +46,10 @@ LABS: dict[str, LabInfo] = {info.name: info for info in [
             "gloo over loopback stands in for NCCL/NVLink; CPU tensor bytes stand in for CUDA memory"),
     LabInfo("11_pipeline_parallel", "Pipeline parallelism, 3D and context parallelism", "cpu-standins",
             "gloo over loopback stands in for NCCL; CPU timings stand in for GPU kernels"),
+    LabInfo("13_planning_launching", "Planning and launching a real job", "cpu-standins",
+            "the plans are closed-form (no GPU needed); the launched job is TinyGPT on 2 CPU ranks (gloo)"),
+    LabInfo("14_capstone", "Capstone: one distributed training run, end to end", "cpu-standins",
+            "2 CPU ranks over gloo stand in for GPUs with NCCL; the GPU and SLURM commands are shown, not run"),
 ]}
 
 

@@ -106,7 +106,7 @@ def cmd_labs_run(args: argparse.Namespace) -> int:
         if res.status == "ok" and args.in_place:
             import nbformat
 
-            notebooks.record_execution(nbformat.read(res.output, as_version=4), lab)
+            notebooks.record_execution(nbformat.read(res.output, as_version=4), lab, seconds=res.seconds)
         results.append(res)
     bar.close()
     width = max([len("notebook")] + [len(r.notebook.stem) for r in results])
@@ -163,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     from course_lib.launchers.cli import add_launch_parser
 
     add_launch_parser(sub)  # `course launch`: torchrun / deepspeed / accelerate / sbatch scripts
+
+    from course_lib.planner.cli import add_plan_parser
+
+    add_plan_parser(sub)  # `course plan`: layout search, configs, launch scripts, checkpoint plan, budget
+
     return parser
 
 

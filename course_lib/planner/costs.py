@@ -1,0 +1,205 @@
+"""One layout's memory per GPU and modelled step time, every term kept for the breakdown.
+
+Memory (bytes per GPU, the busiest rank = the first pipeline stage) comes from
+:mod:`course_lib.estimate`: model states (``model_state_bytes``, ZeRO sharded over dp x cp, the
+ranks that hold the same weights), saved activations (``activation_bytes_first_stage``, Korthikanti
+et al. 2022, sequence split by cp), the output layer's backward transient
+(``output_backward_transient_bytes``; with pp > 1 it sits on the last stage, added here anyway: a
+conservative bound), for ZeRO-3 two gathered layers of bf16 weights (the layer running and the one
+prefetched), and with recomputation the one layer being recomputed (``recompute_working_bytes``).
+
+Step time (seconds), the model in words:
+
+* compute = hardware FLOPs of the step (``model_flops_per_iteration``, recomputation included)
+  / (gpus x peak x mfu). ``mfu`` is the fraction of peak the matmuls sustain (default 0.5);
+* tp = Megatron TP traffic (``tp_comm_bytes_per_layer``) x layers per stage x micro-batches, over
+  NVLink (tp stays inside a node). On the critical path: not overlapped;
+* cp = ring-attention K/V traffic (``cp_comm_bytes_per_layer``), same count, not overlapped
+  (a conservative choice: real ring attention hides part of it behind the attention math);
+* pp = point-to-point sends: one activation forward and one gradient backward per micro-batch
+  per stage boundary (s/cp x b x h x 2 bytes each), over whichever link the neighbours share;
+* bubble = ``bubble_fraction(pp, m)`` (1F1B, relative to ideal) x (compute + tp + cp + pp);
+* dp = data-parallel / ZeRO traffic (``comm_elements_per_step`` over dp x cp ranks, bf16) over
+  NVLink if the group fits in a node, InfiniBand otherwise. DDP and ZeRO-1 reduce once per step;
+  ZeRO-2 reduce-scatters every micro-batch (it keeps no full gradient to accumulate into); ZeRO-3
+  also all-gathers the weights twice per micro-batch. **Overlap assumption**: a fraction
+  ``overlap`` (default 0.5) of the compute time hides this traffic; only the rest is exposed.
+
+step = (compute + tp + cp + pp) x (1 + bubble) + exposed dp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from course_lib.estimate import (activation_breakdown_per_layer, activation_bytes_first_stage, bubble_fraction, comm_elements_per_step,
+                                 cp_comm_bytes_per_layer, model_flops_per_iteration, model_state_bytes,
+                                 output_backward_transient_bytes, resolve_recipe, tp_comm_bytes_per_layer,
+                                 training_step_peak_bytes)
+from course_lib.planner.spec import JobSpec
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: tp x pp x dp x cp = gpus, ZeRO stage, recomputation, micro-batch."""
+
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    zero_stage: int
+    recompute: str
+    micro_batch: int
+    grad_accum: int  # micro-batches per optimizer step per data-parallel rank
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Sequence parallelism whenever tp > 1: same traffic as plain TP, less memory (Korthikanti)."""
+        return self.tp > 1
+
+    @property
+    def sharding(self) -> str:
+        """How model state is split over data-parallel ranks, in words."""
+        return {0: "replicated (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 / FSDP full shard"}[self.zero_stage]
+
+    def label(self) -> str:
+        """Compact text, e.g. ``tp8 pp1 dp8 cp1 Z1 rc=selective mb1x128``."""
+        return (f"tp{self.tp} pp{self.pp} dp{self.dp} cp{self.cp} Z{self.zero_stage} "
+                f"rc={self.recompute} mb{self.micro_batch}x{self.grad_accum}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout with its memory (bytes per GPU) and step-time terms (seconds)."""
+
+    layout: Layout
+    memory: dict = field(default_factory=dict)   # params, grads, optimizer, activations, transient
+    time: dict = field(default_factory=dict)     # compute, tp, cp, pp, bubble, dp_total, dp_exposed
+    usable_bytes: float = 0.0
+    tokens_per_step: int = 0
+    model_flops: float = 0.0
+    links: dict = field(default_factory=dict)    # group -> "NVLink" / "inter-node"
+
+    @property
+    def memory_total(self) -> float:
+        """Peak bytes per GPU (the step's peak, see training_step_peak_bytes)."""
+        return self.memory["peak"]
+
+    @property
+    def fits(self) -> bool:
+        """True when the peak is within device memory minus the headroom."""
+        return self.memory_total <= self.usable_bytes
+
+    @property
+    def step_s(self) -> float:
+        """Modelled seconds per optimizer step."""
+        return self.time["step"]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens per second for the whole job."""
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def comm_s(self) -> float:
+        """Exposed communication seconds per step (tp + cp + pp + exposed dp)."""
+        t = self.time
+        return t["tp"] + t["cp"] + t["pp"] + t["dp_exposed"]
+
+    def mfu(self, spec: JobSpec) -> float:
+        """Model FLOPs utilisation the model predicts (model FLOPs, no recomputation)."""
+        return self.model_flops / (self.step_s * spec.gpus * spec.gpu_peak_flops)
+
+
+def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
+    """Whether a process group of ``size`` ranks spaced ``stride`` apart crosses a node boundary
+    (ranks are numbered node by node; tp innermost, then cp, dp, pp - Megatron's order)."""
+    return size > 1 and stride * (size - 1) >= gpus_per_node
+
+
+def layer_kwargs(spec: JobSpec, lay: Layout) -> dict:
+    """The keywords ``activation_bytes_per_layer`` gets for this job and layout (one source of
+    truth: tests call the estimator with exactly these)."""
+    sh = spec.shape
+    return dict(seq_len=spec.seq // lay.cp, micro_batch=lay.micro_batch, d_model=sh.d_model,
+                n_heads=sh.n_heads, tp=lay.tp, sequence_parallel=lay.sequence_parallel,
+                recompute=lay.recompute, dropout=False, attention=spec.attention, mlp=sh.mlp,
+                d_ff=sh.ffn_dim, n_kv_heads=sh.kv_heads, bytes_per_element=2)
+
+
+def recompute_working_bytes(spec: JobSpec, lay: Layout) -> float:
+    """Bytes a recomputing backward re-creates for one layer and micro-batch at a time, per GPU:
+    full recomputation rebuilds the whole layer's activations, selective the attention core (the
+    s x s scores under eager attention). 0 without recomputation."""
+    if lay.recompute == "none":
+        return 0.0
+    parts = activation_breakdown_per_layer(**{**layer_kwargs(spec, lay), "recompute": "none"}).components
+    return sum(parts.values()) if lay.recompute == "full" else parts["attention_core"]
+
+
+def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
+    """Memory per GPU and step time of ``lay`` for ``spec`` (no feasibility filtering here)."""
+    sh = spec.shape
+    recipe = resolve_recipe(spec.recipe)
+    shard_group = lay.dp * lay.cp
+    rank_params = sh.params_on_busiest_rank(tp=lay.tp, pp=lay.pp)
+    states = model_state_bytes(rank_params, recipe=recipe, zero_stage=lay.zero_stage, dp=shard_group)
+    acts = activation_bytes_first_stage(n_layers=sh.n_layers, pp=lay.pp, micro_batches=lay.grad_accum,
+                                        vocab_size=sh.vocab_size, **layer_kwargs(spec, lay))
+    transient = output_backward_transient_bytes(seq_len=spec.seq // lay.cp, micro_batch=lay.micro_batch,
+                                                vocab_size=sh.vocab_size, tp=lay.tp, bytes_per_element=2)
+    if lay.zero_stage == 3:  # the layer computing plus the one prefetched, gathered in bf16
+        transient += 2 * 2 * sh.layer_params() / lay.tp
+    transient += recompute_working_bytes(spec, lay)
+    peak = training_step_peak_bytes(states, acts, transient_bytes=transient)
+    memory = {"params": states.params, "grads": states.grads, "optimizer": states.optimizer,
+              "activations": acts, "transient": transient, "peak": peak.peak, "peak_at": peak.where}
+
+    layers, m, s_local = sh.n_layers // lay.pp, lay.grad_accum, spec.seq // lay.cp
+    hw_flops = model_flops_per_iteration(sh, batch=spec.global_batch, seq_len=spec.seq, recompute=lay.recompute)
+    model_flops = model_flops_per_iteration(sh, batch=spec.global_batch, seq_len=spec.seq)
+    compute = hw_flops / (spec.gpus * spec.gpu_peak_flops * spec.mfu)
+
+    gpn, nvlink, ib = spec.gpus_per_node, spec.intra_node_bytes_per_s, spec.inter_node_bytes_per_s
+    links = {"tp": spans_nodes(1, lay.tp, gpn), "cp": spans_nodes(lay.tp, lay.cp, gpn),
+             "dp": spans_nodes(lay.tp * lay.cp, lay.dp, gpn),
+             "pp": spans_nodes(lay.tp * lay.cp * lay.dp, lay.pp, gpn)}
+    bw = {k: (ib if crosses else nvlink) for k, crosses in links.items()}
+
+    tp_s = 0.0
+    if lay.tp > 1:
+        per_layer = tp_comm_bytes_per_layer(seq_len=s_local, micro_batch=lay.micro_batch, d_model=sh.d_model,
+                                            tp=lay.tp, sequence_parallel=lay.sequence_parallel,
+                                            recompute=lay.recompute).bytes_per_rank
+        tp_s = per_layer * layers * m / bw["tp"]
+    cp_s = 0.0
+    if lay.cp > 1:
+        per_layer = cp_comm_bytes_per_layer(seq_len=spec.seq, micro_batch=lay.micro_batch,
+                                            n_kv_heads=max(1, sh.kv_heads // lay.tp), head_dim=sh.head_dim,
+                                            cp=lay.cp).bytes_per_rank
+        cp_s = per_layer * layers * m / bw["cp"]
+    pp_s = 0.0
+    if lay.pp > 1:  # one activation forward + one gradient backward per micro-batch (bf16)
+        message = s_local * lay.micro_batch * sh.d_model * 2 / (lay.tp if lay.sequence_parallel else 1)
+        pp_s = 2 * message * m / bw["pp"]
+    bubble = bubble_fraction(lay.pp, m) if lay.pp > 1 else 0.0
+    dp_bytes = 0.0
+    if shard_group > 1:
+        strategy = "ddp" if lay.zero_stage == 0 else f"zero{lay.zero_stage}"
+        one_pass = comm_elements_per_step(rank_params, "zero1", world_size=shard_group).bytes_per_rank(2) / 2
+        if lay.zero_stage == 3:
+            dp_bytes = 3 * one_pass * m          # reduce-scatter + 2 all-gathers, every micro-batch
+        elif lay.zero_stage == 2:
+            dp_bytes = one_pass * m + one_pass   # reduce-scatter per micro-batch, one all-gather
+        else:
+            dp_bytes = comm_elements_per_step(rank_params, strategy, world_size=shard_group).bytes_per_rank(2)
+    dp_s = dp_bytes / bw["dp"]
+    dp_exposed = max(0.0, dp_s - spec.overlap * compute)
+    busy = compute + tp_s + cp_s + pp_s
+    bubble_s = bubble * busy
+    time = {"compute": compute, "recompute": compute - model_flops / (spec.gpus * spec.gpu_peak_flops * spec.mfu),
+            "tp": tp_s, "cp": cp_s, "pp": pp_s, "bubble": bubble_s, "bubble_fraction": bubble,
+            "dp_total": dp_s, "dp_exposed": dp_exposed, "step": busy + bubble_s + dp_exposed}
+    return Candidate(lay, memory, time, spec.usable_bytes, spec.global_batch_tokens, model_flops,
+                     {k: ("inter-node" if v else "NVLink") if getattr(lay, k) > 1 else "-" for k, v in links.items()})

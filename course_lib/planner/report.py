@@ -1,0 +1,151 @@
+"""Words for a plan: the comparison table printed by ``course plan`` and the ``plan.md`` file."""
+from __future__ import annotations
+
+import dataclasses
+
+from course_lib.estimate import format_bytes
+from course_lib.planner.checkpoint_plan import CheckpointPlan
+from course_lib.planner.costs import Candidate, evaluate
+from course_lib.planner.search import Plan, why_lost, why_not_fit
+from course_lib.planner.spec import JobSpec
+
+
+def table(plan: Plan, n: int = 6) -> str:
+    """Best plan and runners-up: layout, memory/GPU, step split, tokens/s, why each lost."""
+    best = plan.best
+    head = (f"{'layout':<40} {'mem/GPU':>10} {'step s':>8} {'compute':>8} {'comm':>7} {'bubble':>7} "
+            f"{'tokens/s':>9}  reason")
+    rows = [head, "-" * len(head)]
+    for c in plan.runners_up(n):
+        t = c.time
+        rows.append(f"{c.layout.label():<40} {format_bytes(c.memory_total):>10} {c.step_s:>8.1f} "
+                    f"{t['compute']:>8.1f} {c.comm_s:>7.2f} {t['bubble']:>7.2f} {c.tokens_per_s:>9,.0f}  "
+                    f"{why_lost(c, best)}")
+    for c in plan.closest_misses:
+        rows.append(f"{c.layout.label():<40} {format_bytes(c.memory_total):>10} {'-':>8} {'':>8} {'':>7} "
+                    f"{'':>7} {'':>9}  {why_not_fit(c)}")
+    return "\n".join(rows)
+
+
+def _dimension_reasons(spec: JobSpec, c: Candidate, plan: Plan) -> list[str]:
+    lay, t = c.layout, c.time
+    others = plan.ranked
+    out = []
+    alt_tp = [o for o in others if o.layout.tp != lay.tp]
+    out.append(f"- **tp = {lay.tp}**: " + (
+        f"each layer's matmuls split {lay.tp} ways inside a node, sequence parallelism on; its all-reduces "
+        f"cost {t['tp']:.2f} s per step over NVLink and are not overlapped." if lay.tp > 1 else
+        "layers are not split: the memory fits without it, and tensor parallelism would add activation "
+        "all-reduces on the critical path of every layer.")
+        + (f" Best layout with another tp: {alt_tp[0].layout.label()} ({why_lost(alt_tp[0], c)})." if alt_tp else ""))
+    out.append(f"- **pp = {lay.pp}**: " + (
+        f"{spec.shape.n_layers // lay.pp} layers per stage, 1F1B with {lay.grad_accum} micro-batches: the bubble "
+        f"is {t['bubble_fraction']:.1%} of the ideal step ({t['bubble']:.2f} s)." if lay.pp > 1 else
+        "no pipeline: no bubble and no stage-to-stage sends."))
+    out.append(f"- **cp = {lay.cp}**: " + (
+        f"each sequence of {spec.seq} tokens is split {lay.cp} ways (ring attention): activations shrink "
+        f"{lay.cp}x for {t['cp']:.2f} s of K/V traffic per step." if lay.cp > 1 else
+        "sequences are not split: activations fit without it."))
+    out.append(f"- **dp = {lay.dp}, {lay.sharding}**: " + (
+        f"{t['dp_total']:.2f} s of {('gradient' if lay.zero_stage < 3 else 'gradient + weight')} traffic per step "
+        f"over {c.links['dp'] if lay.dp * lay.cp > 1 else 'no link'}, {t['dp_exposed']:.2f} s of it not hidden "
+        f"behind compute (overlap assumption {spec.overlap:.0%} of compute)."))
+    if lay.zero_stage > 0:
+        lower = evaluate(spec, dataclasses.replace(lay, zero_stage=lay.zero_stage - 1))
+        out[-1] += (f" ZeRO-{lay.zero_stage - 1} with the same layout: "
+                    + (why_not_fit(lower) if not lower.fits else why_lost(lower, c)) + ".")
+    out.append(f"- **recompute = {lay.recompute}**: " + (
+        "every activation is kept: memory allows it and recomputation would cost extra forward work."
+        if lay.recompute == "none" else
+        f"trades {t['recompute']:.2f} s of extra forward work per step for the activation memory it frees."))
+    if lay.recompute != "none":
+        keep = evaluate(spec, dataclasses.replace(lay, recompute="none"))
+        out[-1] += " Without it: " + (why_not_fit(keep) if not keep.fits else why_lost(keep, c)) + "."
+    out.append(f"- **micro-batch = {lay.micro_batch} x {lay.grad_accum} accumulation steps** per data-parallel "
+               f"rank: {lay.dp} x {lay.micro_batch} x {lay.grad_accum} = {spec.global_batch} sequences "
+               f"= {spec.global_batch_tokens:,} tokens per step.")
+    return out
+
+
+def megatron_flags(spec: JobSpec, c: Candidate) -> str:
+    """The layout as Megatron-LM command-line flags (one code line in Markdown)."""
+    lay = c.layout
+    flags = [f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}",
+             f"--context-parallel-size {lay.cp}", f"--micro-batch-size {lay.micro_batch}",
+             f"--global-batch-size {spec.global_batch}", f"--seq-length {spec.seq}", "--bf16"]
+    if lay.sequence_parallel:
+        flags.append("--sequence-parallel")
+    if lay.zero_stage >= 1:
+        flags.append("--use-distributed-optimizer")
+    if lay.recompute == "selective":
+        flags.append("--recompute-granularity selective")
+    elif lay.recompute == "full":
+        flags.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    note = " (ZeRO-2/3 sharding: use FSDP2 or DeepSpeed instead)" if lay.zero_stage >= 2 else ""
+    return f"Megatron-LM{note}: `{' '.join(flags)}`"
+
+
+def plan_markdown(plan: Plan, ck: CheckpointPlan | None, budget: dict | None, files: list[str]) -> str:
+    """The whole plan in words: choice, why, runners-up, checkpoints, budget, assumptions."""
+    spec, best = plan.spec, plan.best
+    sh = spec.shape
+    lines = [f"# Plan: {spec.model_name} ({sh.num_params() / 1e9:.2f}B parameters) on {spec.gpus} x {spec.gpu_name}",
+             "", f"{spec.nodes} node(s) x {spec.gpus_per_node} GPUs, {spec.tokens:.3g} tokens, sequence {spec.seq}, "
+             f"global batch {spec.global_batch} sequences ({spec.global_batch_tokens:,} tokens). "
+             f"Searched {plan.n_layouts} layouts, {len(plan.ranked)} fit in "
+             f"{format_bytes(spec.usable_bytes)} per GPU ({spec.headroom:.0%} headroom)."]
+    if spec.batch_note:
+        lines += ["", f"Note: {spec.batch_note}."]
+    if best is None:
+        lines += ["", "## Nothing fits", "", "No layout fits in the usable memory. Closest:"]
+        lines += [f"- {c.layout.label()}: {why_not_fit(c)}" for c in plan.closest_misses]
+        lines += ["", "What would fit:"] + [f"- {a}" for a in plan.advice]
+        return "\n".join(lines) + "\n"
+    lines += ["", "## Choice", "", f"**{best.layout.label()}** - {format_bytes(best.memory_total)} per GPU, "
+              f"{best.step_s:.1f} s per step, {best.tokens_per_s:,.0f} tokens/s, modelled MFU {best.mfu(spec):.1%}, "
+              f"{budget['days']:.1f} days, {budget['gpu_hours']:,.0f} GPU-hours.", "", "Why:", ""]
+    lines += _dimension_reasons(spec, best, plan)
+    lines += ["", "## Runners-up (one row per distinct layout)", "", "```", table(plan), "```"]
+    lines += ["", "## The same layout in production frameworks", "", megatron_flags(spec, best), "",
+              "DeepSpeed's JSON (`ds_config.json`) carries the ZeRO stage, batch sizes, precision and clipping; "
+              "tensor and pipeline sizes are set in the training code or launcher flags (as above for "
+              "Megatron-DeepSpeed). `fsdp_settings.json` says whether FSDP2 fits the plan."]
+    lines += ["", "## Checkpoints", "",
+              f"- format: {ck.format_reason}.",
+              f"- size: {format_bytes(ck.checkpoint_bytes, 'GB')} (weights + fp32 master + optimizer moments); "
+              f"one save takes {ck.save_cost_s:.0f} s at {spec.storage_bytes_per_s / 1e9:g} GB/s.",
+              f"- interval (Young/Daly): job MTBF = {spec.mtbf_hours:g} h per node / {spec.nodes} nodes = "
+              f"{ck.mtbf_job_h:.0f} h; sqrt(2 x {ck.save_cost_s:.0f} s x {ck.mtbf_job_h:.0f} h) = "
+              f"{ck.interval_s / 3600:.2f} h = every {ck.save_every_steps} steps; saving costs "
+              f"{ck.overhead:.2%} of the time, a failure loses {ck.expected_loss_h:.2f} h on average.",
+              f"- retention: keep the last {ck.keep_last} ({format_bytes(ck.checkpoint_bytes * ck.keep_last, 'GB')} "
+              "on the fast tier); the newest may be incomplete when a node dies mid-save.",
+              "- second tier: set `checkpoint.mirror` to an object store (e.g. `s3://bucket/run`, any fsspec URL): "
+              "finished checkpoints are copied there so a lost file system does not lose the run "
+              "(the kit mirrors full-format checkpoints).",
+              "- resume: every launch script passes `--resume auto`; a restarted or requeued job continues "
+              "from the newest valid checkpoint, e.g. `bash launch_torchrun.sh` again, or SLURM's requeue."]
+    mem = budget["memory_gib_per_gpu"]
+    lines += ["", "## Resource budget", "",
+              "| per GPU | GiB |", "| --- | ---: |"]
+    lines += [f"| {k} | {mem[k]:.2f} |" for k in ("params", "grads", "optimizer", "activations", "transient",
+                                                   "peak", "headroom_reserved", "device")]
+    sl = budget["slurm"]
+    lines += ["", f"- {budget['tokens_per_s']:,.0f} tokens/s, {budget['steps']:,} steps, {budget['days']:.1f} days, "
+              f"{budget['gpu_hours']:,.0f} GPU-hours.",
+              f"- SLURM: `--nodes={sl['nodes']} --gpus-per-node={sl['gpus_per_node']} --time={sl['time_per_allocation']}`"
+              f", about {sl['allocations']} allocation(s) (the script requeues itself at the limit).",
+              f"- to finish in 30 days at the same tokens/s per GPU: about {budget['gpus_for_30_days']:,} GPUs "
+              "(linear scaling, an optimistic first answer: plan again with that --gpus)."]
+    lines += ["", "## Assumptions (change them with flags)", "",
+              f"- compute: FLOPs (Narayanan et al., recomputation included) / ({spec.gpus} x "
+              f"{spec.gpu_peak_flops / 1e12:g} TFLOP/s x mfu {spec.mfu:g}); `--mfu` is the matmul efficiency.",
+              f"- links: {spec.intra_node_bytes_per_s / 1e9:g} GB/s per GPU inside a node, "
+              f"{spec.inter_node_bytes_per_s / 1e9:g} GB/s per GPU between nodes (`--interconnect {spec.interconnect}`; "
+              "datasheet numbers, override with `--intra-node-gbps`/`--inter-node-gbps`).",
+              f"- overlap: DP/ZeRO traffic hides behind {spec.overlap:.0%} of the compute time (`--overlap`); "
+              "TP, CP and pipeline sends are on the critical path.",
+              f"- memory: recipe {spec.recipe}, bf16 activations, attention '{spec.attention}' (`--attention`), "
+              "Korthikanti et al. 2022 activations, ZeRO sharding over dp x cp.",
+              "", "## Files", ""] + [f"- `{f}`" for f in files]
+    return "\n".join(lines) + "\n"

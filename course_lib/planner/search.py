@@ -1,0 +1,211 @@
+"""Search tp x pp x dp x cp, ZeRO stage, recomputation and micro-batch; keep what fits; rank.
+
+Rules a layout must follow (each one a reason real frameworks refuse the alternative):
+
+* tp divides the attention heads, the KV heads and the MLP width, and stays inside a node
+  (tp <= gpus per node): TP talks four times per layer per micro-batch, NVLink-only traffic;
+* tp x cp <= gpus per node (context parallelism's ring also stays on NVLink);
+* pp divides the layers (equal stages); cp divides the sequence;
+* dp = gpus / (tp pp cp), and the global batch (sequences) is a multiple of dp x micro_batch;
+* pipeline parallelism composes with ZeRO-0/1 only (Megatron's distributed optimizer and
+  DeepSpeed's pipeline engine shard optimizer state, not gradients or weights, across pipelines).
+
+Ranking: modelled step time (see costs.py); ties (within 0.5%) go to the simpler layout (fewer
+model-parallel ranks), then the larger micro-batch (bigger matmuls, fewer launches), then the lower
+ZeRO stage (less traffic to go wrong), then less memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from course_lib.estimate import format_bytes
+from course_lib.planner.costs import RECOMPUTE, Candidate, Layout, evaluate
+from course_lib.planner.spec import JobSpec
+
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+CONTEXT_PARALLEL = (1, 2, 4, 8)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(spec: JobSpec, *, recomputes=RECOMPUTE, micro_batches=MICRO_BATCHES,
+            context_parallel=CONTEXT_PARALLEL) -> list[Layout]:
+    """Every layout the rules above allow for ``spec`` (before any memory check)."""
+    sh, gpn, out = spec.shape, spec.gpus_per_node, []
+    tps = [t for t in _divisors(gpn) if sh.n_heads % t == 0 and sh.kv_heads % t == 0 and sh.ffn_dim % t == 0]
+    for tp in tps:
+        for cp in context_parallel:
+            if tp * cp > gpn or spec.seq % cp:
+                continue
+            for pp in _divisors(sh.n_layers):
+                if spec.gpus % (tp * cp * pp):
+                    continue
+                dp = spec.gpus // (tp * cp * pp)
+                for mb in micro_batches:
+                    if spec.global_batch % (dp * mb):
+                        continue
+                    for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
+                        if dp * cp == 1 and zero > 0:
+                            continue  # nothing to shard over
+                        for rc in recomputes:
+                            out.append(Layout(tp, pp, dp, cp, zero, rc, mb, spec.global_batch // (dp * mb)))
+    return out
+
+
+def _rank_key(c: Candidate):
+    lay = c.layout
+    return (round(c.step_s, 6), lay.tp * lay.pp * lay.cp, -lay.micro_batch, lay.zero_stage, c.memory_total)
+
+
+def rank(cands: list[Candidate]) -> list[Candidate]:
+    """Sort fitting candidates: fastest first, near-ties (0.5%) broken by simplicity (see module)."""
+    if not cands:
+        return []
+    ordered = sorted(cands, key=lambda c: c.step_s)
+    # Bucket step times so that layouts within 0.5% of each other compare by the tie-breakers.
+    best = ordered[0].step_s
+    return sorted(cands, key=lambda c: (int((c.step_s / best - 1) / 0.005),) + _rank_key(c)[1:])
+
+
+def distinct(cands: list[Candidate], n: int) -> list[Candidate]:
+    """The first ``n`` candidates with different (tp, pp, cp, ZeRO, recompute): one row per idea."""
+    seen, out = set(), []
+    for c in cands:
+        lay = c.layout
+        key = (lay.tp, lay.pp, lay.cp, lay.zero_stage, lay.recompute)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+        if len(out) == n:
+            break
+    return out
+
+
+_TERMS = {"compute": "compute", "recompute": "recomputation", "tp": "TP traffic", "cp": "CP ring traffic",
+          "pp": "pipeline sends", "bubble": "pipeline bubble", "dp_exposed": "exposed DP/ZeRO traffic"}
+
+
+def why_lost(c: Candidate, best: Candidate) -> str:
+    """One line: the step-time term that costs ``c`` most against ``best``, with its numbers."""
+    if c is best:
+        return "best: fastest modelled step that fits"
+    deltas = {k: c.time[k] - best.time[k] for k in ("recompute", "tp", "cp", "pp", "bubble", "dp_exposed")}
+    term = max(deltas, key=deltas.get)
+    lay, slower = c.layout, c.step_s / best.step_s - 1
+    if abs(slower) < 0.005 or deltas[term] <= 0.001 * best.step_s:
+        return f"within 0.5% of the best ({slower:+.1%}): a tie, lost on {_tie_breaker(c, best)}"
+    detail = {
+        "recompute": f"{lay.recompute} recomputation adds {c.time['recompute']:.2f} s of forward work",
+        "tp": f"tp={lay.tp}: {c.time['tp']:.2f} s of activation all-reduces per step",
+        "cp": f"cp={lay.cp}: {c.time['cp']:.2f} s of K/V ring traffic per step",
+        "pp": f"pp={lay.pp}: {c.time['pp']:.2f} s of stage-to-stage sends ({c.links['pp']})",
+        "bubble": f"pp={lay.pp} with {lay.grad_accum} micro-batches idles {c.time['bubble_fraction']:.1%}",
+        "dp_exposed": (f"{lay.sharding} over {lay.dp * lay.cp} ranks ({c.links['dp']}): "
+                       f"{c.time['dp_total']:.1f} s of traffic, {c.time['dp_exposed']:.1f} s not hidden"),
+    }[term]
+    return f"{slower:+.1%} slower: {detail}"
+
+
+def _tie_breaker(c: Candidate, best: Candidate) -> str:
+    a, b = c.layout, best.layout
+    if a.tp * a.pp * a.cp != b.tp * b.pp * b.cp:
+        return f"simplicity ({a.tp * a.pp * a.cp} vs {b.tp * b.pp * b.cp} model-parallel ranks per replica)"
+    if a.micro_batch != b.micro_batch:
+        return f"micro-batch size ({a.micro_batch} vs {b.micro_batch}: bigger matmuls run closer to peak)"
+    if a.zero_stage != b.zero_stage:
+        return f"ZeRO stage ({a.zero_stage} vs {b.zero_stage}: less traffic, fewer moving parts)"
+    return f"memory ({format_bytes(c.memory_total)} vs {format_bytes(best.memory_total)} per GPU)"
+
+
+def why_not_fit(c: Candidate) -> str:
+    """One line: how far over the usable memory ``c`` is and which component dominates."""
+    m = c.memory
+    parts = {k: m[k] for k in ("params", "grads", "optimizer", "activations", "transient")}
+    top = max(parts, key=parts.get)
+    return (f"does not fit: {format_bytes(c.memory_total)} > {format_bytes(c.usable_bytes)} usable; "
+            f"{top} {parts[top] / c.memory_total:.0%} of it")
+
+
+@dataclass
+class Plan:
+    """The search's result: ranked fitting candidates (best first), and what was refused."""
+
+    spec: JobSpec
+    ranked: list = field(default_factory=list)        # fitting candidates, best first
+    n_layouts: int = 0
+    closest_misses: list = field(default_factory=list)  # smallest-memory layouts that do not fit
+    advice: list = field(default_factory=list)          # when nothing fits: what would
+
+    @property
+    def best(self) -> Candidate | None:
+        """The winning candidate, or None when nothing fits."""
+        return self.ranked[0] if self.ranked else None
+
+    def runners_up(self, n: int = 5) -> list[Candidate]:
+        """The best and up to n-1 runners-up with different layouts."""
+        return distinct(self.ranked, n)
+
+
+# Context parallelism is a long-context tool. Its costs beyond the K/V ring (attention cut into
+# per-rank chunks with a causal load imbalance, smaller kernels) are not in the step-time model,
+# so below this length it would win on paper only; it is used there only when nothing else fits.
+CP_MIN_SEQ = 8192
+
+
+def search(spec: JobSpec) -> Plan:
+    """Evaluate every allowed layout, keep those that fit, rank them (see module docstring).
+    Context parallelism is searched from ``CP_MIN_SEQ`` tokens, or when no layout without it fits."""
+    cands = [evaluate(spec, lay) for lay in layouts(spec, context_parallel=(1,))]
+    if spec.seq >= CP_MIN_SEQ or not any(c.fits for c in cands):
+        cands += [evaluate(spec, lay) for lay in layouts(spec, context_parallel=CONTEXT_PARALLEL[1:])]
+    fitting = [c for c in cands if c.fits]
+    misses = sorted((c for c in cands if not c.fits), key=lambda c: c.memory_total)
+    plan = Plan(spec, rank(fitting), len(cands), distinct(misses, 3))
+    if not fitting:
+        plan.advice = what_would_fit(spec)
+    return plan
+
+
+def _min_memory(spec: JobSpec) -> Candidate | None:
+    cands = [evaluate(spec, lay) for lay in layouts(spec, recomputes=("full",), micro_batches=(1,))]
+    return min(cands, key=lambda c: c.memory_total) if cands else None
+
+
+def what_would_fit(spec: JobSpec) -> list[str]:
+    """Plain-language options when no layout fits: more GPUs (how many), offload, shorter sequences."""
+    import dataclasses
+
+    advice = []
+    # Every node count up to 64 more, then doubling (a first answer for huge jobs), to 4096 nodes.
+    counts = list(range(spec.nodes + 1, spec.nodes + 65))
+    while counts[-1] * 2 <= 4096:
+        counts.append(counts[-1] * 2)
+    for nodes in counts:
+        bigger = dataclasses.replace(spec, gpus=nodes * spec.gpus_per_node)
+        c = _min_memory(bigger)
+        if c is not None and c.fits:
+            advice.append(f"more GPUs: {bigger.gpus} ({nodes} nodes of {spec.gpus_per_node}) fit with "
+                          f"{c.layout.label()} at {format_bytes(c.memory_total)} per GPU")
+            break
+    else:
+        advice.append(f"more GPUs: nothing up to {counts[-1]} nodes fits this batch and sequence")
+    c = _min_memory(spec)
+    if c is not None:
+        freed = c.memory["optimizer"]  # ZeRO-Offload: fp32 master weights and Adam moments live on the CPU
+        left = c.memory_total - freed
+        verdict = "would fit" if left <= spec.usable_bytes else "still would not fit"
+        advice.append(f"offload: the leanest layout ({c.layout.label()}) needs {format_bytes(c.memory_total)}; "
+                      f"moving its optimizer state to CPU (ZeRO-Offload, parallel.offload_optimizer = 'cpu') "
+                      f"leaves {format_bytes(left)}: {verdict} (and the step then waits on PCIe and CPU Adam)")
+    seq = spec.seq // 2
+    while seq >= 128:
+        shorter = dataclasses.replace(spec, seq=seq, global_batch=max(1, spec.global_batch_tokens // seq))
+        c = _min_memory(shorter)
+        if c is not None and c.fits:
+            advice.append(f"shorter sequences: --seq {seq} fits ({c.layout.label()}, "
+                          f"{format_bytes(c.memory_total)} per GPU)")
+            break
+        seq //= 2
+    return advice

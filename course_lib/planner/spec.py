@@ -1,0 +1,200 @@
+"""The job a planner is asked about, validated before any search: every error names its flag.
+
+:func:`make_spec` turns what an engineer typed (``--model llama2-70b --gpu a100-80gb --gpus 64
+--gpus-per-node 8 --tokens 2e12``) into a :class:`JobSpec` of plain numbers: the model shape, the
+device's memory and peak FLOP/s, the two link bandwidths, the batch in sequences. Bad input raises
+:class:`PlanError`, whose message starts with the flag (``--gpus: ...``) and says what is accepted.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from course_lib.estimate import ACCELERATORS, PRESETS, RECIPES, ModelShape
+from course_lib.planner.hardware import INTERCONNECTS, default_interconnect, gpu_names, resolve_gpu
+
+
+class PlanError(ValueError):
+    """Bad planner input; the message starts with the flag responsible (``--gpus: ...``)."""
+
+
+ATTENTION = ("eager", "flash")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything the search needs, in base units (bytes, FLOP/s, bytes/s, seconds, tokens)."""
+
+    model_name: str
+    shape: ModelShape
+    gpu_key: str
+    gpu_name: str
+    gpu_memory_bytes: float
+    gpu_peak_flops: float          # dense bf16 FLOP/s per GPU
+    gpus: int
+    gpus_per_node: int
+    tokens: float                  # training tokens in total
+    seq: int                       # tokens per sequence
+    global_batch: int              # sequences per optimizer step
+    interconnect: str
+    intra_node_bytes_per_s: float  # per GPU, per direction
+    inter_node_bytes_per_s: float
+    mfu: float                     # fraction of peak the matmuls sustain
+    overlap: float                 # fraction of compute time that hides DP/ZeRO traffic
+    headroom: float                # fraction of device memory kept free
+    mtbf_hours: float              # mean time between failures of ONE node
+    storage_bytes_per_s: float     # aggregate checkpoint write bandwidth
+    recipe: str
+    attention: str
+    batch_note: str = ""
+
+    @property
+    def nodes(self) -> int:
+        """Machines in the job (gpus / gpus_per_node)."""
+        return self.gpus // self.gpus_per_node
+
+    @property
+    def usable_bytes(self) -> float:
+        """Device memory minus the headroom, bytes per GPU: what a layout may use."""
+        return self.gpu_memory_bytes * (1 - self.headroom)
+
+    @property
+    def global_batch_tokens(self) -> int:
+        """Tokens per optimizer step (global_batch x seq)."""
+        return self.global_batch * self.seq
+
+
+def _number(flag: str, value, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise PlanError(f"{flag}: must be a number, got {value!r}")
+    low = lo is not None and (value <= lo if lo_open else value < lo)
+    if low or (hi is not None and value > hi):
+        rng = f"{'>' if lo_open else '>='} {lo}" if hi is None else f"in {'(' if lo_open else '['}{lo}, {hi}]"
+        raise PlanError(f"{flag}: must be {rng}, got {value}")
+    return float(value)
+
+
+def _int(flag: str, value, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{flag}: must be a whole number, got {value!r}")
+    if value < lo:
+        raise PlanError(f"{flag}: must be >= {lo}, got {value}")
+    return value
+
+
+def parse_tokens(text) -> float:
+    """A token count from ``2e12``, ``2T``, ``4M``, ``500B``, ``4096`` (K/M/B/G/T = 1e3..1e12) or
+    binary ``4Mi`` (Ki/Mi/Gi/Ti = 2**10..2**40: Llama 2's "4M-token batch" is 4Mi = 1024 x 4096)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return float(text)
+    s = str(text).strip().upper()
+    binary = {"KI": 2.0**10, "MI": 2.0**20, "GI": 2.0**30, "TI": 2.0**40}.get(s[-2:])
+    scale = binary or {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(s[-1:], 1.0)
+    body = s[:-2] if binary else (s[:-1] if scale != 1.0 else s)
+    try:
+        return float(body) * scale
+    except ValueError:
+        raise ValueError(f"not a token count: {text!r} (e.g. 2e12, 2T, 4M)") from None
+
+
+def _shape(model: str | None, shape_overrides: dict) -> tuple[str, ModelShape]:
+    given = {k: v for k, v in (shape_overrides or {}).items() if v is not None}
+    if model is None and not given:
+        raise PlanError(f"--model: required (presets: {', '.join(sorted(PRESETS))}), "
+                        "or give the shape with --n-layers --d-model --n-heads --vocab-size")
+    try:
+        if model is not None:
+            if model not in PRESETS:
+                raise PlanError(f"--model: unknown model {model!r}; presets: {', '.join(sorted(PRESETS))} "
+                                "(or describe it with --n-layers --d-model --n-heads --vocab-size)")
+            return model, dataclasses.replace(PRESETS[model], **given)
+        missing = [f"--{k.replace('_', '-')}" for k in ("n_layers", "d_model", "n_heads", "vocab_size")
+                   if k not in given]
+        if missing:
+            raise PlanError(f"{missing[0]}: required for a custom shape without --model (missing: {' '.join(missing)})")
+        given.setdefault("seq_len", 4096)
+        llama = dict(tied_embeddings=False, learned_pos_emb=False, bias=False, mlp="swiglu", norm="rmsnorm")
+        return "custom", ModelShape(**{**llama, **given})
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, PlanError):
+            raise
+        field = str(exc).split(" ", 1)[0].split("(", 1)[0]
+        raise PlanError(f"--{field.replace('_', '-')}: {exc}") from None
+
+
+def make_spec(*, model: str | None = None, gpu: str, gpus: int, gpus_per_node: int = 8, tokens,
+              seq: int | None = None, global_batch_tokens="4Mi", interconnect: str | None = None,
+              intra_node_gbps: float | None = None, inter_node_gbps: float | None = None,
+              gpu_memory_gib: float | None = None, gpu_tflops: float | None = None, mfu: float = 0.5,
+              overlap: float = 0.5, headroom: float = 0.10, mtbf_hours: float = 5000.0,
+              storage_gbps: float = 10.0, recipe: str = "mixed-adam", attention: str = "eager",
+              shape_overrides: dict | None = None) -> JobSpec:
+    """Validate the planner's inputs (units as the CLI flags: GiB, TFLOP/s, GB/s, hours) and
+    return a JobSpec in base units. Raises PlanError naming the flag; see ``course plan --help``."""
+    name, shape = _shape(model, shape_overrides or {})
+    key = resolve_gpu(gpu) if isinstance(gpu, str) else None
+    if key is None and (gpu_memory_gib is None or gpu_tflops is None):
+        raise PlanError(f"--gpu: unknown GPU {gpu!r}; known: {', '.join(gpu_names())} "
+                        "(or describe it with --gpu-memory-gib and --gpu-tflops)")
+    acc = ACCELERATORS.get(key) if key else None
+    mem_gib = _number("--gpu-memory-gib", gpu_memory_gib, 0, lo_open=True) if gpu_memory_gib is not None \
+        else acc.memory_gib
+    peak = _number("--gpu-tflops", gpu_tflops, 0, lo_open=True) * 1e12 if gpu_tflops is not None \
+        else (acc.bf16 or acc.fp16)  # V100: no bf16 tensor cores, fp16 is its half precision
+    _int("--gpus-per-node", gpus_per_node, 1)
+    _int("--gpus", gpus, 1)
+    if gpus % gpus_per_node:
+        raise PlanError(f"--gpus: must be a multiple of --gpus-per-node ({gpus_per_node}) - whole nodes; "
+                        f"got {gpus} (try " + (f"{gpus // gpus_per_node * gpus_per_node} or " if gpus > gpus_per_node else "")
+                        + f"{(gpus // gpus_per_node + 1) * gpus_per_node}"
+                        + (f", or --gpus-per-node {gpus} for part of one node" if gpus < gpus_per_node else "") + ")")
+    try:
+        n_tokens = parse_tokens(tokens)
+    except ValueError as exc:
+        raise PlanError(f"--tokens: {exc}") from None
+    _number("--tokens", n_tokens, 0, lo_open=True)
+    seq_len = shape.seq_len if seq is None else _int("--seq", seq, 1)
+    try:
+        batch_tokens = parse_tokens(global_batch_tokens)
+    except ValueError as exc:
+        raise PlanError(f"--global-batch-tokens: {exc}") from None
+    _number("--global-batch-tokens", batch_tokens, 0, lo_open=True)
+    raw = batch_tokens / seq_len
+    if raw < 1:
+        raise PlanError(f"--global-batch-tokens: {batch_tokens:g} tokens is less than one sequence "
+                        f"of --seq {seq_len}")
+    batch, note = round_batch(raw, gpus, gpus_per_node)
+    if interconnect is None:
+        interconnect = default_interconnect(key or "")
+    if interconnect not in INTERCONNECTS:
+        raise PlanError(f"--interconnect: unknown preset {interconnect!r}; presets: {', '.join(INTERCONNECTS)}")
+    link = INTERCONNECTS[interconnect]
+    intra = _number("--intra-node-gbps", intra_node_gbps, 0, lo_open=True) * 1e9 if intra_node_gbps is not None \
+        else link.intra_node_bytes_per_s
+    inter = _number("--inter-node-gbps", inter_node_gbps, 0, lo_open=True) * 1e9 if inter_node_gbps is not None \
+        else link.inter_node_bytes_per_s
+    if recipe not in RECIPES:
+        raise PlanError(f"--recipe: unknown {recipe!r}; recipes: {', '.join(RECIPES)}")
+    if attention not in ATTENTION:
+        raise PlanError(f"--attention: must be one of {', '.join(ATTENTION)}; got {attention!r}")
+    return JobSpec(
+        model_name=name, shape=shape, gpu_key=key or "custom", gpu_name=acc.name if acc else f"custom GPU ({gpu})",
+        gpu_memory_bytes=mem_gib * 2**30, gpu_peak_flops=peak, gpus=gpus, gpus_per_node=gpus_per_node,
+        tokens=n_tokens, seq=seq_len, global_batch=batch, interconnect=interconnect,
+        intra_node_bytes_per_s=intra, inter_node_bytes_per_s=inter,
+        mfu=_number("--mfu", mfu, 0, 1, lo_open=True), overlap=_number("--overlap", overlap, 0, 1),
+        headroom=_number("--headroom", headroom, 0, 0.9), mtbf_hours=_number("--mtbf-hours", mtbf_hours, 0, lo_open=True),
+        storage_bytes_per_s=_number("--storage-gbps", storage_gbps, 0, lo_open=True) * 1e9,
+        recipe=recipe, attention=attention, batch_note=note)
+
+
+def round_batch(sequences: float, gpus: int, gpus_per_node: int) -> tuple[int, str]:
+    """The global batch in whole sequences, rounded to the nearest multiple of ``gpus`` (or of
+    ``gpus_per_node`` when the batch is smaller than the job) so that most data-parallel degrees
+    divide it; returns (sequences, a note saying what was rounded, "" if nothing was)."""
+    unit = gpus if sequences >= gpus else (gpus_per_node if sequences >= gpus_per_node else 1)
+    batch = max(unit, int(round(sequences / unit)) * unit)
+    note = "" if abs(batch - sequences) < 1e-9 else (
+        f"global batch rounded from {sequences:.1f} to {batch} sequences (a multiple of {unit}) "
+        "so that the data-parallel degrees divide it")
+    return batch, note
