@@ -46,6 +46,8 @@ LABS: dict[str, LabInfo] = {info.name: info for info in [
             "gloo over loopback stands in for NCCL/NVLink; CPU tensor bytes stand in for CUDA memory"),
     LabInfo("11_pipeline_parallel", "Pipeline parallelism, 3D and context parallelism", "cpu-standins",
             "gloo over loopback stands in for NCCL; CPU timings stand in for GPU kernels"),
+    LabInfo("12_finding_bottleneck", "Finding the bottleneck: profiling, utilization, MFU and hangs", "cpu-standins",
+            "gloo over loopback stands in for NCCL; CPU operator timelines stand in for GPU kernels; psutil for NVML"),
     LabInfo("13_planning_launching", "Planning and launching a real job", "cpu-standins",
             "the plans are closed-form (no GPU needed); the launched job is TinyGPT on 2 CPU ranks (gloo)"),
     LabInfo("14_capstone", "Capstone: one distributed training run, end to end", "cpu-standins",

@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)  # `course plan`: layout search, configs, launch scripts, checkpoint plan, budget
 
+    from course_lib.grading.cli import add_grading_parsers
+
+    add_grading_parsers(sub)  # `course grade` (instructor) and `course check` (learner)
     return parser
 
 

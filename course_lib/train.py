@@ -28,6 +28,8 @@ import torch
 
 from course_lib import train_config
 from course_lib.train_config import ConfigError
+from course_lib.watch import control as watch_control
+from course_lib import profiling, utilization
 
 
 @dataclass
@@ -46,6 +48,7 @@ class TrainResult:
     device: str = "cpu"          # where this rank computed, e.g. "cuda:1"
     backend: str | None = None   # process-group backend (None: one process)
     strategy: Any = field(default=None, repr=False)  # the strategy (e.g. strategy.full_weights())
+    stopped_by: str | None = None  # signal that stopped the run early after a checkpoint (course_lib.watch)
 
 
 def choose_device(wanted: str, local_rank: int = 0, local_world_size: int = 1) -> torch.device:
@@ -176,6 +179,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     # same masks on different data would be correlated for no reason. Checkpoints keep each rank's
     # generator, so a resume continues every rank's own stream.
     torch.manual_seed(rank_seed(t["seed"], info.rank))
+    faults, stalls = watch_control.trainer_faults(faults, info.world_size, t["max_steps"])
     stabilizer = _stabilizer(cfg, faults, out_dir, info.rank, model)
     strategy = make_strategy(t["strategy"], info, device, cfg)
     if not strategy.grads_visible:  # the engine keeps the gradients: nothing could inject into p.grad
@@ -243,8 +247,12 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     # checkpoint policy are inside it: the tokens/s logged is what an outside stopwatch sees.
     t_last = time.perf_counter()
     bar_step, bar_time = start, t_last
+    control = watch_control.RunControl.start(cfg, info, device, out_dir, stalls)  # watchdog, signals
+    profiler = profiling.start(cfg, info, device, out_dir)  # --profile: a few steps, summary in OUT/profile/
+    sampler = utilization.start(cfg, info, device)  # CPU/GPU utilization columns: a thread, no device sync
     try:
         while step < t["max_steps"]:
+            control.step_start(step)  # heartbeat; stop vote launched
             batches = [next(stream) for _ in range(t["grad_accum"])]
             local = strategy.forward_backward(batches, autocast=policy.autocast, backward=policy.backward,
                                               on_loss=lambda loss: stabilizer.on_loss(loss, step))
@@ -253,7 +261,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             scale = policy.scale_tensor()
             decision = stabilizer.after_backward(  # the one host read of the step
                 strategy.model if strategy.grads_visible else None, mean_loss, step, optimizer=strategy.optimizer, scaler=policy.scaler,
-                batch=batches[-1], extra=[scale] if scale is not None else None,
+                batch=batches[-1], extra=control.extra(scale),  # [scale?, stop flag]
                 reduce_sq=strategy.reduce_grad_sq)
             lr = scheduler.get_last_lr()[0] * decision.lr_factor
             if decision.rollback:
@@ -300,7 +308,9 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             if decision.rollbacks_accepted:
                 _append_event(out_dir, strategy, {**decision.log_row(), "event": "level_accepted",
                                                   "after_rollbacks": decision.rollbacks_accepted})
+            row.update(sampler.columns())
             log.write(row)
+            profiler.step(row)  # after the row: the summary quotes this step's MFU
             skipped += bool(decision.skip)
             if decision.loss is not None and math.isfinite(decision.loss):
                 last_loss = decision.loss
@@ -318,6 +328,8 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                                 refresh=False)
                 bar.update(step - bar.n)
                 bar_step, bar_time = step, now
+            if control.should_stop(decision.extra[-1], step):  # a rank was signalled: all stop here
+                break
         if saved_at != step:  # the end state, always (a finished run resumed again saves nothing)
             log.flush()
             checkpoints.save(step, state, _ckpt_metrics(last_loss))
@@ -326,10 +338,14 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             bar.close()
         log.close()
         checkpoints.close()  # waits for an async save: the last checkpoint is never lost
+        control.close()
+        sampler.stop()
+        profiler.close()
+    control.finish()  # signalled: every rank's checkpoint is complete before any rank exits
     # strategy.model: this rank's trained module (under tensor/pipeline parallelism its shard or
     # stage; the dense ``model`` it was cut from is not trained).
     return TrainResult(step, start, last_loss, skipped, out_dir, rollbacks, strategy.model, str(device),
-                       info.backend, strategy)
+                       info.backend, strategy, stopped_by=control.stopped_by)
 
 
 def _ckpt_metrics(last_loss: float | None) -> dict:
@@ -368,10 +384,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--resume", choices=["auto", "never"], default="never",
                         help="auto: continue from the newest valid checkpoint in --out")
     parser.add_argument("--inject-fault", action="append", default=[], metavar="KIND@STEP[=VALUE]",
-                        help="grad_scale@500=10, nan_loss@30, inf_grad@40[=param.name], loss_shift@60=3; repeatable")
+                        help="grad_scale@500=10, nan_loss@30, inf_grad@40[=param.name], loss_shift@60=3, "
+                             "stall@5=60:1 (rank 1 sleeps 60 s at step 5); repeatable")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config value, e.g. --set train.precision=bf16")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--profile", action="store_true",
+                        help="torch.profiler around a few steps ([profile] keys): traces and summary in OUT/profile/")
     # The deepspeed launcher appends --local_rank=N; the rank comes from the environment anyway.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     return parser
@@ -379,7 +398,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def run_cli(args: argparse.Namespace) -> int:
     """Validate everything, train, print a one-line summary. Exit codes: 2 for a config error
-    (nothing written), 3 when checkpoints exist but none can be resumed from."""
+    (nothing written), 3 when checkpoints exist but none can be resumed from, 75 when SIGUSR1/SIGTERM
+    stopped the run after a checkpoint, 86 when the watchdog aborted a hung job (course_lib.watch)."""
     from course_lib.checkpoint import CheckpointLoadError
     from course_lib.stability import parse_faults
 
@@ -390,10 +410,12 @@ def run_cli(args: argparse.Namespace) -> int:
             overrides.append(f"{key}={flag}")
     if args.no_progress:
         overrides.append("train.progress=false")
+    if args.profile:
+        overrides.append("profile.enabled=true")
     try:
         cfg = train_config.load(args.config, overrides)
         try:
-            parse_faults(args.inject_fault)  # a malformed fault is a config error, before any file
+            parse_faults(watch_control.split_stalls(args.inject_fault)[0])  # malformed: config error, no file
         except ValueError as exc:
             raise ConfigError(f"--inject-fault: {exc}") from None
         result = train(cfg, args.out, resume=args.resume == "auto", faults=args.inject_fault)
@@ -414,7 +436,10 @@ def run_cli(args: argparse.Namespace) -> int:
         where = f"on {result.device}" + (f" ({result.backend})" if result.backend else "")
         print(f"{what} {where}, final loss {loss} nats/token, {result.skipped_steps} skipped, "
               f"{result.rollbacks} rolled back; metrics in {result.out_dir / 'metrics.jsonl'}", flush=True)
-    return 0
+        if result.stopped_by:
+            print(f"stopped by {result.stopped_by} after step {result.steps}, checkpoint saved: continue with "
+                  f"--resume auto (exit {watch_control.STOP_EXIT_CODE})", flush=True)
+    return watch_control.STOP_EXIT_CODE if result.stopped_by else 0
 
 
 def main(argv: list[str] | None = None) -> int:

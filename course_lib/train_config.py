@@ -8,6 +8,7 @@
     [stability] max_grad_norm, spike_policy, lr_factor, lr_steps, max_consecutive_bad, detect_spikes,
               max_rollbacks, rollback_limit
     [checkpoint] save_every, keep_last, async_save, mirror, format
+    [profile] enabled, wait, warmup, active, top_ops (torch.profiler around chosen steps)
     [parallel] bucket_mb, reshard_after_forward, cpu_offload, zero_stage, offload_optimizer,
               offload_param (read by the strategy named in train.strategy);
               dp, tp, pp, pp_schedule, virtual_stages, sequence_parallel, cp (model parallelism:
@@ -55,6 +56,12 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "tensorboard": (bool, False, None),
         "peak_flops": (float, 0.0, (0.0, None)),   # FLOP/s per device for MFU; 0 = look up/measure
         "compile": (bool, False, None),            # torch.compile the model (fused kernels; first steps compile)
+        "util_sample_s": (float, 1.0, (0.0, None)),  # seconds between CPU/GPU utilization samples (course_lib.utilization); 0 = off
+        # seconds a rank may go without a heartbeat (one per step) before every rank dumps its
+        # stacks to OUT/hang/ and the job exits 86 (course_lib.watch); must exceed the slowest
+        # step including a checkpoint save; 0 = no watchdog
+        "watchdog_s": (float, 0.0, (0.0, None)),
+        "checkpoint_on_signal": (bool, True, None),  # SIGUSR1/SIGTERM: checkpoint at the next step, exit 75
     },
     "data": {
         "task": (str, "markov", ("markov", "copy", "reverse", "sort", "text", "random")),
@@ -110,6 +117,13 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "virtual_stages": (int, 1, (1, None)),     # stages per pipeline rank; > 1 needs "interleaved"
         "sequence_parallel": (bool, False, None),  # tp > 1: norms/residual split along the sequence
         "cp": (int, 1, (1, None)),                 # context parallel: only 1 here (ring attention has its own module)
+    },
+    "profile": {  # torch.profiler around chosen steps (course_lib.profiling; --profile); files in OUT/profile/
+        "enabled": (bool, False, None),
+        "wait": (int, 5, (0, None)),               # steps run unprofiled first (counted from this process's first step)
+        "warmup": (int, 1, (0, None)),             # steps recorded then discarded (profiler start-up)
+        "active": (int, 3, (1, None)),             # steps recorded and summarised
+        "top_ops": (int, 15, (1, None)),           # operators listed in the summary
     },
     "model": {"preset": (str, "tiny", None)},      # plus any ModelConfig field, checked there
 }
@@ -203,6 +217,8 @@ def _cross_checks(cfg: dict) -> None:
     if cfg["stability"]["spike_policy"] == "rollback" and cfg["checkpoint"]["save_every"] == 0:
         raise ConfigError("stability.spike_policy = 'rollback' needs checkpoint.save_every > 0 "
                           "(there must be a checkpoint to roll back to)")
+    from course_lib.profiling import check_config as check_profile  # the profiled window must fit the run
+    check_profile(cfg)
 
 
 def model_parallel_size(cfg: dict) -> int:

@@ -1,9 +1,9 @@
 # %% [markdown]
 # # Exercise 01 — The memory budget of a 7B model trained with AdamW
 #
-# You will write the functions that budget GPU memory for training, then answer the course
-# text's question: **for a 7B model trained with AdamW in mixed precision, which component
-# dominates?** (Lab 01 walks through the same numbers; try this first.)
+# You will write the functions that budget GPU memory for training, then answer the question
+# every budget starts with: **for a 7B model trained with AdamW in mixed precision, which
+# component dominates?** (Lab 01 walks through the same numbers; try this first.)
 #
 # Conventions: bytes (not GB) everywhere; one GPU, no sharding; bf16 weights and gradients; Adam
 # in mixed precision keeps an fp32 master copy of the weights plus two fp32 moments.
@@ -17,6 +17,7 @@ import math
 import course_lib
 from course_lib import estimate
 from course_lib.checks import check
+from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 
 SMOKE = course_lib.smoke(SMOKE)
 
@@ -45,8 +46,9 @@ def model_state_bytes(num_params: int) -> dict:
     ### END SOLUTION
 
 
-# %%
+# %% tags=["points:2"]
 state = model_state_bytes(N_7B)
+record("part1.state_7b", state)
 ref = estimate.model_state_bytes(N_7B, recipe="mixed-adam")  # the ZeRO paper's 2 + 2 + 12
 check(set(state) == {"params", "grads", "optimizer"},
       f"return a dict with keys params, grads, optimizer; got keys {sorted(state)}")
@@ -64,14 +66,16 @@ print(f"model state: {sum(state.values()) / N_7B:g} bytes per parameter = "
 # **What you should see:** 16 bytes per parameter, a little over 100 GB for Llama 2 7B: more than
 # one 80 GB GPU before a single activation is stored.
 
-# %%
+# %% tags=["points:2"]
 ### BEGIN HIDDEN TESTS
 for name in ("gpt2-small", "llama2-13b", "gpt3-175b"):
     n = estimate.ModelShape.preset(name).num_params()
-    want = estimate.model_state_bytes(n, recipe="mixed-adam")
     got = model_state_bytes(n)
+    record(f"part1.hidden.{name}", got)
+    want = estimate.model_state_bytes(n, recipe="mixed-adam")
     check((got["params"], got["grads"], got["optimizer"]) == (want.params, want.grads, want.optimizer),
           f"{name}: model state should be {want.params:,.0f} / {want.grads:,.0f} / {want.optimizer:,.0f} bytes")
+record("part1.hidden.one", model_state_bytes(1))
 check(model_state_bytes(1) == {"params": 2, "grads": 2, "optimizer": 12}, "one parameter: 2 + 2 + 12 bytes")
 ### END HIDDEN TESTS
 
@@ -105,8 +109,10 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, n_h
     ### END SOLUTION
 
 
-# %%
+# %% tags=["points:2"]
 kw = dict(seq_len=4096, micro_batch=1, d_model=4096, n_heads=32)
+record("part2.per_mode", {m: activation_bytes_per_layer(**kw, recompute=m) for m in ("none", "selective", "full")})
+record("part2.micro_batch_2", activation_bytes_per_layer(**{**kw, "micro_batch": 2}))
 for mode in ("none", "selective", "full"):
     check_bytes(activation_bytes_per_layer(**kw, recompute=mode),
                 estimate.activation_bytes_per_layer(**kw, recompute=mode),
@@ -117,11 +123,12 @@ check(activation_bytes_per_layer(**{**kw, "micro_batch": 2}) == 2 * activation_b
 print("per layer: " + ", ".join(f"{m} {estimate.format_bytes(activation_bytes_per_layer(**kw, recompute=m), 'MiB', 0)}"
                                 for m in ("none", "selective", "full")))
 
-# %%
+# %% tags=["points:2"]
 ### BEGIN HIDDEN TESTS
 # GPT-3 175B as Korthikanti et al. train it (Table 3): s=2048, h=12288, a=96.
 for s, b, h, a in [(2048, 1, 12288, 96), (1024, 8, 768, 12), (8192, 2, 8192, 64), (512, 3, 96, 6)]:
     for mode in ("none", "selective", "full"):
+        record(f"part2.hidden.{s}-{b}-{h}-{a}-{mode}", activation_bytes_per_layer(s, b, h, a, recompute=mode))
         want = estimate.activation_bytes_per_layer(seq_len=s, micro_batch=b, d_model=h, n_heads=a, recompute=mode)
         check_bytes(activation_bytes_per_layer(s, b, h, a, recompute=mode), want,
                     what=f"s={s} b={b} h={h} a={a} recompute={mode}")
@@ -152,7 +159,7 @@ def dominant_component(budget: dict) -> str:
     ### END SOLUTION
 
 
-# %%
+# %% tags=["points:3"]
 print("Llama 2 7B shape, AdamW mixed precision, micro-batch 1, one GPU, no sharding (GB = 1e9 bytes)")
 print(f"{'seq':>6} {'recompute':<10}" + "".join(f"{k:>13}" for k in ("params", "grads", "optimizer", "activations"))
       + f"{'total':>10}  dominant")
@@ -163,14 +170,16 @@ for seq in (1024, 4096):
               + f"{sum(budget.values()) / 1e9:>10.1f}  {dominant_component(budget)}")
 
 b4096 = memory_budget(LLAMA2_7B, seq_len=4096, micro_batch=1)
+b4096_selective = memory_budget(LLAMA2_7B, seq_len=4096, micro_batch=1, recompute="selective")
+record("part3.budget_4096", b4096)
+record("part3.dominant", [dominant_component(b4096), dominant_component(b4096_selective)])
 want = 32 * estimate.activation_bytes_per_layer(seq_len=4096, micro_batch=1, d_model=4096, n_heads=32)
 check_bytes(b4096["activations"], want, what="activations of 32 layers at s=4096, b=1",
             hint="multiply the per-layer bytes by shape.n_layers")
 check(dominant_component(b4096) == "activations",
       "at s=4096 without recomputation the stored attention scores (5as/h = 160 per token per hidden unit) "
       "make activations the largest component")
-check(dominant_component(memory_budget(LLAMA2_7B, seq_len=4096, micro_batch=1, recompute="selective"))
-      == "optimizer", "with selective recomputation the scores are gone and Adam's 12 bytes per parameter dominate")
+check(dominant_component(b4096_selective) == "optimizer", "with selective recomputation the scores are gone and Adam's 12 bytes per parameter dominate")
 
 # %% [markdown]
 # **What you should see:** the answer depends on the sequence length and on recomputation. With
@@ -178,13 +187,14 @@ check(dominant_component(memory_budget(LLAMA2_7B, seq_len=4096, micro_batch=1, r
 # use flash attention) and the optimizer state is. That is why a budget needs both numbers, and
 # why ZeRO (exercise 02) shards the optimizer state first.
 
-# %%
+# %% tags=["points:3"]
 ### BEGIN HIDDEN TESTS
 cases = [("gpt2-small", 1024, 16, "none"), ("gpt2-small", 1024, 1, "full"), ("llama2-13b", 4096, 1, "selective"),
          ("llama2-70b", 4096, 1, "selective"), ("gpt3-175b", 2048, 1, "none")]
 for name, seq, mb, mode in cases:
     shape = estimate.ModelShape.preset(name)
     got = memory_budget(shape, seq_len=seq, micro_batch=mb, recompute=mode)
+    record(f"part3.hidden.{name}-{seq}-{mb}-{mode}", [got, dominant_component(got)])
     acts = shape.n_layers * estimate.activation_bytes_per_layer(
         seq_len=seq, micro_batch=mb, d_model=shape.d_model, n_heads=shape.n_heads, recompute=mode)
     st = estimate.model_state_bytes(shape.num_params())
@@ -192,5 +202,6 @@ for name, seq, mb, mode in cases:
     for key, value in want.items():
         check_bytes(got[key], value, what=f"{name} s={seq} b={mb} {mode}: {key}")
     check(dominant_component(got) == max(want, key=want.get), f"{name} s={seq} b={mb} {mode}: wrong dominant part")
+record("part3.hidden.dominant_abc", dominant_component({"a": 1, "b": 3, "c": 2}))
 check(dominant_component({"a": 1, "b": 3, "c": 2}) == "b", "dominant_component should return the largest key")
 ### END HIDDEN TESTS

@@ -28,6 +28,7 @@ import math
 import course_lib
 from course_lib import estimate
 from course_lib.checks import check
+from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 
 SMOKE = course_lib.smoke(SMOKE)
 
@@ -52,15 +53,17 @@ def sharded(stage: int) -> set:
     ### END SOLUTION
 
 
-# %%
+# %% tags=["points:2"]
+record("sharded", [sorted(sharded(z)) for z in range(4)])
 check(sharded(0) == set(), "stage 0 is plain data parallelism: every rank holds everything")
 check(sharded(1) == {"optimizer"}, f"stage 1 shards the optimizer state only, got {sharded(1)}")
 check(sharded(3) == {"optimizer", "grads", "params"}, f"stage 3 shards all three, got {sharded(3)}")
 for stage in range(4):
     print(f"ZeRO-{stage}: shards {sorted(sharded(stage)) or 'nothing'}")
 
-# %%
+# %% tags=["points:1"]
 ### BEGIN HIDDEN TESTS
+record("hidden.sharded", [sorted(sharded(z)) for z in range(4)])
 check(sharded(2) == {"optimizer", "grads"}, "stage 2 shards optimizer state and gradients")
 check(all(sharded(z) <= sharded(z + 1) for z in range(3)), "each stage keeps what the previous one shards")
 ### END HIDDEN TESTS
@@ -91,8 +94,9 @@ def zero_bytes_per_rank(num_params: int, stage: int, dp: int, *, param_bytes: fl
 # The ZeRO paper's Figure 1 uses a 7.5B-parameter model on 64 ranks and prints
 # **120 GB, 31.4 GB, 16.6 GB and 1.88 GB** per rank for the four stages (GB = 10^9 bytes).
 
-# %%
+# %% tags=["points:2"]
 figure_1 = {0: 120, 1: 31.4, 2: 16.6, 3: 1.88}
+record("figure_1", [zero_bytes_per_rank(7_500_000_000, z, 64) for z in range(4)])
 first_stage = {"optimizer": 1, "grads": 2, "params": 3}  # the stage that starts sharding each component
 for stage, published in figure_1.items():
     got = zero_bytes_per_rank(7_500_000_000, stage, 64)
@@ -106,7 +110,7 @@ for stage, published in figure_1.items():
 print("Figure 1 reproduced: " + ", ".join(
     f"ZeRO-{z} {zero_bytes_per_rank(7_500_000_000, z, 64)['total'] / 1e9:.2f} GB" for z in range(4)))
 
-# %%
+# %% tags=["points:3"]
 ### BEGIN HIDDEN TESTS
 # ZeRO paper Table 1 (7.5B, K = 12): per-device GB for P_os / P_os+g / P_os+g+p at several dp.
 table_1 = {4: (52.5, 41.3, 30), 16: (35.6, 21.6, 7.5), 1024: (30.1, 15.1, 0.12)}
@@ -119,6 +123,9 @@ for n, stage, dp in [(1_500_000_000, 2, 16), (175_000_000_000, 3, 1024), (123, 1
     got = zero_bytes_per_rank(n, stage, dp)
     for key in ("params", "grads", "optimizer", "total"):
         check_bytes(got[key], getattr(want, key), what=f"N={n} stage {stage} dp={dp}: {key}")
+record("hidden.bytes", [zero_bytes_per_rank(7_500_000_000, s, dp) for dp in table_1 for s in (1, 2, 3)]
+       + [zero_bytes_per_rank(n, s, dp) for n, s, dp in [(1_500_000_000, 2, 16), (175_000_000_000, 3, 1024), (123, 1, 1), (7_000_000_000, 3, 3)]]
+       + [zero_bytes_per_rank(1000, 2, 4, param_bytes=4, grad_bytes=4, optimizer_bytes=8)])
 fp32 = zero_bytes_per_rank(1000, 2, 4, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
 check(fp32 == {"params": 4000, "grads": 1000, "optimizer": 2000, "total": 7000}, "fp32 Adam, stage 2, dp 4")
 ### END HIDDEN TESTS
@@ -151,8 +158,9 @@ def zero_comm_bytes_per_rank(num_params: int, stage: int, dp: int, bytes_per_ele
     ### END SOLUTION
 
 
-# %%
+# %% tags=["points:2"]
 n7 = estimate.ModelShape.preset("llama2-7b").num_params()
+record("comm_7b", [zero_comm_bytes_per_rank(n7, z, 8) for z in range(4)] + [zero_comm_bytes_per_rank(n7, 2, 1)])
 for stage in range(4):
     got = zero_comm_bytes_per_rank(n7, stage, 8)
     want = estimate.comm_elements_per_step(n7, "ddp" if stage == 0 else f"zero{stage}", world_size=8).bytes_per_rank(2)
@@ -169,7 +177,7 @@ print("per rank per step, dp = 8: " + ", ".join(
 #
 # Llama 2 7B on 8 data-parallel ranks, bytes per rank, GB = 10^9 bytes:
 
-# %%
+# %% tags=["points:1"]
 n_ranks = 8
 print(f"Llama 2 7B ({n7:,} parameters), dp = {n_ranks}, mixed-precision Adam")
 print(f"{'stage':<7}{'shards':<28}{'params':>9}{'grads':>9}{'optimizer':>11}{'total':>9}{'sent/step':>11}")
@@ -180,6 +188,7 @@ for stage in range(4):
     table[stage] = (mem, comm)
     print(f"ZeRO-{stage:<2}{', '.join(sorted(sharded(stage))) or '-':<28}{mem['params'] / 1e9:>9.1f}"
           f"{mem['grads'] / 1e9:>9.1f}{mem['optimizer'] / 1e9:>11.1f}{mem['total'] / 1e9:>9.1f}{comm / 1e9:>11.1f}")
+record("table", [table[z] for z in range(4)])
 check(table[1][0]["total"] < table[0][0]["total"] and table[1][1] == table[0][1],
       "stage 1 should cut memory without adding communication")
 
@@ -188,12 +197,15 @@ check(table[1][0]["total"] < table[0][0]["total"] and table[1][1] == table[0][1]
 # data parallelism); stage 3 saves the most and is the only one that costs communication, 1.5x.
 # With more ranks every sharded column shrinks, while the bytes sent per rank stay almost constant.
 
-# %%
+# %% tags=["points:2"]
 ### BEGIN HIDDEN TESTS
 for n, stage, dp, e in [(1_500_000_000, 3, 16, 2), (175_000_000_000, 1, 1024, 2), (1000, 3, 3, 4), (10, 0, 2, 4)]:
     want = estimate.comm_elements_per_step(n, "ddp" if stage == 0 else f"zero{stage}", world_size=dp)
     check_bytes(zero_comm_bytes_per_rank(n, stage, dp, bytes_per_element=e), want.bytes_per_rank(e),
                 what=f"N={n} stage {stage} dp={dp} {e}-byte elements")
+record("hidden.comm", [zero_comm_bytes_per_rank(n, s, dp, bytes_per_element=e) for n, s, dp, e in
+                       [(1_500_000_000, 3, 16, 2), (175_000_000_000, 1, 1024, 2), (1000, 3, 3, 4), (10, 0, 2, 4)]]
+       + [zero_comm_bytes_per_rank(10**9, 2, 10**6)])
 big = zero_comm_bytes_per_rank(10**9, 2, 10**6)
 check(abs(big - 2 * 10**9 * 2) / (4 * 10**9) < 1e-5, "for large dp the volume approaches 2N elements (ZeRO Sec. 7)")
 ### END HIDDEN TESTS

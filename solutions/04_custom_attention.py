@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 import course_lib
 from course_lib import measure
 from course_lib.checks import check, check_close
+from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 from course_lib.data import BatchStream, MarkovTask
 from course_lib.model_layers import sliding_window_mask
 
@@ -66,7 +67,7 @@ def custom_attention_mask(seq_len: int, window: int, n_global: int) -> torch.Ten
     ### END SOLUTION
 
 
-# %%
+# %% tags=["points:2"]
 def show(mask):
     return "\n".join(" ".join("x" if v else "." for v in row) for row in mask.tolist())
 
@@ -75,6 +76,7 @@ def show(mask):
 EXPECTED = torch.tensor([[c == "x" for c in row] for row in
                          ["x.....", "xx....", "xxx...", "x.xx..", "x..xx.", "x...xx"]])
 got = custom_attention_mask(6, 2, 1)
+record("masks", [got, custom_attention_mask(16, 4, 3), custom_attention_mask(16, 4, 0), custom_attention_mask(16, 16, 2)])
 check(isinstance(got, torch.Tensor) and got.dtype == torch.bool,
       f"return a torch.bool tensor (True = may attend), got {type(got).__name__} "
       f"{getattr(got, 'dtype', '')}")
@@ -92,7 +94,7 @@ print(show(custom_attention_mask(12, 3, 2)))
 # **What you should see:** a band along the diagonal (the window) and full columns on the left
 # (the global tokens). Every row keeps its diagonal: a token always sees itself.
 
-# %%
+# %% tags=["points:2"]
 ### BEGIN HIDDEN TESTS
 def reference_mask(t, w, g):
     return torch.tensor([[j <= i and (i - j < w or j < g) for j in range(t)] for i in range(t)])
@@ -100,6 +102,7 @@ def reference_mask(t, w, g):
 
 for t, w, g in [(1, 1, 0), (1, 3, 5), (7, 1, 0), (7, 1, 3), (33, 5, 2), (40, 8, 50), (64, 100, 0), (50, 3, 1)]:
     out = custom_attention_mask(t, w, g)
+    record(f"hidden.mask.{t}-{w}-{g}", out)
     check(out.dtype == torch.bool and tuple(out.shape) == (t, t), f"seq_len={t}: bool [{t}, {t}] expected")
     check(torch.equal(out, reference_mask(t, w, g)), f"seq_len={t}, window={w}, n_global={g}: wrong mask")
 ### END HIDDEN TESTS
@@ -202,11 +205,12 @@ def forward_backward(model, idx, targets, *, checkpoint_every=None):
     ### END SOLUTION
 
 
-# %%
+# %% tags=["points:3"]
 def check_same_gradients(model, idx, targets, every, label=""):
     """Your checkpointed forward + backward must reproduce the plain one exactly (fp32)."""
     loss0, grads0 = forward_backward(model, idx, targets)
     loss1, grads1 = forward_backward(model, idx, targets, checkpoint_every=every)
+    record(f"{label}grads.{every}", [loss0, loss1, grads0, grads1], rtol=1e-5, atol=1e-7)
     check(isinstance(loss0, float), f"return the loss as a Python float (loss.item()), got {type(loss0).__name__}: "
           "a tensor keeps its autograd graph alive for as long as you hold it")
     names = [n for n, _ in model.named_parameters()]
@@ -236,7 +240,7 @@ print(f"loss {forward_backward(model, x, y)[0]:.4f}: gradients identical with ch
 # Same gradients; now the point of it. `measure.saved_activation_bytes` counts the bytes autograd
 # keeps for backward during one call (each storage once, the model's own weights and mask left out):
 
-# %%
+# %% tags=["points:2"]
 def saved_bytes(model, every, idx=x, targets=y):
     return measure.saved_activation_bytes(lambda: forward_loss(model, idx, targets, checkpoint_every=every),
                                           skip=list(model.parameters()) + list(model.buffers())).total_bytes
@@ -245,6 +249,7 @@ def saved_bytes(model, every, idx=x, targets=y):
 saved = {every: saved_bytes(model, every) for every in (None, 2, 1)}
 for every, nbytes in saved.items():
     print(f"checkpoint_every={str(every):<5} {nbytes / 2**20:8.2f} MiB kept for backward")
+record("saved", [saved[None], saved[2], saved[1]], rtol=0)
 check(saved[1] < 0.3 * saved[None], "checkpointing every block should keep far less than a third of what the "
       "plain forward keeps: did checkpoint() run every block?")
 check(saved[1] < saved[2] < saved[None], "checkpointing every 2nd block should keep less than none and more "
@@ -254,7 +259,7 @@ check(saved[1] < saved[2] < saved[None], "checkpointing every 2nd block should k
 # **What you should see:** every block checkpointed keeps only the blocks' inputs (plus the
 # embedding and output layer); every 2nd block lands in between.
 
-# %%
+# %% tags=["points:3"]
 ### BEGIN HIDDEN TESTS
 for layers, seq, w, g, every in [(3, 32, 4, 1, 3), (5, 48, 7, 0, 2), (2, 40, 100, 3, 1)]:
     m = make_model(n_layers=layers, seq_len=seq, window=w, n_global=g, seed=3)
@@ -263,6 +268,7 @@ for layers, seq, w, g, every in [(3, 32, 4, 1, 3), (5, 48, 7, 0, 2), (2, 40, 100
     plain, ckpt = saved_bytes(m, None, xs, ys), saved_bytes(m, every, xs, ys)
     check(ckpt < plain, f"{layers} layers, checkpoint_every={every}: checkpointing should save memory")
     n_ckpt, every_block = len(range(0, layers, every)), saved_bytes(m, 1, xs, ys)
+    record(f"hidden.saved.{layers}", [plain, ckpt, every_block], rtol=0)
     check((plain - ckpt) * layers == n_ckpt * (plain - every_block),
           f"{layers} layers, checkpoint_every={every}: each checkpointed block should save the same bytes")
 ### END HIDDEN TESTS
@@ -292,9 +298,10 @@ def train(model, steps, *, checkpoint_every=None, lr=3e-3, seed=SEED):
     ### END SOLUTION
 
 
-# %%
+# %% tags=["points:2"]
 plain = train(make_model(), TRAIN_STEPS)
 ckpt = train(make_model(), TRAIN_STEPS, checkpoint_every=1)
+record("losses", [plain, ckpt], rtol=1e-4)
 check(isinstance(plain, list) and len(plain) == TRAIN_STEPS and all(isinstance(v, float) for v in plain),
       f"return a list of {TRAIN_STEPS} floats (loss.item() per step)")
 check(ckpt == plain, "training with every block checkpointed should give exactly the same losses, step by step")
@@ -337,8 +344,9 @@ def benchmark(model, strategies, rounds):
     ### END SOLUTION
 
 
-# %%
+# %% tags=["points:2"]
 rows = benchmark(make_model(), STRATEGIES, TIMED_ROUNDS)
+record("benchmark", [[r.get("strategy"), r.get("saved_bytes")] for r in rows], rtol=0)
 check([r.get("strategy") for r in rows] == list(STRATEGIES),
       f"one row per strategy, in order: {list(STRATEGIES)}; got {[r.get('strategy') for r in rows]}")
 check(all(r["ms_per_step"] > 0 for r in rows), "every row needs a positive ms_per_step")
@@ -361,9 +369,10 @@ print(f"every block: {best['saved_bytes'] / base['saved_bytes']:.0%} of the memo
 # both. The mask itself saves nothing here: a dense mask computes every score and then discards
 # the masked ones (lab 04, section 4).
 
-# %%
+# %% tags=["points:2"]
 ### BEGIN HIDDEN TESTS
 hidden_rows = benchmark(make_model(n_layers=3), {"every 3rd": 3, "plain": None, "all": 1}, 1)
+record("hidden.benchmark", [[r.get("strategy"), r.get("saved_bytes")] for r in hidden_rows], rtol=0)
 check([r["strategy"] for r in hidden_rows] == ["every 3rd", "plain", "all"], "rows must follow the given order")
 hb = {r["strategy"]: r["saved_bytes"] for r in hidden_rows}
 check(hb["all"] < hb["every 3rd"] < hb["plain"], "3 layers: all < every 3rd < plain in saved bytes")

@@ -30,6 +30,7 @@ import torch
 import course_lib
 from course_lib import train_config
 from course_lib.checks import check, check_close
+from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 from course_lib.metrics import read_rows
 from course_lib.train import train
 
@@ -76,10 +77,11 @@ def global_grad_norm(grads: list) -> float:
     ### END SOLUTION
 
 
-# %%
+# %% tags=["points:2"]
 net = model_with_grads(seed=0)
 grads = [p.grad for p in net.parameters()]
 mine = global_grad_norm(grads)
+record("part1a.norm", mine, rtol=1e-5)
 theirs = float(torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm=float("inf")))  # measures only
 check(isinstance(mine, float), f"return a Python float (use float(...)), got {type(mine).__name__}")
 check(mine != sum(float(g.norm()) for g in grads),
@@ -89,13 +91,16 @@ check_close(mine, theirs, what="global gradient norm of the MLP", rtol=1e-5,
             hint="sqrt(sum of g**2 over every element of every gradient)")
 print(f"global gradient norm {mine:.6f} (torch: {theirs:.6f}) over {len(grads)} tensors")
 
-# %%
+# %% tags=["points:2"]
 ### BEGIN HIDDEN TESTS
 for seed, scale in [(1, 1.0), (2, 1e4), (3, 1e-6)]:
     net_h = model_with_grads(seed=seed, scale=scale)
+    record(f"part1a.hidden.{seed}", global_grad_norm([p.grad for p in net_h.parameters()]), rtol=1e-5)
     want = float(torch.nn.utils.clip_grad_norm_(net_h.parameters(), float("inf")))
     check_close(global_grad_norm([p.grad for p in net_h.parameters()]), want, rtol=1e-5, atol=0,
                 what=f"global norm, seed {seed}, gradients x{scale:g}")
+record("part1a.hidden.small", [global_grad_norm([torch.tensor([3.0]), torch.tensor([[4.0]])]),
+                                global_grad_norm([torch.zeros(5)])])
 check(global_grad_norm([torch.tensor([3.0]), torch.tensor([[4.0]])]) == 5.0, "norm of (3, 4) is 5")
 check(global_grad_norm([torch.zeros(5)]) == 0.0, "zero gradients have norm 0")
 ### END HIDDEN TESTS
@@ -131,7 +136,7 @@ def clip_gradients_(grads: list, max_norm: float) -> tuple:
     ### END SOLUTION
 
 
-# %%
+# %% tags=["points:2"]
 print(f"{'max_norm':>9} {'norm before':>12} {'coefficient':>12} {'norm after':>11} {'torch after':>12}")
 for max_norm in (0.01, 0.05, 0.2, 1.0, 10.0):
     mine_net, ref_net = model_with_grads(seed=0), model_with_grads(seed=0)
@@ -139,6 +144,7 @@ for max_norm in (0.01, 0.05, 0.2, 1.0, 10.0):
     before, coef = clip_gradients_(mine_grads, max_norm)
     ref_before = float(torch.nn.utils.clip_grad_norm_(ref_net.parameters(), max_norm))
     after = global_grad_norm(mine_grads)
+    record(f"part1b.clip.{max_norm}", [before, coef, mine_grads], rtol=1e-5, atol=1e-9)
     print(f"{max_norm:>9g} {before:>12.5f} {coef:>12.5f} {after:>11.5f} "
           f"{global_grad_norm([p.grad for p in ref_net.parameters()]):>12.5f}")
     check_close(before, ref_before, what=f"max_norm={max_norm}: the norm before clipping", rtol=1e-5)
@@ -148,6 +154,7 @@ for max_norm in (0.01, 0.05, 0.2, 1.0, 10.0):
     for (name, p), q in zip(mine_net.named_parameters(), ref_net.parameters()):
         check_close(p.grad, q.grad, what=f"max_norm={max_norm}: clipped gradient of {name}", rtol=1e-5,
                     atol=1e-9, hint="every tensor is multiplied by the same coefficient; no tensor is clipped on its own")
+record("part1b.no_scale_up", clip_coefficient(0.5, 1.0))
 check(clip_coefficient(0.5, 1.0) == 1.0, "a norm below max_norm must not be scaled up: coefficient 1.0")
 print("your clipping matches torch.nn.utils.clip_grad_norm_")
 
@@ -155,8 +162,10 @@ print("your clipping matches torch.nn.utils.clip_grad_norm_")
 # **What you should see:** the coefficient is 1 (no clipping) once `max_norm` exceeds the
 # norm; below that, the gradients keep their direction and come out with norm exactly `max_norm`.
 
-# %%
+# %% tags=["points:2"]
 ### BEGIN HIDDEN TESTS
+record("part1b.hidden.coefs", [clip_coefficient(0.0, 1.0), clip_coefficient(4.0, 1.0), clip_coefficient(1e6, 0.5),
+                               clip_coefficient(2.0, 2.0)], rtol=1e-12)
 check(clip_coefficient(0.0, 1.0) == 1.0, "zero norm: coefficient 1")
 check_close(clip_coefficient(4.0, 1.0), 1.0 / (4.0 + 1e-6), what="coefficient at norm 4, max 1", rtol=1e-12)
 check_close(clip_coefficient(1e6, 0.5), 0.5 / (1e6 + 1e-6), what="coefficient at norm 1e6", rtol=1e-12)
@@ -164,6 +173,7 @@ check(clip_coefficient(2.0, 2.0) == 1.0, "a norm equal to max_norm is not clippe
 big, ref = model_with_grads(seed=5, scale=1e3), model_with_grads(seed=5, scale=1e3)
 norm, coef = clip_gradients_([p.grad for p in big.parameters()], 0.3)
 torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+record("part1b.hidden.big", [norm, coef, [p.grad for p in big.parameters()]], rtol=1e-5, atol=1e-12)
 for p, q in zip(big.parameters(), ref.parameters()):
     check_close(p.grad, q.grad, what="hidden: clipped gradients of a x1000 batch", rtol=1e-5, atol=1e-12)
 check(coef < 1e-3 and isinstance(norm, float), "a x1000 batch should be clipped hard")
@@ -192,7 +202,7 @@ def clip_stats(grad_norms: list, max_norm: float) -> dict:
     ### END SOLUTION
 
 
-# %%
+# %% tags=["points:2"]
 rows = run_trainer("config")
 norms = [r["grad_norm"] for r in rows]
 logged = sum(r["clipped"] for r in rows) / len(rows)
@@ -204,6 +214,7 @@ for max_norm in (0.25, 0.5, 1.0, 2.0, 4.0):
     print(f"{max_norm:>9} {table[max_norm]['clip_rate']:>10.0%} {clip_stats(late, max_norm)['clip_rate']:>9.0%} "
           f"{table[max_norm]['mean_coef']:>10.3f}")
 print(f"the trainer (max_norm 1.0) clipped {logged:.0%} of its {len(rows)} steps")
+record("part1c.table", [table, clip_stats(late, 1.0)], rtol=1e-6)
 check(abs(table[1.0]["clip_rate"] - logged) < 1e-9,
       f"at max_norm 1.0 your clip rate {table[1.0]['clip_rate']:.3f} should equal the fraction of steps the "
       f"trainer clipped ({logged:.3f}); count the norms strictly above max_norm")
@@ -225,9 +236,10 @@ check(coefs == sorted(coefs) and all(0 < c <= 1 for c in coefs),
 # that only approximately true? And why is `mean_coef` an exact LR cut for SGD but only a rough
 # one for Adam, which divides each update by a running average of the gradient's size?
 
-# %%
+# %% tags=["points:1"]
 ### BEGIN HIDDEN TESTS
 s = clip_stats([0.5, 2.0, 4.0, 1.0], 1.0)
+record("part1c.hidden", [s, clip_stats([0.1] * 7, 1.0)], rtol=1e-9)
 check(s["clip_rate"] == 0.5, "two of four norms exceed 1.0 (1.0 itself is not clipped)")
 check_close(s["mean_coef"], (1 + 1 / (2 + 1e-6) + 1 / (4 + 1e-6) + 1) / 4, what="mean coefficient", rtol=1e-9)
 check(clip_stats([0.1] * 7, 1.0) == {"clip_rate": 0.0, "mean_coef": 1.0}, "nothing clipped")
@@ -277,7 +289,7 @@ def decide(history, grad_norm: float) -> str:
     ### END SOLUTION
 
 
-# %%
+# %% tags=["points:2"]
 rng = random.Random(0)
 calm = [0.8 * math.exp(-i / 200) + 0.2 + rng.gauss(0, 0.02) for i in range(60)]
 check(decide(calm, calm[-1]) == "continue", "a norm like the recent ones: 'continue'")
@@ -288,6 +300,8 @@ check(decide(calm[:5], 100.0) == "continue",
       f"with only 5 earlier norms (fewer than MIN_HISTORY={MIN_HISTORY}) there is no reference yet: 'continue'")
 before = list(calm)
 decide(calm, 1.0)
+record("part2.single", [decide(calm, calm[-1]), decide(calm, 10 * calm[-1]), decide(calm, 3 * calm[-1]),
+                        decide(calm, float("nan")), decide(calm[:5], 100.0), calm])
 check(calm == before, "decide must not modify the history it is given")
 print("single decisions are right")
 
@@ -299,13 +313,14 @@ print("single decisions are right")
 # spikes (should be skipped), a x3 bump (lower LR), and a x12 spike only four steps after the
 # x10 one, while that one is still in the window.
 
-# %%
+# %% tags=["points:2"]
 trace = [0.9 * math.exp(-i / 300) + 0.3 + rng.gauss(0, 0.02) for i in range(300)]
 planted = {60: (10, "skip"), 64: (12, "skip"), 150: (3, "lower_lr"), 230: (8, "skip")}
 for step, (factor, _) in planted.items():
     trace[step] *= factor
 decisions = [decide(trace[:i], trace[i]) for i in range(len(trace))]
 flagged = {i: d for i, d in enumerate(decisions) if d != "continue"}
+record("part2b.decisions", decisions)
 print(f"{'step':>5} {'norm':>7} {'decision':>10} {'expected':>10}")
 for i in sorted(set(flagged) | set(planted)):
     print(f"{i:>5} {trace[i]:>7.3f} {decisions[i]:>10} {planted.get(i, (None, 'continue'))[1]:>10}")
@@ -329,11 +344,12 @@ print("every planted spike caught, no false alarm")
 # Your policy reads the run's log after the fact: it should skip the faulty step and nothing
 # else.
 
-# %%
+# %% tags=["points:2"]
 FAULT = RUN_STEPS // 2
 rows = run_trainer("fault", faults=[f"grad_scale@{FAULT}=10"])
 norms = [r["grad_norm"] for r in rows]
 real = [decide(norms[:i], norms[i]) for i in range(len(norms))]
+record("part2c.decisions", real)
 print(f"fault at optimizer step {FAULT} (metrics row {FAULT + 1}): norm {norms[FAULT]:.3f}, median of the "
       f"20 before {statistics.median(norms[FAULT - 20:FAULT]):.3f}")
 print("your decisions other than 'continue':", {rows[i]["step"]: d for i, d in enumerate(real) if d != "continue"})
@@ -348,7 +364,7 @@ check(rows[FAULT]["skipped"], "the trainer's own detector skipped that step too"
 # there is harmless, but a skip would throw away a good step, which is why the policy needs
 # `MIN_HISTORY` and a ratio well above the noise.
 
-# %%
+# %% tags=["points:3"]
 ### BEGIN HIDDEN TESTS
 base = [1.0 + 0.01 * ((7 * i) % 5) for i in range(30)]
 # earlier broken steps left NaN / Inf in the history: ignored, not a reason to stop judging
@@ -390,5 +406,12 @@ for k, v in plan.items():
     tr[k] = v if not math.isfinite(v) else v * 0.5
 want = {40: "skip", 41: "skip", 100: "lower_lr", 101: "lower_lr", 300: "skip", 350: "skip"}
 got = {i: decide(tr[:i], tr[i]) for i in range(len(tr))}
+nan, inf = float("nan"), float("inf")
+record("part2.hidden", [decide(base[:10] + [nan, inf] + base[10:20], 1.02), decide(base[:10] + [nan] * 3 + base[10:20], 11.0),
+                        decide(base[:6] + [nan] * 5, 50.0), decide(spiky, 10.0), decide(base[:19] + [1000.0], 1.0),
+                        decide(base[:19] + [1000.0], 3.0), decide(base, -inf), decide(base, inf),
+                        decide([1e-4 * b for b in base], 1e-3), decide([1e-4 * b for b in base], 1.05e-4), level,
+                        [decide(fall[:i], fall[i]) for i in range(len(fall))], decide(hist_t, 9.0),
+                        decide(old_then_new, 6.0), got])
 check({i: d for i, d in got.items() if d != "continue"} == want, f"hidden planted faults: {want}")
 ### END HIDDEN TESTS

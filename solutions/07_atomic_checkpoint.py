@@ -27,6 +27,7 @@ import torch
 import course_lib
 from course_lib.checkpoint_kill import kill_while_saving, loaded_step
 from course_lib.checks import check
+from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 
 SMOKE = course_lib.smoke(SMOKE)
 if SMOKE:
@@ -122,7 +123,7 @@ def save_checkpoint(state: dict, folder, step: int, keep_last: int = 2) -> Path:
 # save fail halfway: a state holding an object that refuses to be pickled, as a full disk would
 # make `write` fail.
 
-# %%
+# %% tags=["points:3"]
 import ex07_checkpoint
 
 importlib.reload(ex07_checkpoint)  # pick up your latest edit
@@ -179,6 +180,10 @@ check(torch.load(target, weights_only=True)["step"] == 2,
       "after a failed save the old file must be intact: it is only replaced once the new one is complete")
 check(sorted(p.name for p in folder.iterdir()) == ["model.pt"],
       f"a failed save should remove its temporary file; the folder holds {sorted(p.name for p in folder.iterdir())}")
+record("part2.observations", [len(renames), Path(dst).resolve() == target.resolve(),
+                                src.parent.resolve() == target.parent.resolve(), any(n == "fsync" for n, _ in calls),
+                                raised, torch.load(target, weights_only=True)["step"],
+                                sorted(p.name for p in folder.iterdir())])
 print("atomic_save: temporary file in the same folder, fsync, one rename; a failed save changes nothing")
 
 # %% [markdown]
@@ -188,7 +193,7 @@ print("atomic_save: temporary file in the same folder, fsync, one rename; a fail
 # with `weights_only=True` (it holds a custom Python object: writing works, safe loading refuses),
 # which must raise and leave both older checkpoints in place.
 
-# %%
+# %% tags=["points:3"]
 class Custom:  # torch.save pickles it; torch.load(weights_only=True) refuses to unpickle it
     pass
 
@@ -212,6 +217,7 @@ check(left == ["step_00000004.pt", "step_00000005.pt"],
       "Verify the new file *before* deleting anything")
 save_checkpoint({"step": 7}, ckpts, 7, keep_last=1)
 check([p.name for p in list_checkpoints(ckpts)] == ["step_00000007.pt"], "keep_last=1 keeps only the newest")
+record("part3.observations", [names, raised is not None, left, [p.name for p in list_checkpoints(ckpts)]])
 print("retention: verified before pruning; a bad save deletes nothing")
 
 # %% [markdown]
@@ -224,7 +230,7 @@ print("retention: verified before pruning; a bad save deletes nothing")
 # a write is certainly in progress, and lists what is left. After each kill, the newest checkpoint
 # must load and hold its own step, exactly what a restarted training run would do.
 
-# %%
+# %% tags=["points:3"]
 def kill_test(kills, seed, numel, name):
     """Kill a writer running your save_checkpoint `kills` times; one row per kill: (newest checkpoint
     or None, it loads and holds its own step, how many checkpoints are on disk, leftover files)."""
@@ -240,6 +246,7 @@ def kill_test(kills, seed, numel, name):
 
 
 rows = kill_test(KILLS, seed=0, numel=2_000_000, name="visible")
+record("part4.kills_usable", [newest is not None and ok for newest, ok, _, _ in rows])
 print(f"{'kill':>4} {'newest checkpoint':>20} {'loads':>6} {'on disk':>8}  leftovers (a kill mid-write)")
 for i, (newest, ok, n, leftovers) in enumerate(rows):
     print(f"{i:>4} {str(newest):>20} {str(ok):>6} {n:>8}  {leftovers}")
@@ -254,9 +261,10 @@ for i, (newest, ok, n, leftovers) in enumerate(rows):
 # delete it; it never has a checkpoint's name, so nothing ever loads it). With a plain
 # `torch.save(state, path)` those rows would show a newest file that does not load.
 
-# %%
+# %% tags=["points:3"]
 ### BEGIN HIDDEN TESTS
 hidden = kill_test(10, seed=123, numel=3_000_000, name="hidden")
+record("hidden.kills_usable", [newest is not None and ok and 1 <= n <= 3 for newest, ok, n, _ in hidden])
 for i, (newest, ok, n, leftovers) in enumerate(hidden):
     check(newest is not None and ok, f"hidden kill {i}: newest checkpoint {newest} unusable")
     check(1 <= n <= 3, f"hidden kill {i}: {n} checkpoints on disk with keep_last=2 (at most one extra during a save)")
@@ -274,5 +282,7 @@ for s in (9, 10, 11):
 check([p.name for p in list_checkpoints(other / "k")] == ["step_00000009.pt", "step_00000010.pt", "step_00000011.pt"],
       "keep_last=5 with three checkpoints keeps all three")
 save_checkpoint({"s": 12}, other / "k", 12, keep_last=2)
+record("hidden.misc", [torch.load(other / "x.pt", weights_only=True), sorted(p.name for p in other.iterdir()),
+                       [p.name for p in list_checkpoints(other / "k")]])
 check([p.name for p in list_checkpoints(other / "k")] == ["step_00000011.pt", "step_00000012.pt"], "then prune to 2")
 ### END HIDDEN TESTS

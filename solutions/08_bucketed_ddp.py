@@ -28,6 +28,7 @@ import matplotlib.pyplot as plt
 
 import course_lib
 from course_lib.checks import check
+from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 from course_lib.parallel.data_parallel import exercise_runs
 
 SMOKE = course_lib.smoke(SMOKE)
@@ -183,7 +184,7 @@ class BucketedDDP(nn.Module):
 # | tricky, None | `bucket_mb=None`: one bucket |
 # | tricky, accumulation | 2 micro-batches per step, the first inside `no_sync()`; `bucket_mb=0.001` (1 KiB: small biases share a bucket) |
 
-# %%
+# %% tags=["points:3"]
 import ex08_bucketed_ddp
 
 importlib.reload(ex08_bucketed_ddp)  # pick up your latest edit
@@ -206,6 +207,7 @@ def show(rows):
 
 
 rows2 = exercise_runs.check_bucketed_ddp(BucketedDDP, 2, SCENARIOS, steps=STEPS)
+record("rows_2_ranks", [[r["ranks"], r["scenario"], r["all_reduces"], r["in_backward"], r["max_err"]] for r in rows2], atol=1e-5)  # grad errors: within 1e-5 of the reference's ~0
 show(rows2)
 check(len(rows2) == len(SCENARIOS), "every scenario should report a row")
 print("BucketedDDP on 2 ranks matches one process in every scenario")
@@ -223,8 +225,9 @@ print("BucketedDDP on 2 ranks matches one process in every scenario")
 # Same scenarios, four processes, each with a quarter of the batch (they share this machine's
 # cores, so this takes a few more seconds).
 
-# %%
+# %% tags=["points:2"]
 rows4 = exercise_runs.check_bucketed_ddp(BucketedDDP, 4, SCENARIOS, steps=STEPS)
+record("rows_4_ranks", [[r["ranks"], r["scenario"], r["all_reduces"], r["in_backward"], r["max_err"]] for r in rows4], atol=1e-5)
 show(rows4)
 check(all(r["max_err"] < 1e-5 for r in rows4), "every gradient should match one process on 4 ranks")
 print("BucketedDDP on 4 ranks matches one process in every scenario")
@@ -256,10 +259,11 @@ plt.show()
 # buckets large enough that each message is bandwidth-bound (torch DDP defaults to 25 MB), small
 # enough that the first ones leave early.
 
-# %%
+# %% tags=["points:3"]
 ### BEGIN HIDDEN TESTS
 hidden = [("plain, 0.0005 MB", False, 0.0005, 1), ("tricky, 0.01 MB, 4 micro", True, 0.01, 4),
           ("tricky, None, 2 micro", True, None, 2), ("tricky, 0.001 MB", True, 0.001, 1)]
 hidden_rows = exercise_runs.check_bucketed_ddp(BucketedDDP, 2, hidden, steps=3)
+record("hidden.rows", [[r["ranks"], r["scenario"], r["all_reduces"], r["in_backward"], r["max_err"]] for r in hidden_rows], atol=1e-5)
 check(len(hidden_rows) == len(hidden), "hidden: every scenario reports")
 ### END HIDDEN TESTS

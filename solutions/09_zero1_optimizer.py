@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt
 
 import course_lib
 from course_lib.checks import check
+from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 from course_lib.parallel.data_parallel import exercise_runs
 
 SMOKE = course_lib.smoke(SMOKE)
@@ -135,7 +136,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 # | adamw | `AdamW(lr=1e-2, weight_decay=0.1)`, two groups |
 # | adamw, group added at step 3 | a third group (6×6 and 6, `lr=5e-3`) added after two steps |
 
-# %%
+# %% tags=["points:3"]
 import ex09_zero1
 
 importlib.reload(ex09_zero1)  # pick up your latest edit
@@ -153,6 +154,7 @@ def show(rows):
 
 
 rows2 = exercise_runs.check_sharded_optimizer(ShardedOptimizer, 2, SCENARIOS, steps=STEPS)
+record("rows_2_ranks", [[r["ranks"], r["scenario"], r["rank"], r["state_elements"], r["all_elements"]] for r in rows2])
 show(rows2)
 check(len(rows2) == 2 * len(SCENARIOS), "every scenario should report one row per rank")
 print("ShardedOptimizer on 2 ranks: equal to plain AdamW to the last bit; each rank holds about half the state")
@@ -166,8 +168,9 @@ print("ShardedOptimizer on 2 ranks: equal to plain AdamW to the last bit; each r
 # %% [markdown]
 # ## Part 3: on 4 ranks
 
-# %%
+# %% tags=["points:2"]
 rows4 = exercise_runs.check_sharded_optimizer(ShardedOptimizer, 4, SCENARIOS, steps=STEPS)
+record("rows_4_ranks", [[r["ranks"], r["scenario"], r["rank"], r["state_elements"], r["all_elements"]] for r in rows4])
 show(rows4)
 check(len(rows4) == 4 * len(SCENARIOS), "every scenario should report one row per rank")
 print("ShardedOptimizer on 4 ranks: equal to plain AdamW to the last bit")
@@ -202,10 +205,11 @@ plt.show()
 # parameters (in total one model's worth of bytes, as in an all-gather), on top of the gradient
 # all-reduce.
 
-# %%
+# %% tags=["points:3"]
 ### BEGIN HIDDEN TESTS
 hidden = [("sgd momentum, group at step 1", "sgd", 0, False), ("adamw, lr schedule", "adamw", None, True),
           ("sgd, group at step 4", "sgd", 3, False)]
 hidden_rows = exercise_runs.check_sharded_optimizer(ShardedOptimizer, 3, hidden, steps=5)
+record("hidden.rows", [[r["ranks"], r["scenario"], r["rank"], r["state_elements"], r["all_elements"]] for r in hidden_rows])
 check(len(hidden_rows) == 3 * len(hidden), "hidden: every scenario reports one row per rank")
 ### END HIDDEN TESTS

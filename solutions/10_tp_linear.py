@@ -28,6 +28,7 @@ import matplotlib.pyplot as plt
 
 import course_lib
 from course_lib.checks import check
+from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 from course_lib.parallel import exercise_runs_tp_pp
 
 SMOKE = course_lib.smoke(SMOKE)
@@ -212,7 +213,7 @@ class RowParallelLinear(nn.Module):
 # It also counts the collectives each direction issues: one all-reduce in f's backward and one in
 # g's forward, nothing anywhere else.
 
-# %%
+# %% tags=["points:2"]
 import ex10_tp_linear
 
 importlib.reload(ex10_tp_linear)  # pick up your latest edit
@@ -220,6 +221,7 @@ from ex10_tp_linear import ColumnParallelLinear, RowParallelLinear, copy_to_tp, 
 
 SHAPES = [(5,), (3, WIDTH), (2, 3, WIDTH)]
 op_rows = exercise_runs_tp_pp.check_conjugate_ops(copy_to_tp, reduce_from_tp, 2, SHAPES)
+record("ops", [[str(r["shape"]), r["f forward"], r["f backward"], r["g forward"], r["g backward"]] for r in op_rows])
 print(f"{'shape':<14} {'f forward':>9} {'f backward':>10} {'g forward':>9} {'g backward':>10}   (collectives)")
 for r in op_rows:
     print(f"{r['shape']:<14} {r['f forward']:>9} {r['f backward']:>10} {r['g forward']:>9} {r['g backward']:>10}")
@@ -245,7 +247,7 @@ print("f and g are conjugate: f = identity / all-reduce, g = all-reduce / identi
 # The loss is `(y * u).sum()` with a fixed random `u`, so every output element gets its own
 # gradient. Tolerance: fp32 `allclose`, relative `1e-5` (the shards add up in another order).
 
-# %%
+# %% tags=["points:3"]
 SCENARIOS = [  # (name, kind, (in, out) or (width, hidden), bias, leading dims of the input)
     ("column", "column", (WIDTH, 4 * WIDTH), True, (2, 3)),
     ("row", "row", (4 * WIDTH, WIDTH), True, (2, 3)),
@@ -262,6 +264,7 @@ def show(rows):
 
 
 rows = exercise_runs_tp_pp.check_parallel_linears(ColumnParallelLinear, RowParallelLinear, 2, SCENARIOS)
+record("linears", [[r["ranks"], r["scenario"], r["forward"], r["backward"], r["params_per_rank"], r["dense_params"], r["max_err"]] for r in rows], atol=1e-4)  # errors within 1e-4 of the reference's ~0
 show(rows)
 check(all(r["max_err"] < 1e-4 for r in rows), "every output and gradient should match the dense layer")
 mlp = rows[-1]
@@ -301,7 +304,7 @@ plt.show()
 # `N` ranks each holds `1/N` of both matrices, and the two all-reduces per layer move
 # `batch × tokens × width` numbers each, whatever `N` is.
 
-# %%
+# %% tags=["points:3"]
 ### BEGIN HIDDEN TESTS
 hidden_ops = exercise_runs_tp_pp.check_conjugate_ops(copy_to_tp, reduce_from_tp, 4, [(7,), (2, 5, 4)])
 check(len(hidden_ops) == 2, "hidden: f and g on 4 ranks")
@@ -314,5 +317,6 @@ hidden = [("column, no bias, 2-D", "column", (12, 8), False, (5,)),
           ("row, groups of 2", "row", (16, 4), True, (3,), 2),
           ("mlp, groups of 2", "mlp", (4, 8), True, (1, 6), 2)]
 hidden_rows = exercise_runs_tp_pp.check_parallel_linears(ColumnParallelLinear, RowParallelLinear, 4, hidden)
+record("hidden.rows", [[[str(r["shape"]), r["f forward"], r["f backward"], r["g forward"], r["g backward"]] for r in hidden_ops], [[r["ranks"], r["scenario"], r["forward"], r["backward"], r["params_per_rank"], r["dense_params"], r["max_err"]] for r in hidden_rows]], atol=1e-4)
 check(all(r["max_err"] < 1e-4 for r in hidden_rows), "hidden: 4 ranks match the dense layers")
 ### END HIDDEN TESTS

@@ -26,6 +26,7 @@ import matplotlib.pyplot as plt
 
 import course_lib
 from course_lib.checks import check
+from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 from course_lib.parallel import exercise_runs_tp_pp
 from course_lib.parallel.pipeline.schedules import stage_actions
 
@@ -113,13 +114,14 @@ def one_f_one_b(pp, micro_batches, stage):
 #    `min(m, pp - stage)`;
 # 4. compares with 1F1B as written in the contract.
 
-# %%
+# %% tags=["points:3"]
 print("your stage lists for pp=2, m=3:")
 for s in range(2):
     print(f"  stage {s}:", " ".join(f"{op}({i})" for op, i in one_f_one_b(2, 3, s)))
 
 PIPELINES = [(2, 1), (2, 4), (4, 8)]
 pure_rows = [exercise_runs_tp_pp.check_schedule_fn(one_f_one_b, pp, m) for pp, m in PIPELINES]
+record("pure", [[r["pp"], r["micro_batches"], r["makespan"], r["ideal"], r["peak_in_flight"]] for r in pure_rows])
 print(f"\n{'pp':>3} {'m':>3} {'time units':>10} {'ideal (m+pp-1)x3':>17}  in flight per stage (bound min(m, pp-s))")
 for r in pure_rows:
     bound = [min(r["micro_batches"], r["pp"] - s) for s in range(r["pp"])]
@@ -157,7 +159,7 @@ print("computed before it stuck:", [(f"stage {s}", op, i) for s, op, i, _, _ in 
 # The simulated timeline of GPipe (the library's order) and of your 1F1B for `pp` stages and `m`
 # micro-batches; each box is one forward (blue) or backward (orange), numbered by micro-batch.
 
-# %%
+# %% tags=["points:2"]
 def draw(ax, lists, title):
     sim = exercise_runs_tp_pp.simulate(lists)
     for s, op, i, start, end in sim["events"]:
@@ -175,6 +177,7 @@ mine = draw(axes[1], [one_f_one_b(PP_SHOW, M_SHOW, s) for s in range(PP_SHOW)], 
 axes[1].set_xlabel("time (forward = 1, backward = 2)")
 plt.tight_layout()
 plt.show()
+record("drawn", [mine["makespan"], mine["peak_in_flight"]])
 check(mine["peak_in_flight"] == [min(M_SHOW, PP_SHOW - s) for s in range(PP_SHOW)],
       f"1F1B should hold min(m, pp - stage) micro-batches per stage, got {mine['peak_in_flight']}")
 
@@ -192,8 +195,9 @@ check(mine["peak_in_flight"] == [min(M_SHOW, PP_SHOW - s) for s in range(PP_SHOW
 # backward with the library's pipeline runner executing **your** lists, messages and all. Each
 # rank also computes one process's gradients on the same micro-batches and compares.
 
-# %%
+# %% tags=["points:3"]
 run_rows = exercise_runs_tp_pp.check_one_f_one_b_on_ranks(one_f_one_b, 2, M_RUN)
+record("ranks", [[r["pp"], r["micro_batches"], r["loss"], r["peak_in_flight"]] for r in run_rows], rtol=1e-5, atol=1e-6)
 print(f"{'pp':>3} {'m':>3} {'pipeline loss':>14} {'one process':>12} {'max grad error':>15} {'in flight per stage':>20}")
 for r in run_rows:
     print(f"{r['pp']:>3} {r['micro_batches']:>3} {r['loss']:>14.6f} {r['ref_loss']:>12.6f} "
@@ -206,12 +210,16 @@ print("your 1F1B order trains exactly like one process on 2 ranks")
 # (the same sums in another order), and the first stage holding at most 2 micro-batches, the last
 # at most 1, however many micro-batches there are.
 
-# %%
+# %% tags=["points:3"]
 ### BEGIN HIDDEN TESTS
+hidden_pure = []
 for pp in range(1, 5):
     for m in range(1, 9):
-        exercise_runs_tp_pp.check_schedule_fn(one_f_one_b, pp, m)
+        r = exercise_runs_tp_pp.check_schedule_fn(one_f_one_b, pp, m)
+        hidden_pure.append([r["pp"], r["micro_batches"], r["makespan"], r["peak_in_flight"]])
 hidden_rows = exercise_runs_tp_pp.check_one_f_one_b_on_ranks(one_f_one_b, 4, [1, 3, 8] if not SMOKE else [3, 8])
+record("hidden.rows", [hidden_pure, [[r["pp"], r["micro_batches"], r["loss"], r["peak_in_flight"]] for r in hidden_rows]],
+       rtol=1e-5, atol=1e-6)
 check(all(r["peak_in_flight"] == [min(r["micro_batches"], 4 - s) for s in range(4)] for r in hidden_rows),
       "hidden: 4 stages hold min(m, pp - s) micro-batches")
 ### END HIDDEN TESTS

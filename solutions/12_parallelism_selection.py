@@ -19,6 +19,7 @@ SMOKE = False  # True: the tests run this notebook (it is fast at any size)
 # %%
 import course_lib
 from course_lib.checks import check
+from course_lib.grading import record
 from course_lib.estimate import format_bytes
 from course_lib.planner import evaluate
 from course_lib.planner.exercise import check_chooser, check_layout, problems, review, scenario, to_layout
@@ -86,7 +87,7 @@ LAYOUT_8K = dict(tp=1, pp=1, dp=4, cp=2, zero_stage=3, recompute="none", micro_b
                      "ZeRO-3 shards the states")
 ### END SOLUTION
 
-# %%
+# %% tags=["points:3"]
 rows = []
 for name, layout in (("7b-one-node", LAYOUT_7B), ("70b-8-nodes", LAYOUT_70B), ("7b-8k-context", LAYOUT_8K)):
     row = check_layout(JOBS[name], layout, name=name)
@@ -94,6 +95,8 @@ for name, layout in (("7b-one-node", LAYOUT_7B), ("70b-8-nodes", LAYOUT_70B), ("
     print(f"{name:14} {row['label']:42} {row['memory_gib']:6.1f} GiB  {row['step_s']:6.1f} s  "
           f"({row['vs_best']:+.1%} vs best)  - {layout['why']}")
 check(len(rows) == 3, "all three jobs should have a layout")
+# for the grader: each job's layout passed check_layout (legal, fits, within 10%, justified)
+record("part1.accepted", [bool(r["fits"] and r["vs_best"] <= 0.10) for r in rows])
 
 # %% [markdown]
 # What you should see: three rows, each within 10% of the planner's best. If a check failed, its
@@ -145,17 +148,18 @@ def choose_layout(spec):
     ### END SOLUTION
 
 
-# %%
+# %% tags=["points:3"]
 chosen = check_chooser(choose_layout, JOBS)
 for row in chosen:
     print(f"{row['job']:14} {row['label']:42} {row['memory_gib']:6.1f} GiB  ({row['vs_best']:+.1%} vs best)")
 check(all(not problems(JOBS[r['job']], r["layout"]) for r in chosen), "every chosen layout follows the rules")
+record("part2.accepted", [r["job"] for r in chosen if r["fits"] and r["vs_best"] <= 0.15])
 
 # %% [markdown]
 # What you should see: for each job a legal layout that fits, within 15% of the planner's best.
 # Compare them with yours from Part 1: where they differ, the modelled time says by how much.
 
-# %%
+# %% tags=["points:4"]
 ### BEGIN HIDDEN TESTS
 from course_lib.planner import make_spec
 
@@ -170,4 +174,5 @@ OTHER_JOBS = {
 }
 hidden = check_chooser(choose_layout, OTHER_JOBS)
 check(len(hidden) == len(OTHER_JOBS), "hidden: a layout for every other job")
+record("hidden.accepted", [r["job"] for r in hidden if r["fits"] and r["vs_best"] <= 0.15])
 ### END HIDDEN TESTS

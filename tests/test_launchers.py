@@ -140,7 +140,8 @@ def test_sbatch_header():
     text = sbatch_script(CONFIG, [], Cluster(nodes=2, gpus_per_node=4, partition="gpu", time_limit="02:00:00"))
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --partition=gpu", "#SBATCH --time=02:00:00", "#SBATCH --requeue",
-                 "#SBATCH --signal=B:USR1@120", 'show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p'):
+                 "#SBATCH --signal=B:USR1@120", 'show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p',
+                 "--shutdown-timeout 105"):
         assert line in text
     with pytest.raises(ValueError, match="signal_lead_s"):
         sbatch_script(CONFIG, [], Cluster(time_limit="00:01:00"))
@@ -198,12 +199,18 @@ esac
 """
 
 FAKE_SRUN = """#!/bin/bash
-# srun stand-in: drop srun's own --options, then start the command once per "node".
+# srun stand-in: drop srun's own --options, then start the command once per "node"; like srun,
+# pass SIGTERM on to the tasks and keep waiting for them.
 while [[ "${1:-}" == --* ]]; do shift; done
 pids=()
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
 for node in 0 1; do SLURM_NODEID=$node SLURM_PROCID=$node "$@" & pids+=("$!"); done
 rc=0
-for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+for p in "${pids[@]}"; do
+  s=0; wait "$p" || s=$?
+  while [ "$s" -gt 128 ] && kill -0 "$p" 2>/dev/null; do s=0; wait "$p" || s=$?; done
+  if [ "$s" -ne 0 ]; then rc=$s; fi
+done
 exit "$rc"
 """
 
@@ -231,18 +238,34 @@ def test_sbatch_body_trains_on_two_fake_nodes(tmp_path):
     assert "rendezvous 127.0.0.1:" in res.stderr
 
 
-def test_sbatch_usr1_stops_the_step_and_requeues(tmp_path):
+def test_sbatch_usr1_checkpoints_the_training_step_then_requeues(tmp_path):
+    """USR1 to the batch shell (what --signal=B:USR1@LEAD does) -> SIGTERM through srun and both
+    torchrun agents to the ranks -> both checkpoint the same step and exit -> requeue."""
+    train = tmp_path / "train"
+    cluster = Cluster(nodes=2, nproc_per_node=1, cpus_per_task=1, rdzv_id="unused")
     script = tmp_path / "job.sbatch"
-    script.write_text(sbatch_script(CONFIG, [], Cluster(nodes=2), str(tmp_path / "train")))
-    env = _fake_slurm(tmp_path, "#!/bin/bash\nexec sleep 60\n")  # a step that would outlive the test
-    proc = subprocess.Popen(["bash", str(script)], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        time.sleep(1.0)  # let the script reach `wait`
-        proc.send_signal(signal.SIGUSR1)
-        _, err = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err
+    script.write_text(sbatch_script(CONFIG, ["train.strategy=ddp", "train.max_steps=1000", "schedule.warmup_steps=1",
+                                             "train.metrics_flush_s=0"], cluster, str(train)))
+    log = tmp_path / "job.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(["bash", str(script)], cwd=ROOT, env=_fake_slurm(tmp_path, FAKE_SRUN),
+                                stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:
+                rows = train / "metrics.jsonl"
+                if rows.exists() and len(rows.read_text().splitlines()) >= 3:
+                    break
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGUSR1)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
-    assert "requeueing job 4242" in err
+    assert "requeueing job 4242" in text and text.count("SIGTERM received") == 2, text[-3000:]
+    steps = [int(p.name.split("_")[-1]) for p in (train / "checkpoints").glob("step_*")]
+    assert len(steps) == 1 and 3 <= steps[0] < 1000, steps      # save_every = 0: only the signal saved
+    assert "stopped by SIGTERM after step" in text

@@ -6,12 +6,21 @@ first node of the allocation (``scontrol show hostnames "$SLURM_JOB_NODELIST" | 
 the SLURM job id as rendezvous id, so no node needs to be told its rank.
 
 Time limit: ``--signal=B:USR1@LEAD`` makes SLURM send USR1 to the batch shell LEAD seconds before the
-limit. The trainer has no signal handler of its own, so the script's trap cannot ask it to write a
-checkpoint; what it does is: forward SIGTERM to the srun step (srun passes it to the torchrun
-agents, which stop their ranks), wait for the step to end, then ``scontrol requeue`` the job. The
-requeued job runs this same script, and ``--resume auto`` continues from the newest checkpoint:
-at most ``checkpoint.save_every`` steps are lost, so set it to a few minutes of training.
-SIGTERM alone (``scancel``) is forwarded the same way but does not requeue: cancel means stop.
+limit. The trap forwards SIGTERM to the srun step; srun passes it to its tasks, the torchrun agents;
+each agent passes it to its ranks (and waits ``--shutdown-timeout`` seconds before SIGKILL). The
+trainer's handler (:mod:`course_lib.watch.stop_signal`) makes every rank finish the current step,
+agree on it, write a checkpoint there and exit 75. The trap waits for the step to end, then
+requeues the job (``scontrol requeue``); the requeued job runs this same script and ``--resume
+auto`` continues from that checkpoint: nothing is lost but the start-up time.
+
+Why this chain: ``B:`` sends the early signal to the batch shell only, the one process that can
+requeue. Without ``B:`` SLURM signals the step's processes instead, where USR1 reaches the torchrun
+agents, which do not handle it (its default action kills them, and their ranks with them, with no
+checkpoint), and the shell never learns it should requeue. The trap sends SIGTERM, not USR1, for the
+same reason: TERM is the signal torchrun forwards to its ranks. ``--shutdown-timeout`` is set to
+LEAD - 15 s so an agent does not SIGKILL a rank that is still writing a large checkpoint, and the
+requeue still happens before the limit. SIGTERM alone (``scancel``) travels the same way, so a
+cancelled job also leaves a checkpoint, but is not requeued: cancel means stop.
 
 ``COURSE_SRUN``, ``COURSE_SCONTROL`` and ``COURSE_TORCHRUN`` replace ``srun``, ``scontrol`` and
 ``torchrun`` (a test runs the body without SLURM); ``COURSE_RDZV_PORT`` replaces the port.
@@ -53,6 +62,8 @@ def sbatch_script(config: str, overrides: Sequence[str], cluster: Cluster, out: 
     torchrun = torchrun_multi_node(config, overrides, cluster, out, mode="rdzv",
                                    endpoint="${HEAD_NODE}:${RDZV_PORT}", rdzv_id="$SLURM_JOB_ID",
                                    torchrun="$TORCHRUN")
+    # The agent's grace between forwarding SIGTERM and SIGKILL: the ranks' time to checkpoint.
+    torchrun[1:1] = ["--shutdown-timeout", str(max(5, signal_lead_s - 15))]
     threads = max(1, cluster.cpus_per_task // cluster.nproc_per_node)
     nccl = nccl_exports(cluster)
     return f"""#!/bin/bash
@@ -80,18 +91,23 @@ mkdir -p {shlex.quote(out)}
 STEP_PID=""
 # shellcheck disable=SC2317  # trap handlers: bash calls them on a signal, not by name
 on_time_limit() {{
-  # The trainer has no signal handler: it cannot checkpoint on demand. Stop the ranks (SIGTERM
-  # through srun to the torchrun agents), then requeue; the next run resumes from the newest
-  # checkpoint (--resume auto), losing at most checkpoint.save_every steps.
-  echo "course: time limit near (USR1): stopping step and requeueing job $SLURM_JOB_ID" >&2
-  if [ -n "$STEP_PID" ]; then kill -TERM "$STEP_PID" 2>/dev/null || true; wait "$STEP_PID" || true; fi
+  # SIGTERM through srun to the torchrun agents, which pass it to the ranks: they finish the
+  # current step, checkpoint it and exit 75. Wait for that, then requeue; the next run
+  # continues from this checkpoint (--resume auto).
+  echo "course: time limit near (USR1): checkpointing and requeueing job $SLURM_JOB_ID" >&2
+  if [ -n "$STEP_PID" ]; then
+    kill -TERM "$STEP_PID" 2>/dev/null || true
+    step_status=0
+    wait "$STEP_PID" || step_status=$?
+    echo "course: step ended (status $step_status) after its checkpoint" >&2
+  fi
   "$SCONTROL" requeue "$SLURM_JOB_ID"
   exit 0
 }}
 # shellcheck disable=SC2317
 on_cancel() {{
-  # scancel / node shutdown: pass SIGTERM on so ranks stop promptly, but do not requeue.
-  echo "course: SIGTERM: stopping step" >&2
+  # scancel / node shutdown: pass SIGTERM on (the ranks checkpoint and stop), but do not requeue.
+  echo "course: SIGTERM: checkpointing and stopping step" >&2
   if [ -n "$STEP_PID" ]; then kill -TERM "$STEP_PID" 2>/dev/null || true; wait "$STEP_PID" || true; fi
   exit 143
 }}

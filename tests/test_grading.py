@@ -1,0 +1,209 @@
+"""Fast tests of the grader's parts: record encoding, the comparison, cell pairing, argument checks,
+and the sandbox's limits (one tiny kernel per test, no torch)."""
+import json
+import math
+
+import pytest
+import torch
+
+from course_lib.grading import assemble, grade, record, sandbox, values
+from tests.grading_corpus import ROOT, answer_source, exercise_notebook, solution_notebook, write_submission
+
+EX01 = ROOT / "solutions" / "01_memory_budget.py"
+
+
+def _roundtrip(tmp_path, monkeypatch, value, **kw):
+    monkeypatch.setenv("COURSE_GRADING_RECORDS", str(tmp_path / "rec"))
+    record("v", value, **kw)
+    return values.load_records(tmp_path / "rec")["v"]
+
+
+def test_record_is_a_noop_outside_grading(tmp_path, monkeypatch):
+    monkeypatch.delenv("COURSE_GRADING_RECORDS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    record("x", 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_record_round_trip_keeps_types_and_tensors(tmp_path, monkeypatch):
+    value = {"a": [1, 2.5, float("nan"), "s", None, True], 3: (torch.arange(4), torch.ones(2, dtype=torch.bfloat16))}
+    got = _roundtrip(tmp_path, monkeypatch, value, rtol=1e-3).value
+    assert got["a"][:2] == [1, 2.5] and math.isnan(got["a"][2]) and got["a"][3:] == ["s", None, True]
+    assert torch.equal(got[3][0], torch.arange(4)) and got[3][1].dtype == torch.bfloat16
+    assert values.mismatch(got, got, 0, 0) is None
+
+
+def test_objects_that_lie_about_equality_are_not_values(tmp_path, monkeypatch):
+    class Yes:
+        def __eq__(self, other):
+            return True
+    rec = _roundtrip(tmp_path, monkeypatch, [Yes()])
+    assert values.mismatch(rec.value, [5], 1e-9, 0) is not None
+    assert "could not be read" in values.mismatch(rec.value[0], 5, 1e-9, 0)
+
+
+@pytest.mark.parametrize("got,want,rtol,atol,ok", [
+    (1.0 + 1e-10, 1.0, 1e-9, 0, True), (1.001, 1.0, 1e-9, 0, False), (2, 2.0, 1e-9, 0, True),
+    (True, 1, 1e-9, 0, False), ("skip", "skip", 0, 0, True), ("Skip", "skip", 0, 0, False),
+    (float("nan"), float("nan"), 0, 0, True), (float("nan"), 1.0, 0, 0, False),
+    ([1, 2], [1, 2, 3], 0, 0, False), ({"a": 1}, {"a": 1, "b": 2}, 0, 0, False),
+    (torch.ones(3), torch.ones(3) + 1e-7, 1e-5, 0, True), (torch.ones(3), torch.ones(4), 1, 1, False),
+    (torch.ones(3, dtype=torch.float64), torch.ones(3), 1, 1, False), ([1.0], torch.ones(1), 1, 1, False),
+])
+def test_mismatch(got, want, rtol, atol, ok):
+    assert (values.mismatch(got, want, rtol, atol) is None) == ok
+
+
+def test_garbage_records_are_ignored_and_first_write_wins(tmp_path):
+    folder = tmp_path / "rec"
+    folder.mkdir()
+    (folder / "records.jsonl").write_text("\n".join([
+        "not json", json.dumps({"name": "x", "value": 1}), json.dumps({"name": "x", "value": 2}),
+        json.dumps({"name": "t", "value": {"$tensor": "t0"}, "tensors": "../../../etc/passwd"}),
+        json.dumps({"name": "u", "value": {"$pickle": "gASV"}})]) + "\n")
+    recs = values.load_records(folder)
+    assert recs["x"].value == 1 and "t" not in recs and isinstance(recs["u"].value, values.Malformed)
+
+
+def test_points_tags_and_answer_cells_of_exercise_01():
+    ex = assemble.load_exercise(EX01)
+    assert [(t.id, t.points, t.hidden) for t in ex.tests] == [
+        ("cell-005", 2, False), ("cell-007", 2, True), ("cell-010", 2, False), ("cell-011", 2, True),
+        ("cell-014", 3, False), ("cell-016", 3, True)]
+    assert sorted(ex.answer_ids) == ["cell-004", "cell-009", "cell-013"] and ex.max_points == 14
+
+
+def test_a_points_tag_on_an_answer_cell_is_refused(tmp_path):
+    bad = tmp_path / "99_bad.py"
+    bad.write_text('# %% tags=["parameters"]\nSMOKE = False\n\n# %% tags=["points:2"]\ndef f():\n'
+                   '    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION\n')
+    with pytest.raises(assemble.GradingSourceError, match="solution block and a points tag"):
+        assemble.load_exercise(bad)
+
+
+def test_pairing_takes_answers_by_id_and_tests_from_the_instructor():
+    ex = assemble.load_exercise(EX01)
+    sol = solution_notebook("01_memory_budget")
+    cells = [{"id": c["id"], "cell_type": c["cell_type"], "source": "".join(c["source"])} for c in sol["cells"]]
+    by_id = {c["id"]: c for c in cells}
+    by_id["cell-005"]["source"] = "print('tests deleted')"       # an edited test cell: ignored
+    by_id["cell-004"]["source"] = "def model_state_bytes(n): return 'mine'"
+    extra = {"id": "xyz", "cell_type": "code", "source": "HELPER = 1"}
+    reordered = [by_id["cell-009"], extra, *[c for c in cells if c["id"] != "cell-009"]]
+    run = dict(assemble.grading_cells(ex, reordered))
+    order = [cid for cid, _ in assemble.grading_cells(ex, reordered)]
+    assert run["cell-004"] == "def model_state_bytes(n): return 'mine'"
+    assert run["cell-005"] == next(c.source for c in ex.cells if c.id == "cell-005")  # instructor's test
+    assert order.index("cell-009") > order.index("cell-005")  # answers run at the instructor's position
+    extra_id = next(cid for cid, src in run.items() if src == "HELPER = 1")
+    assert order.index(extra_id) == order.index("cell-009") + 1  # after the cell before it in the submission
+    assert order[order.index(ex.parameters_id) + 1] == "injected-smoke"
+    # a deleted answer cell is an empty answer; duplicated ids: the first one counts
+    missing = [c for c in cells if c["id"] != "cell-013"] + [dict(by_id["cell-004"], source="second")]
+    run = dict(assemble.grading_cells(ex, missing))
+    assert run["cell-013"] == "" and run["cell-004"] == "def model_state_bytes(n): return 'mine'"
+
+
+def test_pairing_by_position_when_a_tool_dropped_the_ids():
+    ex = assemble.load_exercise(EX01)
+    sol = solution_notebook("01_memory_budget")
+    cells = [{"id": "", "cell_type": c["cell_type"], "source": "".join(c["source"])} for c in sol["cells"]]
+    assert dict(assemble.grading_cells(ex, cells))["cell-009"] == answer_source(sol, 1)
+    assert dict(assemble.grading_cells(ex, cells[:-1]))["cell-009"] == ""  # other length: no guessing
+
+
+def test_unreadable_submission_is_an_empty_answer(tmp_path):
+    path = tmp_path / "x.ipynb"
+    path.write_text("{not json")
+    cells, note = assemble.read_submission(path)
+    assert cells == [] and "could not be read" in note
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(number="1"), "two digits"), (dict(number="42"), "no solutions/42_"),
+    (dict(jobs=0), "--jobs"), (dict(memory_gb=0.1), "--memory-gb"), (dict(cell_timeout=0), "--timeout"),
+])
+def test_bad_arguments_fail_before_any_work(tmp_path, kw, match):
+    subs = tmp_path / "subs"
+    write_submission(subs, "ann", "01_memory_budget", exercise_notebook("01_memory_budget"))
+    args = dict(number="01", jobs=1, memory_gb=2, cell_timeout=10)
+    args.update(kw)
+    number = args.pop("number")
+    with pytest.raises(ValueError, match=match):
+        grade.grade(subs, number, tmp_path / "out", root=ROOT, cache_dir=tmp_path / "cache", **args)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+def test_output_folder_must_be_empty_and_names_must_be_clean(tmp_path):
+    subs, out = tmp_path / "subs", tmp_path / "out"
+    write_submission(subs, "ann", "01_memory_budget", exercise_notebook("01_memory_budget"))
+    out.mkdir()
+    (out / "old.csv").write_text("x")
+    with pytest.raises(ValueError, match="absent or an empty folder"):
+        grade.grade(subs, "01", out, root=ROOT, cache_dir=tmp_path / "cache")
+    write_submission(subs, "ann", "01_memory_budget", exercise_notebook("01_memory_budget"), flat=True)
+    with pytest.raises(ValueError, match="two submissions"):
+        grade.find_submissions(subs, "01_memory_budget")
+    write_submission(tmp_path / "s2", "a b", "01_memory_budget", {})
+    with pytest.raises(ValueError, match="student name"):
+        grade.find_submissions(tmp_path / "s2", "01_memory_budget")
+
+
+def _run(tmp_path, cells, **kw):
+    args = dict(cell_timeout=10, notebook_timeout=30, memory_bytes=2 * 2**30)
+    args.update(kw)
+    return sandbox.run_cells([(f"c{i}", s) for i, s in enumerate(cells)], tmp_path / "work", **args)
+
+
+def test_memory_limit_turns_a_bomb_into_an_error(tmp_path):
+    run = _run(tmp_path, ["x = 1", "b = bytearray(3 * 2**30)", "y = 2"])
+    assert [o.status for o in run.cells.values()] == ["ok", "error", "ok"]
+    assert run.cells["c1"].error_name == "MemoryError"
+
+
+def test_notebook_time_limit_and_sys_exit(tmp_path):
+    run = _run(tmp_path, ["import sys; sys.exit(0)", "import time; time.sleep(60)", "z = 1"],
+               cell_timeout=30, notebook_timeout=3)
+    assert [o.status for o in run.cells.values()] == ["error", "timeout", "not-run"]
+    assert run.seconds < 15
+
+
+@pytest.mark.skipif(not sandbox.sandbox_available(), reason="needs unprivileged user namespaces")
+def test_sandbox_hides_paths_and_has_no_network(tmp_path):
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "answer.txt").write_text("42")
+    probe = (f"import os, socket\nseen = os.listdir({str(secret)!r})\n"
+             "try:\n    socket.create_connection(('1.1.1.1', 53), timeout=3); net = 'open'\n"
+             "except OSError as e:\n    net = 'closed'\n"
+             "from course_lib.grading import record\nrecord('seen', seen); record('net', net)\n"
+             "record('ppid', os.getppid())")
+    run = _run(tmp_path, [probe], hide=[secret], sandbox=True)
+    recs = values.load_records(run.records_dir)
+    assert run.cells["c0"].status == "ok", run.cells["c0"].error
+    assert recs["seen"].value == [] and recs["net"].value == "closed" and recs["ppid"].value == 0
+    assert (secret / "answer.txt").read_text() == "42"
+
+
+def test_course_check_scores_the_learners_visible_checks(tmp_path):
+    from course_lib.grading import learner
+
+    exe, sol = exercise_notebook("01_memory_budget"), solution_notebook("01_memory_budget")
+    nb = json.loads(json.dumps(exe))
+    for cell in nb["cells"]:
+        if cell["id"] == "cell-004":  # Part 1 answered, the rest untouched
+            cell["source"] = answer_source(sol, 0)
+    path = write_submission(tmp_path, "me", "01_memory_budget", nb)
+    lines = {ln.id: ln for ln in learner.check_notebook(path, cell_timeout=30)}
+    assert (lines["cell-005"].status, lines["cell-005"].points) == ("passed", 2)
+    assert lines["cell-007"].status == "hidden" and lines["cell-011"].status == "hidden"
+    assert lines["cell-010"].status == "failed" and "NotImplementedError" in lines["cell-010"].message
+    assert "2 / 7" in learner.format_lines("01", list(lines.values()))
+
+
+def test_cli_registers_grade_and_check():
+    from course_lib.cli import build_parser
+
+    args = build_parser().parse_args(["grade", "subs", "--exercise", "01", "--out", "o", "--jobs", "3"])
+    assert (args.exercise, args.jobs, args.timeout) == ("01", 3, 120.0)
+    assert build_parser().parse_args(["check", "05"]).exercise == "05"

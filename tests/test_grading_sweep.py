@@ -1,0 +1,33 @@
+"""Every exercise through the grader (slow: about 6 minutes on 2 loaded cores).
+
+For each ``solutions/NN_*.py``: the solution notebook scores full marks (which also proves its
+recorded values reproduce from one run to the next), the untouched exercise scores zero, and for
+05 and 07 an honest submission with one known mistake scores exactly the tests it passes.
+"""
+from pathlib import Path
+
+import pytest
+
+from course_lib.grading import grade
+from tests.grading_corpus import ROOT, exercise_notebook, solution_notebook, write_submission
+from tests.test_grading_batch import PARTIALS, write_partial
+
+SOURCES = sorted(ROOT.glob("solutions/[0-9][0-9]_*.py"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_every_exercise_solution_full_exercise_zero(tmp_path, source: Path):
+    number, name = source.stem[:2], source.stem
+    subs = tmp_path / "subs"
+    write_submission(subs, "solution", name, solution_notebook(name))
+    write_submission(subs, "untouched", name, exercise_notebook(name))
+    partial = write_partial(subs, name, number) if number in PARTIALS else None
+    graded = {g.student: g for g in grade.grade(subs, number, tmp_path / "out", root=ROOT,
+                                                 cache_dir=tmp_path / "cache", progress=False, jobs=2)}
+    full = sum(t.points for t in (r.test for r in graded["solution"].results))
+    failing = [(r.test.id, r.status, r.message) for r in graded["solution"].results if r.status != "passed"]
+    assert graded["solution"].points == full, failing
+    assert graded["untouched"].points == 0
+    if partial is not None:
+        assert graded["partial"].points == partial
