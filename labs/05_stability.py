@@ -13,7 +13,7 @@
 # 4. **spike detection**: a popular rolling mean/std detector next to ours, on a curve with planted spikes;
 # 5. **initialisation**: six init schemes, layer by layer and in training;
 # 6. **bounded embeddings**;
-# 7. **the chapter-17 exercise**: gradients x10 at step 500, caught and recovered, next to an
+# 7. **a gradient explosion mid-run**: gradients x10 at one step, caught and recovered, next to an
 #    unprotected run.
 #
 # Every training run here is the kit's trainer, `course_lib.train.train(cfg, out_dir, faults=...)`,
@@ -25,15 +25,17 @@
 SMOKE = False  # True: small sizes, so the automated tests finish quickly
 SEED = 0
 BASE_STEPS = 100  # the config's own run (sections 1, 3, 6)
-HIGH_LR, WARMUP_RUN_STEPS, WARMUP = 3e-2, 150, 30  # section 2: 10x the config's LR
-INIT_STEPS, INIT_LAYERS = 150, 6  # section 5: training curves per init scheme
-FAULT_STEP, FAULT_RUN_STEPS, SAVE_EVERY = 500, 560, 40  # section 7 (SAVE_EVERY: for the rollback run)
+HIGH_LR, WARMUP_RUN_STEPS, WARMUP = 3e-2, 100, 30  # section 2: 10x the config's LR
+INIT_STEPS, INIT_LAYERS = 60, 4  # section 5: training curves per init scheme
+FAULT_STEP, FAULT_RUN_STEPS, SAVE_EVERY = 300, 360, 40  # section 7 (SAVE_EVERY: for the rollback run)
+RESUME_CHECK_STEPS = 10  # section 7: steps replayed from a checkpoint to show the resume is exact
 EMBED_BOUND = 0.5  # section 6
 
 # %%
 import json
 import math
 import random
+import shutil
 import statistics
 import tempfile
 import warnings
@@ -58,22 +60,24 @@ from course_lib.train import train
 SMOKE = course_lib.smoke(SMOKE)
 if SMOKE:
     BASE_STEPS, WARMUP_RUN_STEPS, INIT_STEPS, INIT_LAYERS = 40, 45, 16, 4  # WARMUP stays: the first steps match
-    FAULT_STEP, FAULT_RUN_STEPS, SAVE_EVERY = 30, 50, 12
+    FAULT_STEP, FAULT_RUN_STEPS, SAVE_EVERY, RESUME_CHECK_STEPS = 30, 50, 12, 5
 torch.set_num_threads(1)  # a tiny model: one thread is as fast, and every run repeats exactly
 CONFIG = Path(course_lib.__file__).resolve().parent.parent / "labs" / "configs" / "tiny-cpu.toml"
 RUNS = Path(tempfile.mkdtemp(prefix="lab05-"))  # scratch: metrics, checkpoints, diagnostics
+RESUMED_FROM = {}  # run name -> the step it resumed from (0: it started fresh)
 
 
-def run(name, steps, *sets, faults=()):
+def run(name, steps, *sets, faults=(), resume=False):
     """Train with the kit's trainer: tiny-cpu.toml plus `section.key=value` overrides, injected
-    `faults`. Returns the run's metrics.jsonl rows (row i is optimizer step i, 0-based, and has
-    "step": i + 1)."""
+    `faults`; `resume=True` continues from the newest checkpoint in the run's folder. Returns the
+    run's metrics.jsonl rows (row i is optimizer step i, 0-based, and has "step": i + 1)."""
     overrides = [f"train.max_steps={steps}", f"train.seed={SEED}", "train.progress=false",
                  "train.peak_flops=1e12",  # MFU is not shown here: skip measuring this CPU's peak
                  *sets]
     with warnings.catch_warnings(record=True) as caught:  # one line per run instead of a stderr block
         warnings.simplefilter("always", RuntimeWarning)
-        train(train_config.load(CONFIG, overrides), RUNS / name, faults=list(faults))
+        result = train(train_config.load(CONFIG, overrides), RUNS / name, faults=list(faults), resume=resume)
+    RESUMED_FROM[name] = result.resumed_from
     for message in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)):
         print(f"[{name}] the trainer warned: {message}")
     return read_rows(RUNS / name / "metrics.jsonl")
@@ -211,7 +215,7 @@ print(f"warmup ended {summary[no_w][2] - summary[warm_name][2]:.2f} nats lower t
 # weights, and the run spends its budget climbing out. Clipping recovers part of the gap (the
 # line under the table): it caps the gradient, but Adam's step size hardly depends on the
 # gradient's size. With warmup the same peak LR is reached gently and the run is ahead at every
-# step. Warmup is a stability device, not a
+# step after the first two. Warmup is a stability device, not a
 # detail of the schedule.
 #
 # ## 3. NaN and Inf
@@ -504,9 +508,9 @@ print("mean loss over the run: " + ", ".join(f"{s} {v:.3f}" for s, v in sorted(i
 # `zero_out_proj`) learn at about the same speed here. `kaiming` and `xavier` are far
 # behind from the first steps and barely clip (their gradients are an order of magnitude smaller,
 # as the layer plot showed): their large residual stream has to be worn down before the blocks'
-# contributions count. `small` does as well as the GPT-style inits or a little better
+# contributions count. `small` does a little better than the GPT-style inits
 # on this shallow model (its larger embeddings give the first steps more to work with), but its
-# residual stream grew 3.5x over 8 blocks in the plot above. At 4-6 blocks the residual scaling
+# residual stream grew 3.5x over 8 blocks in the plot above. At 4 blocks the residual scaling
 # makes little difference to the speed; it is what keeps the stream flat in a 48- or 96-block
 # model, where that growth compounds.
 #
@@ -599,10 +603,10 @@ check(all(abs(r["broken_else"] - r["clean_else"]) < 0.05 for r in bound_rows.val
 # *output* does nothing for the logits. Untied models (Llama) are where this guard applies as
 # shown.
 #
-# ## 7. The chapter-17 exercise: gradients x10 at step 500
+# ## 7. Gradients x10 at step N: does the run recover?
 #
-# A classic exercise: inject a gradient explosion (every gradient x10) at step 500 and
-# check that the safety net catches it and the run recovers **without losing its earlier
+# Inject a gradient explosion (every gradient x10) at one step, `FAULT_STEP`, in the middle of a
+# run, and check that the safety net catches it and the run recovers **without losing its earlier
 # progress**. Four runs, identical except for the fault and the spike policy:
 #
 # * `clean`: no fault;
@@ -614,32 +618,67 @@ check(all(abs(r["broken_else"] - r["clean_else"]) < 0.05 for r in bound_rows.val
 # Clipping is off in all four, so that what you see is the detector alone (clipping at 1.0 would
 # cut the x10 gradient back to norm 1, section 1), and the LR is constant, so the fault hits at
 # full strength as it would in the middle of a long run.
+#
+# Up to the fault the four runs are the same run, so we train that part once. The clean run saves
+# checkpoints, and each faulty run starts from a copy of the clean run's folder cut back to the
+# checkpoint it needs: the one at `FAULT_STEP` (saved after the steps before the fault), or for
+# `rollback` the one at its own last save before the fault, from which it replays the steps up to
+# the fault. A checkpoint holds the weights, the optimizer, the data position, the random
+# generators and the stabilizer's detector windows, so a resumed run continues *exactly*: we
+# check that first, by replaying a few clean steps from the checkpoint at `FAULT_STEP`.
 
 # %%
 fault = f"grad_scale@{FAULT_STEP}=10"
 common = ("stability.max_grad_norm=0", 'schedule.kind="constant"', "checkpoint.async_save=false")
-ch17 = {"clean": run("clean", FAULT_RUN_STEPS, "stability.spike_policy=warn", *common)}
+ROLLBACK_TO = FAULT_STEP // SAVE_EVERY * SAVE_EVERY  # the rollback run's last checkpoint before the fault
+every = math.gcd(FAULT_STEP, SAVE_EVERY)  # the clean run saves at both FAULT_STEP and ROLLBACK_TO...
+keep = (FAULT_RUN_STEPS - ROLLBACK_TO) // every + 2  # ...and keeps them to the end (+1: the final save)
+
+
+def branch(name, upto):
+    """Copy the clean run's folder to `name`, keeping only its checkpoints up to step `upto`: a
+    run resumed there continues from step `upto` as if it had trained from step 0 itself."""
+    shutil.copytree(RUNS / "clean", RUNS / name)
+    for ckpt in (RUNS / name / "checkpoints").glob("step_*"):
+        if int(ckpt.name.removeprefix("step_")) > upto:
+            shutil.rmtree(ckpt)
+    check((RUNS / name / "checkpoints" / f"step_{upto:09d}").is_dir(), f"the clean run should have a checkpoint at step {upto}")
+
+
+fault_runs = {"clean": run("clean", FAULT_RUN_STEPS, "stability.spike_policy=warn", *common,
+                           f"checkpoint.save_every={every}", f"checkpoint.keep_last={keep}")}
+branch("resumed", FAULT_STEP)
+resumed = run("resumed", FAULT_STEP + RESUME_CHECK_STEPS, "stability.spike_policy=warn", *common, resume=True)
+check(RESUMED_FROM["resumed"] == FAULT_STEP, f"the replay should start from the checkpoint at step {FAULT_STEP}")
+check([r["loss"] for r in resumed[FAULT_STEP:]] == [r["loss"] for r in fault_runs["clean"][FAULT_STEP:FAULT_STEP + RESUME_CHECK_STEPS]],
+      f"resumed from its checkpoint at step {FAULT_STEP}, the clean run should repeat its next "
+      f"{RESUME_CHECK_STEPS} losses bit for bit")
+print(f"resumed from step {FAULT_STEP}: the next {RESUME_CHECK_STEPS} losses equal the uninterrupted run's exactly")
 for policy in ("warn", "skip", "rollback"):
     extra = (f"checkpoint.save_every={SAVE_EVERY}",) if policy == "rollback" else ()
-    ch17[policy] = run(policy, FAULT_RUN_STEPS, f"stability.spike_policy={policy}", *common, *extra, faults=[fault])
+    branch(policy, ROLLBACK_TO if policy == "rollback" else FAULT_STEP)
+    fault_runs[policy] = run(policy, FAULT_RUN_STEPS, f"stability.spike_policy={policy}", *common, *extra,
+                             faults=[fault], resume=True)
+check([RESUMED_FROM[p] for p in ("warn", "skip", "rollback")] == [FAULT_STEP, FAULT_STEP, ROLLBACK_TO],
+      "each faulty run should start from the clean run's checkpoint, not train the shared steps again")
 events = [json.loads(line) for line in (RUNS / "rollback" / "events.jsonl").read_text().splitlines()]
-print(f"fault {fault}: gradient norm {ch17['warn'][FAULT_STEP]['grad_norm']:.3f} against "
-      f"{ch17['clean'][FAULT_STEP]['grad_norm']:.3f} in the clean run")
+print(f"fault {fault}: gradient norm {fault_runs['warn'][FAULT_STEP]['grad_norm']:.3f} against "
+      f"{fault_runs['clean'][FAULT_STEP]['grad_norm']:.3f} in the clean run")
 for policy in ("warn", "skip"):
-    r = ch17[policy][FAULT_STEP]
+    r = fault_runs[policy][FAULT_STEP]
     print(f"{policy:>8}: step {r['step'] - 1} spike={r['spike']} skipped={r['skipped']}")
 print(f"rollback: {[(e['event'], e['step'], e['rolled_back_to']) for e in events]} (event, step, back to)")
 
 # %%
 W = 30
 window = range(FAULT_STEP, min(FAULT_STEP + W, FAULT_RUN_STEPS))
-excess = {p: [ch17[p][i]["loss"] - ch17["clean"][i]["loss"] for i in window] for p in ("warn", "skip", "rollback")}
+excess = {p: [fault_runs[p][i]["loss"] - fault_runs["clean"][i]["loss"] for i in window] for p in ("warn", "skip", "rollback")}
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.2), layout="constrained")
-plots.plot_curves(ax1, {p: [r["loss"] for r in rows] for p, rows in ch17.items()}, smooth=10, raw_alpha=0.1,
+plots.plot_curves(ax1, {p: [r["loss"] for r in rows] for p, rows in fault_runs.items()}, smooth=10, raw_alpha=0.1,
                   title="the whole run (mean of 10 steps)")
 ax1.axvline(FAULT_STEP, color="tab:red", linewidth=0.8)
 zoom = range(FAULT_STEP - 10, min(FAULT_STEP + W, FAULT_RUN_STEPS))
-plots.plot_curves(ax2, {p: (list(zoom), [ch17[p][i]["loss"] - ch17["clean"][i]["loss"] for i in zoom])
+plots.plot_curves(ax2, {p: (list(zoom), [fault_runs[p][i]["loss"] - fault_runs["clean"][i]["loss"] for i in zoom])
                         for p in ("warn", "skip", "rollback")},
                   refs={"clean run": 0.0}, ylabel="loss minus the clean run's", xlabel="optimizer step",
                   title=f"around the fault (x10 gradients at step {FAULT_STEP})")
@@ -650,17 +689,17 @@ plt.show()
 print(f"over the {len(window)} steps from the fault on, loss minus the clean run's:")
 print(f"{'policy':>9} {'mean':>8} {'max':>8} {'final (mean of last 10)':>25}")
 for p in ("warn", "skip", "rollback"):
-    final = statistics.fmean(r["loss"] for r in ch17[p][-10:]) - statistics.fmean(r["loss"] for r in ch17["clean"][-10:])
+    final = statistics.fmean(r["loss"] for r in fault_runs[p][-10:]) - statistics.fmean(r["loss"] for r in fault_runs["clean"][-10:])
     print(f"{p:>9} {statistics.fmean(excess[p]):>+8.4f} {max(excess[p]):>+8.4f} {final:>+25.4f}")
-check(all(ch17[p][FAULT_STEP]["spike"] for p in ("warn", "skip")), "the detector should flag the x10 step")
-check(ch17["skip"][FAULT_STEP]["skipped"] and not ch17["warn"][FAULT_STEP]["skipped"],
+check(all(fault_runs[p][FAULT_STEP]["spike"] for p in ("warn", "skip")), "the detector should flag the x10 step")
+check(fault_runs["skip"][FAULT_STEP]["skipped"] and not fault_runs["warn"][FAULT_STEP]["skipped"],
       "skip should leave the step out; warn should apply it")
-check([r["loss"] for r in ch17["skip"][:FAULT_STEP + 1]] == [r["loss"] for r in ch17["clean"][:FAULT_STEP + 1]],
+check([r["loss"] for r in fault_runs["skip"][:FAULT_STEP + 1]] == [r["loss"] for r in fault_runs["clean"][:FAULT_STEP + 1]],
       "up to the fault the protected run must be identical to the clean one: no earlier progress lost")
 check(len(events) == 1 and events[0]["step"] == FAULT_STEP
-      and events[0]["rolled_back_to"] == FAULT_STEP // SAVE_EVERY * SAVE_EVERY,
+      and events[0]["rolled_back_to"] == ROLLBACK_TO,
       "rollback should fire once, at the fault, back to the last checkpoint before it")
-check([r["step"] for r in ch17["rollback"]] == list(range(1, FAULT_RUN_STEPS + 1)),
+check([r["step"] for r in fault_runs["rollback"]] == list(range(1, FAULT_RUN_STEPS + 1)),
       "after the rollback the metrics must hold every step exactly once")
 check(max(excess["warn"]) > 0.05 and statistics.fmean(excess["warn"]) > 2 * abs(statistics.fmean(excess["skip"])),
       "unprotected, the x10 step should visibly push the loss above the clean run; skipped, it should not")
