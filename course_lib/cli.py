@@ -6,6 +6,7 @@ Each subcommand is a thin shell over a library module, so everything the CLI doe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -93,6 +94,9 @@ def cmd_labs_run(args: argparse.Namespace) -> int:
     root = find_root()
     if args.in_place and args.smoke:
         raise SystemExit("course labs run: --in-place records full-size outputs; drop --smoke")
+    if args.record_time and (args.smoke or args.in_place):
+        raise SystemExit("course labs run: --record-time times a full-size run and keeps the committed outputs; "
+                         "use it without --smoke and --in-place")
     if args.timeout <= 0:
         raise SystemExit(f"course labs run: --timeout must be > 0 seconds, got {args.timeout}")
     labs = _select_labs(root, args.names)
@@ -107,6 +111,11 @@ def cmd_labs_run(args: argparse.Namespace) -> int:
             import nbformat
 
             notebooks.record_execution(nbformat.read(res.output, as_version=4), lab, seconds=res.seconds)
+        elif res.status == "ok" and args.record_time:
+            try:
+                notebooks.record_time(lab, res.seconds)
+            except ValueError as exc:  # outputs from older code: the time would describe another notebook
+                res = dataclasses.replace(res, status="stale", error=str(exc))
         results.append(res)
     bar.close()
     width = max([len("notebook")] + [len(r.notebook.stem) for r in results])
@@ -146,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=900.0, help="per-cell timeout in seconds")
     run.add_argument("--in-place", action="store_true",
                      help="write the executed (full-size) outputs back into labs/*.ipynb")
+    run.add_argument("--record-time", action="store_true",
+                     help="only record the full-size wall time (shown by `course doctor`) in labs/*.ipynb; "
+                          "the committed outputs stay")
     run.set_defaults(func=cmd_labs_run)
 
     from course_lib import train as train_mod

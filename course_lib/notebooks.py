@@ -300,6 +300,20 @@ def record_execution(executed_nb, target: Path, *, seconds: float | None = None)
     tmp.replace(target)
 
 
+def record_time(lab: Path, seconds: float) -> None:
+    """Store a full-size run's wall ``seconds`` (and the machine) in a committed lab's metadata,
+    leaving its outputs alone. Refused when the lab's outputs came from other code than the run's
+    (the time would then describe a different notebook)."""
+    nb = nbformat.read(lab, as_version=4)
+    meta = nb.metadata.get("course", {})
+    if meta.get("executed_code_sha256") != code_hash(nb):
+        raise ValueError(f"{lab.name}: its committed outputs are from older code; record it with --in-place")
+    nb.metadata["course"] = {**meta, "full_size_seconds": round(float(seconds), 1), "measured_on": _machine_line()}
+    tmp = lab.with_suffix(".ipynb.tmp")
+    tmp.write_text(dumps(nb))
+    tmp.replace(lab)
+
+
 def _machine_line() -> str:
     """'N CPU cores, load L, GPU or none, torch X, date': enough to read a recorded lab time in context
     (L: the 1-minute load average when the run ended; above the core count, the lab shared the CPU)."""

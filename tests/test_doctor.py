@@ -74,3 +74,24 @@ def test_doctor_lists_the_full_size_time_an_in_place_run_recorded(tmp_path):
     line = next(ln for ln in text.splitlines() if "00_orientation" in ln)
     assert "full size  3.1 min" in line, line
     assert "full size not timed yet" in next(ln for ln in text.splitlines() if "01_memory" in ln)
+
+
+def test_record_time_keeps_outputs_and_refuses_stale_labs(tmp_path):
+    import nbformat
+    import pytest
+
+    from course_lib import notebooks
+
+    lab = tmp_path / "00_x.ipynb"
+    cell = nbformat.v4.new_code_cell("print(1)")
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n")]
+    nb = nbformat.v4.new_notebook(cells=[cell])
+    notebooks.record_execution(nb, lab)
+    before = nbformat.read(lab, as_version=4).cells[0].outputs
+    notebooks.record_time(lab, 42.04)
+    after = nbformat.read(lab, as_version=4)
+    assert after.cells[0].outputs == before and notebooks.recorded_run(lab)["full_size_seconds"] == 42.0
+    after.cells[0].source = "print(2)"  # the code changed since the outputs were made
+    lab.write_text(notebooks.dumps(after))
+    with pytest.raises(ValueError, match="older code"):
+        notebooks.record_time(lab, 1.0)
