@@ -216,7 +216,7 @@ def format_report(report: dict) -> str:
             secs = row.get("full_size_seconds")
             took = (f"full size {secs / 60:4.1f} min" if secs is not None else "full size not timed yet")
             lines.append(f"  {row['lab']:<32}{took:<26}{row['verdict']}")
-        lines.append("  (full-size times as recorded by `course labs run NN --in-place`"
+        lines.append("  (full-size times as recorded by `course labs run NN --in-place` or `--record-time`"
                      + (f"; measured on {'; '.join(machines)})" if machines else ")"))
     lines.append("")
     if report["problems"]:
