@@ -123,7 +123,7 @@ def save_checkpoint(state: dict, folder, step: int, keep_last: int = 2) -> Path:
 # save fail halfway: a state holding an object that refuses to be pickled, as a full disk would
 # make `write` fail.
 
-# %% tags=["points:3"]
+# %% tags=["points:3", "probe:checkpoint-atomic"]
 import ex07_checkpoint
 
 importlib.reload(ex07_checkpoint)  # pick up your latest edit
@@ -193,7 +193,7 @@ print("atomic_save: temporary file in the same folder, fsync, one rename; a fail
 # with `weights_only=True` (it holds a custom Python object: writing works, safe loading refuses),
 # which must raise and leave both older checkpoints in place.
 
-# %% tags=["points:3"]
+# %% tags=["points:3", "probe:checkpoint-retention"]
 class Custom:  # torch.save pickles it; torch.load(weights_only=True) refuses to unpickle it
     pass
 
@@ -230,7 +230,7 @@ print("retention: verified before pruning; a bad save deletes nothing")
 # a write is certainly in progress, and lists what is left. After each kill, the newest checkpoint
 # must load and hold its own step, exactly what a restarted training run would do.
 
-# %% tags=["points:3"]
+# %% tags=["points:3", "probe:checkpoint-kills"]
 def kill_test(kills, seed, numel, name):
     """Kill a writer running your save_checkpoint `kills` times; one row per kill: (newest checkpoint
     or None, it loads and holds its own step, how many checkpoints are on disk, leftover files)."""
@@ -261,7 +261,7 @@ for i, (newest, ok, n, leftovers) in enumerate(rows):
 # delete it; it never has a checkpoint's name, so nothing ever loads it). With a plain
 # `torch.save(state, path)` those rows would show a newest file that does not load.
 
-# %% tags=["points:3"]
+# %% tags=["points:3", "probe:checkpoint-kills"]
 ### BEGIN HIDDEN TESTS
 hidden = kill_test(10, seed=123, numel=3_000_000, name="hidden")
 record("hidden.kills_usable", [newest is not None and ok and 1 <= n <= 3 for newest, ok, n, _ in hidden])

@@ -207,3 +207,23 @@ def test_cli_registers_grade_and_check():
     args = build_parser().parse_args(["grade", "subs", "--exercise", "01", "--out", "o", "--jobs", "3"])
     assert (args.exercise, args.jobs, args.timeout) == ("01", 3, 120.0)
     assert build_parser().parse_args(["check", "05"]).exercise == "05"
+
+
+def test_a_judge_compares_verdicts_and_only_the_reference_names_it(tmp_path, monkeypatch):
+    # describe() as a stand-in judge: two tensors of one shape get the same verdict
+    monkeypatch.setenv("COURSE_GRADING_RECORDS", str(tmp_path / "ref"))
+    record("v", torch.ones(3), judge="course_lib.grading.values:describe")
+    monkeypatch.setenv("COURSE_GRADING_RECORDS", str(tmp_path / "student"))
+    record("v", torch.zeros(3))
+    want, got = values.load_records(tmp_path / "ref")["v"], values.load_records(tmp_path / "student")["v"]
+    assert want.judge == "course_lib.grading.values:describe" and got.judge == ""
+    assert values.mismatch(got.value, want.value, want.rtol, want.atol) is not None  # plain comparison fails
+    assert values.mismatch(values.judged(want.judge, got.value), values.judged(want.judge, want.value), 0, 0) is None
+    # a value the judge cannot take is malformed, never equal; judges live in course_lib only
+    refused = values.judged("course_lib.grading.grade:find_exercise_source", 5)  # takes two arguments
+    assert isinstance(refused, values.Malformed) and "judge refused it" in refused.why
+    for bad in ("os:system", "course_lib.x", "course_lib.grading.values:describe; rm"):
+        with pytest.raises(ValueError, match="judge"):
+            record("w", 1, judge=bad)
+        with pytest.raises(ValueError, match="course_lib"):
+            values.judged(bad, 1)

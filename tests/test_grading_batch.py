@@ -144,7 +144,20 @@ def test_exercise_batch_with_torch(tmp_path, number, name, full, stubs):
     nb["cells"].insert(0, {"cell_type": "code", "id": "evil", "metadata": {}, "outputs": [],
                            "execution_count": None, "source": hostile.PATCH_PRELUDE})
     write_submission(subs, "patched", name, nb)
+    expected = {"solution": full, "untouched": 0, "patched": 0}
+    if number == "07":  # unsafe answers, silenced checks, every recorded value forged right
+        nb = patched(sol, {0: hostile.UNSAFE_07})
+        nb["cells"].insert(0, {"cell_type": "code", "id": "evil", "metadata": {}, "outputs": [],
+                               "execution_count": None, "source": hostile.FORGE_07})
+        write_submission(subs, "forged", name, nb)
+        expected["forged"] = 0
     graded, out = _grade(tmp_path, number, subs, cell_timeout=120, notebook_timeout=300, memory_gb=6, jobs=2)
-    assert {s: g.points for s, g in graded.items()} == {"solution": full, "untouched": 0, "patched": 0}
+    assert {s: g.points for s, g in graded.items()} == expected
     # the silenced checks let the stubs' cells finish: only the comparison outside the kernel failed them
     assert "wrong" in _statuses(graded["patched"]).values()
+    if number == "07":
+        # every cell finished and recorded the reference's values: only the grader's probes caught it
+        forged = graded["forged"].results
+        assert all(r.status == "wrong" and "grader's own test" in r.message for r in forged), \
+            [(r.test.id, r.status, r.message) for r in forged]
+        assert any("got its final name before it was complete" in r.message for r in forged)

@@ -5,7 +5,9 @@ From the instructor's source ``solutions/NN_topic.py``:
 * **answer cells** hold a ``### BEGIN SOLUTION`` block: their code comes from the submission;
 * **test cells** carry a jupytext cell tag ``points:N`` (``# %% tags=["points:2"]``; N a whole
   number of points, 1-100): their code, visible and hidden, always comes from the instructor;
-* every other code cell (set-up, demos) also comes from the instructor.
+* every other code cell (set-up, demos) also comes from the instructor;
+* a test cell may also name **probes** (``# %% tags=["points:3", "probe:checkpoint-kills"]``):
+  tests the grader runs itself on the module the submission wrote (:mod:`course_lib.grading.probes`).
 
 Pairing rule (cell ids are positional, ``cell-000``..., identical in solution and exercise):
 an answer cell takes the submission's *code* cell with the same id (the first one, if a tool
@@ -23,8 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from course_lib import notebooks
+from course_lib.grading.probes import PROBES
 
 POINTS_TAG = re.compile(r"^points:(\d+)$")
+PROBE_TAG = re.compile(r"^probe:([a-z0-9-]+)$")  # a test the grader runs itself (course_lib.grading.probes)
 MAX_SUBMISSION_BYTES = 20 * 2**20  # a bigger .ipynb is not read (bytes)
 SMOKE_CELL = ("injected-smoke", "SMOKE = True  # injected by the grader: smoke-test sizes")
 
@@ -41,6 +45,7 @@ class TestCell:
     points: int
     hidden: bool
     title: str
+    probes: tuple = ()  # names of grader-side probes whose verdicts this cell also needs
 
     @property
     def label(self) -> str:
@@ -61,6 +66,11 @@ class Exercise:
     @property
     def max_points(self) -> int:
         return sum(t.points for t in self.tests)
+
+    @property
+    def probes(self) -> set[str]:
+        """Every grader-side probe some test cell asks for."""
+        return {name for t in self.tests for name in t.probes}
 
 
 def load_exercise(source: Path) -> Exercise:
@@ -86,7 +96,11 @@ def load_exercise(source: Path) -> Exercise:
                                          "tests and answers must be separate cells")
             if not 1 <= points[0] <= 100:
                 raise GradingSourceError(f"{source.name}: {cell.id}: points must be 1-100, got {points[0]}")
-            tests.append(TestCell(cell.id, points[0], "### BEGIN HIDDEN TESTS" in cell.source, title))
+            probe_names = tuple(m.group(1) for t in cell.metadata.get("tags", []) if (m := PROBE_TAG.match(t)))
+            unknown = [n for n in probe_names if n not in PROBES]
+            if unknown:
+                raise GradingSourceError(f"{source.name}: {cell.id}: unknown probe(s) {unknown}; known: {sorted(PROBES)}")
+            tests.append(TestCell(cell.id, points[0], "### BEGIN HIDDEN TESTS" in cell.source, title, probe_names))
     if not tests:
         raise GradingSourceError(f"{source.name}: no cell is tagged points:N, so nothing is graded")
     return Exercise(source.stem[:2], source.stem, nb.cells, frozenset(answers), tests, parameters_id)

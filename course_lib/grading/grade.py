@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
-from course_lib.grading import assemble, reference, report, sandbox
+from course_lib.grading import assemble, probes, reference, report, sandbox
 
 STUDENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -127,10 +127,13 @@ def _grade_all(exercise, ref, subs, scratch, limits, jobs, progress) -> list[Gra
     def one(k_sub):
         k, sub = k_sub
         cells, note = assemble.read_submission(sub.path)
-        run = sandbox.run_cells(assemble.grading_cells(exercise, cells), scratch / f"job-{k:04d}" / "work",
-                                **limits)
-        results = reference.score(exercise, ref, run)
-        shutil.rmtree(scratch / f"job-{k:04d}", ignore_errors=True)
+        job = scratch / f"job-{k:04d}"
+        run = sandbox.run_cells(assemble.grading_cells(exercise, cells), job / "work", **limits)
+        # the kernel is gone: the grader now runs its own tests on the module(s) the run wrote
+        verdicts = probes.run_probes(exercise.probes, job / "work", job / "probes", probes.ProbeLimits(
+            limits["memory_bytes"], tuple(limits["hide"]), limits["sandbox"]))
+        results = reference.score(exercise, ref, run, verdicts)
+        shutil.rmtree(job, ignore_errors=True)
         return Graded(sub.student, results, run.seconds, note)
 
     from tqdm.auto import tqdm

@@ -2,7 +2,7 @@
 
 Nothing here is adversarial: the learner checks their own work before submitting. Their notebook
 runs as it is, in a fresh kernel at smoke size; a test cell (tagged ``points:N``) scores its points
-when it runs without error. Hidden tests are not in the exercise, so their points are shown as
+when it runs without error and the grader-side probes it names (``probe:NAME``) find nothing wrong. Hidden tests are not in the exercise, so their points are shown as
 "graded on submission".
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from course_lib import notebooks
-from course_lib.grading import assemble, sandbox
+from course_lib.grading import assemble, probes, sandbox
 
 
 @dataclass
@@ -58,19 +58,28 @@ def check_notebook(path: Path, *, cell_timeout: float = 300.0, notebook_timeout:
         if points:
             hidden = notebooks.HIDDEN_PLACEHOLDER in cell["source"] and not cell["source"].replace(
                 notebooks.HIDDEN_PLACEHOLDER, "").strip()
-            tests.append((cell["id"], points[0], hidden))
+            wanted = tuple(m.group(1) for t in tags.get(cell["id"], []) if (m := assemble.PROBE_TAG.match(str(t)))
+                           and m.group(1) in probes.PROBES)
+            tests.append((cell["id"], points[0], hidden, wanted))
+    memory_bytes = int(memory_gb * 2**30)
     with tempfile.TemporaryDirectory(prefix="course-check-") as tmp:
         run = sandbox.run_cells(code, Path(tmp) / "work", cell_timeout=cell_timeout,
-                                notebook_timeout=notebook_timeout, memory_bytes=int(memory_gb * 2**30),
-                                sandbox=False)
+                                notebook_timeout=notebook_timeout, memory_bytes=memory_bytes, sandbox=False)
+        # the grader's own tests of the module the notebook wrote, as on submission (visible cells only)
+        names = {n for _, _, hidden, wanted in tests if not hidden for n in wanted}
+        verdicts = probes.run_probes(names, Path(tmp) / "work", Path(tmp) / "probes",
+                                     probes.ProbeLimits(memory_bytes, (), False))
     lines = []
-    for cid, points, hidden in tests:
+    for cid, points, hidden, wanted in tests:
         if hidden:
             lines.append(CheckLine(cid, 0, points, "hidden", "hidden tests: graded on submission"))
             continue
         out = run.cells.get(cid, sandbox.CellOutcome("not-run"))
         status = {"ok": "passed", "error": "failed"}.get(out.status, out.status)
         message = f"{out.error_name}: {out.error}".strip(": ")[:400]
+        bad = next((f"the grader's own test '{n}': {v}" for n in wanted for v in verdicts[n] if v != "ok"), "")
+        if status == "passed" and bad:
+            status, message = "failed", bad[:400]
         lines.append(CheckLine(cid, points if status == "passed" else 0, points, status, message))
     return lines
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 RECORDS_ENV = "COURSE_GRADING_RECORDS"
 RECORDS_FILE = "records.jsonl"
+JUDGE = re.compile(r"course_lib(\.[A-Za-z_][A-Za-z0-9_]*)+:[A-Za-z_][A-Za-z0-9_]*")  # module:function
 
 
 def grading_active() -> bool:
@@ -27,13 +29,17 @@ def grading_active() -> bool:
     return bool(os.environ.get(RECORDS_ENV))
 
 
-def record(name: str, value: Any, *, rtol: float = 1e-9, atol: float = 0.0) -> None:
+def record(name: str, value: Any, *, rtol: float = 1e-9, atol: float = 0.0, judge: str | None = None) -> None:
     """Hand ``value`` to the grader under ``name`` (a no-op outside grading).
 
     ``value``: numbers, bools, strings, None, tensors / numpy arrays, and lists, tuples and dicts
     of those. ``rtol``/``atol`` (relative / absolute, in the value's units) say how close a
     student's value must be to the reference; the grader takes them from the *reference* run,
-    never from the student's. Names must be unique within a notebook."""
+    never from the student's. Names must be unique within a notebook.
+
+    ``judge`` (``"course_lib.module:function"``): when several answers are right (a schedule, an
+    order), the grader applies this function, in its own process, to the student's value and to
+    the reference's, and compares the two results instead. Only the reference run's judge counts."""
     folder = os.environ.get(RECORDS_ENV)
     if not folder:
         return
@@ -44,6 +50,10 @@ def record(name: str, value: Any, *, rtol: float = 1e-9, atol: float = 0.0) -> N
     tensors: dict = {}
     encoded = _encode(value, tensors)
     line = {"name": name, "value": encoded, "rtol": float(rtol), "atol": float(atol)}
+    if judge is not None:
+        if not isinstance(judge, str) or not JUDGE.fullmatch(judge):
+            raise ValueError(f"record: judge must be 'course_lib.module:function', got {judge!r}")
+        line["judge"] = judge
     if tensors:
         from safetensors.torch import save_file
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import course_lib
-from course_lib.grading import assemble, sandbox, values
+from course_lib.grading import assemble, probes, sandbox, values
 
 MESSAGE_LIMIT = 300  # characters of a check's message shown in feedback
 
@@ -25,6 +25,7 @@ class Reference:
     records: dict[str, values.Record]
     names: dict[str, list[str]]
     seconds: float
+    probes: dict[str, list[str]]  # the solution's verdicts from the grader-side probes (all "ok")
 
 
 @dataclass
@@ -53,12 +54,14 @@ def fingerprint(exercise_source: Path) -> str:
 def build_reference(exercise: assemble.Exercise, source: Path, cache_dir: Path, *, cell_timeout: float,
                     notebook_timeout: float, memory_bytes: int, hide: list[Path],
                     sandbox_on: bool | None = None) -> Reference:
-    """Run the solution in a fresh kernel (or reuse the cached run with the same fingerprint)."""
+    """Run the solution in a fresh kernel, then the exercise's probes on what it wrote (or reuse
+    the cached run with the same fingerprint)."""
     folder = Path(cache_dir) / f"{exercise.name}-{fingerprint(source)}"
     index = folder / "reference.json"
     if index.is_file():
         data = json.loads(index.read_text())
-        return Reference(values.load_records(folder / "work" / "records"), data["names"], data["seconds"])
+        return Reference(values.load_records(folder / "work" / "records"), data["names"], data["seconds"],
+                         data.get("probes", {}))
     tmp = Path(cache_dir) / f".{folder.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     run = sandbox.run_cells(assemble.grading_cells(exercise, None), tmp / "work", cell_timeout=cell_timeout,
@@ -75,15 +78,28 @@ def build_reference(exercise: assemble.Exercise, source: Path, cache_dir: Path, 
     all_names = [n for cell_names in names.values() for n in cell_names]
     if len(all_names) != len(set(all_names)):
         raise ReferenceError(f"{exercise.name}: a record name is used twice; names must be unique")
-    (tmp / "reference.json").write_text(json.dumps({"names": names, "seconds": run.seconds}))
+    records = values.load_records(tmp / "work" / "records")
+    unjudged = [n for n, r in records.items() if r.judge and isinstance(values.judged(r.judge, r.value), values.Malformed)]
+    if unjudged:
+        raise ReferenceError(f"{exercise.name}: the solution's own value(s) {', '.join(unjudged)} fail their judge")
+    verdicts = probes.run_probes(exercise.probes, tmp / "work", tmp / "probes",
+                                 probes.ProbeLimits(memory_bytes, tuple(hide), sandbox_on))
+    failing = {n: v for n, v in verdicts.items() if any(x != "ok" for x in v)}
+    if failing:
+        raise ReferenceError(f"{exercise.name}: the solution fails the grader's probe(s): {failing}")
+    shutil.rmtree(tmp / "probes", ignore_errors=True)
+    (tmp / "reference.json").write_text(json.dumps({"names": names, "seconds": run.seconds, "probes": verdicts}))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
-    return Reference(values.load_records(folder / "work" / "records"), names, run.seconds)
+    return Reference(values.load_records(folder / "work" / "records"), names, run.seconds, verdicts)
 
 
-def score(exercise: assemble.Exercise, ref: Reference, run: sandbox.RunOutcome) -> list[TestResult]:
-    """Points per test cell: the cell finished *and* every value it records equals the reference
-    (compared here, outside the student's kernel, with the reference run's tolerances)."""
+def score(exercise: assemble.Exercise, ref: Reference, run: sandbox.RunOutcome,
+          verdicts: dict[str, list[str]] | None = None) -> list[TestResult]:
+    """Points per test cell: the cell finished, every value it records equals the reference
+    (compared here, outside the student's kernel, with the reference run's tolerances), and every
+    probe it names gave the reference's verdicts (``verdicts``: :func:`probes.run_probes`)."""
+    verdicts = verdicts or {}
     got = values.load_records(run.records_dir)
     sources = {c.id: c.source for c in exercise.cells}
     stop = next((f"the run stopped at {cid}: {o.error}" for cid, o in run.cells.items()
@@ -102,11 +118,20 @@ def score(exercise: assemble.Exercise, ref: Reference, run: sandbox.RunOutcome) 
             if name not in got:
                 problem = f"the value checked as '{name}' was never recorded"
                 break
-            reason = values.mismatch(got[name].value, want.value, want.rtol, want.atol)
+            mine, theirs = got[name].value, want.value
+            if want.judge:  # several answers are right: compare the judge's verdicts
+                mine, theirs = values.judged(want.judge, mine), values.judged(want.judge, theirs)
+            reason = values.mismatch(mine, theirs, want.rtol, want.atol)
             if reason:
-                shown = "" if test.hidden else (f" (got {values.describe(got[name].value)}, expected "
-                                                f"{values.describe(want.value)})")
+                shown = "" if test.hidden else (f" (got {values.describe(mine)}, expected "
+                                                f"{values.describe(theirs)})")
                 problem = f"'{name}': {reason}{shown}"
+                break
+        for name in test.probes if not problem else ():
+            mine = verdicts.get(name)
+            if mine != ref.probes.get(name):
+                bad = next((v for v in mine or [] if v != "ok"), "the probe did not run")
+                problem = f"the grader's own test '{name}': {bad}"[:MESSAGE_LIMIT]
                 break
         status = "wrong" if problem else "passed"
         results.append(TestResult(test, 0 if problem else test.points, status, problem, outcome.seconds))

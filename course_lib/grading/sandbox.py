@@ -84,19 +84,35 @@ def _record_names(records_dir: Path, already: int) -> tuple[list[str], int]:
     return names, len(complete)
 
 
-def run_cells(cells: list[tuple[str, str]], workdir: Path, *, cell_timeout: float,
-              notebook_timeout: float, memory_bytes: int, hide: list[Path] = (),
-              sandbox: bool | None = None) -> RunOutcome:
-    """Run ``cells`` (id, source) in order in a fresh kernel whose working folder is ``workdir``.
+@dataclass
+class Kernel:
+    """A started kernel: its process (the head of its own session), the status pipe, and where
+    its output goes. Made by :func:`start_kernel`, ended by :func:`stop_kernel`."""
 
-    ``cell_timeout``/``notebook_timeout`` are seconds, ``memory_bytes`` the address-space limit
-    (0: none), ``hide`` folders the kernel must not read, ``sandbox`` None means "if available".
-    Never raises for anything the kernel does: a crash, hang or exit ends the run and every cell
-    not finished is reported as crashed / timeout / not-run."""
+    proc: subprocess.Popen
+    status: "_StatusReader"
+    sandboxed: bool
+    log: Path
+
+    def send(self, cid: str, source: str) -> bool:
+        """Hand the kernel one cell to run; False when the kernel has already exited."""
+        try:
+            self.proc.stdin.write((json.dumps({"id": cid, "source": source}) + "\n").encode())
+            self.proc.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+
+def start_kernel(workdir: Path, *, memory_bytes: int, hide: list[Path] = (), sandbox: bool | None = None) -> Kernel:
+    """Start a fresh, confined kernel whose working folder is ``workdir`` (made if missing).
+
+    ``memory_bytes``: address-space limit (0: none); ``hide``: folders it must not read;
+    ``sandbox``: None means "namespaces if available". The kernel runs the cells it is sent
+    (:meth:`Kernel.send`), one at a time, and reports on its status pipe."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     sandboxed = sandbox_available() if sandbox is None else sandbox
-    records_dir = workdir / "records"
     log = workdir.parent / f"{workdir.name}.log"
     read_fd, write_fd = os.pipe()
     cmd = [sys.executable, "-m", "course_lib.grading.runner", "--work", str(workdir),
@@ -107,23 +123,42 @@ def run_cells(cells: list[tuple[str, str]], workdir: Path, *, cell_timeout: floa
             cmd += ["--hide", str(Path(path).resolve())]
     env = {**os.environ, **KERNEL_ENV}
     env.pop("COURSE_GRADING_RECORDS", None)
-    outcomes = {cid: CellOutcome("not-run") for cid, _ in cells}
-    start = time.monotonic()
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT,
                                 pass_fds=(write_fd,), start_new_session=True, env=env,
                                 cwd=str(workdir))
     os.close(write_fd)
-    status = _StatusReader(read_fd)
+    return Kernel(proc, _StatusReader(read_fd), sandboxed, log)
+
+
+def stop_kernel(kernel: Kernel, grace_s: float = 0.0) -> None:
+    """End ``kernel`` and everything it started: close its input, wait up to ``grace_s`` seconds,
+    then SIGKILL its whole session (in a sandbox, the PID namespace goes with it)."""
+    _stop(kernel.proc, grace_s)
+    kernel.status.close()
+
+
+def run_cells(cells: list[tuple[str, str]], workdir: Path, *, cell_timeout: float,
+              notebook_timeout: float, memory_bytes: int, hide: list[Path] = (),
+              sandbox: bool | None = None) -> RunOutcome:
+    """Run ``cells`` (id, source) in order in a fresh kernel whose working folder is ``workdir``.
+
+    ``cell_timeout``/``notebook_timeout`` are seconds, ``memory_bytes`` the address-space limit
+    (0: none), ``hide`` folders the kernel must not read, ``sandbox`` None means "if available".
+    Never raises for anything the kernel does: a crash, hang or exit ends the run and every cell
+    not finished is reported as crashed / timeout / not-run."""
+    workdir = Path(workdir)
+    records_dir = workdir / "records"
+    outcomes = {cid: CellOutcome("not-run") for cid, _ in cells}
+    start = time.monotonic()
+    kernel = start_kernel(workdir, memory_bytes=memory_bytes, hide=hide, sandbox=sandbox)
+    proc, status = kernel.proc, kernel.status
     seen_records = 0
     try:
         for cid, source in cells:
             t0 = time.monotonic()
             deadline = min(t0 + cell_timeout, start + notebook_timeout)
-            try:
-                proc.stdin.write((json.dumps({"id": cid, "source": source}) + "\n").encode())
-                proc.stdin.flush()
-            except (BrokenPipeError, OSError):
+            if not kernel.send(cid, source):
                 outcomes[cid] = CellOutcome("crashed", 0.0, "KernelDied", "the kernel had exited")
                 break
             end = status.wait_for_end(cid, deadline)
@@ -133,9 +168,8 @@ def run_cells(cells: list[tuple[str, str]], workdir: Path, *, cell_timeout: floa
                 break
     finally:
         # after a timeout the kernel is busy: kill at once; otherwise let it leave on its own first
-        _stop(proc, grace_s=0 if any(o.status == "timeout" for o in outcomes.values()) else 5)
-        status.close()
-    return RunOutcome(outcomes, records_dir, time.monotonic() - start, sandboxed, log)
+        stop_kernel(kernel, grace_s=0 if any(o.status == "timeout" for o in outcomes.values()) else 5)
+    return RunOutcome(outcomes, records_dir, time.monotonic() - start, kernel.sandboxed, kernel.log)
 
 
 def _outcome(end: dict | None, seconds: float, proc: subprocess.Popen, cell_timeout: float,

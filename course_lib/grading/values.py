@@ -34,6 +34,7 @@ class Record:
     value: Any
     rtol: float
     atol: float
+    judge: str = ""  # "course_lib.module:function" or ""; only the reference's is ever used
 
 
 def load_records(folder: Path) -> dict[str, Record]:
@@ -53,7 +54,8 @@ def load_records(folder: Path) -> dict[str, Record]:
                 continue
             tensors = _load_tensors(Path(folder), item.get("tensors"))
             rtol, atol = float(item.get("rtol", 1e-9)), float(item.get("atol", 0.0))
-            out[name] = Record(_decode(item["value"], tensors), rtol, atol)
+            judge = item.get("judge") or ""
+            out[name] = Record(_decode(item["value"], tensors), rtol, atol, judge if isinstance(judge, str) else "")
         except Exception:  # noqa: BLE001 - garbage lines are ignored, never trusted
             continue
     return out
@@ -113,6 +115,26 @@ def _is_tensor(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def judged(judge: str, value: Any) -> Any:
+    """``judge``'s verdict on ``value`` (grader side). ``judge`` comes from the *reference* run and
+    must name a function in ``course_lib`` (``"course_lib.module:function"``); a student's value
+    it cannot judge (any exception) becomes a :class:`Malformed` that equals nothing."""
+    import importlib
+
+    from course_lib.grading.record import JUDGE
+
+    if not JUDGE.fullmatch(judge):
+        raise ValueError(f"judge {judge!r} is not a course_lib function")
+    module, _, name = judge.partition(":")
+    fn = getattr(importlib.import_module(module), name)
+    if isinstance(value, Malformed):
+        return value
+    try:
+        return fn(value)
+    except Exception as exc:  # noqa: BLE001 - whatever the student's data makes the judge raise
+        return Malformed(f"the judge refused it: {type(exc).__name__}: {str(exc)[:120]}")
 
 
 def mismatch(got: Any, want: Any, rtol: float, atol: float, where: str = "") -> str | None:

@@ -162,3 +162,46 @@ def save_checkpoint(state, folder, step, keep_last=2):
     atomic_save(state, path)
     return path
 """}
+
+# exercise 07: the answers are neither atomic nor safe (torch.save straight to the final name, prune
+# before verifying), the checks are silenced, and every value a test cell records is forged first
+# with the reference's own value (the first record of a name is the one kept). Only the grader's
+# probes, which run the written module themselves and look at the disk, can tell.
+FORGE_07 = PATCH_PRELUDE + '''
+import torch
+from course_lib.grading import record as _record
+_names = ["step_00000004.pt", "step_00000005.pt"]
+_record("part2.observations", [1, True, True, True, True, 2, ["model.pt"]])
+_record("part3.observations", [_names, True, _names, ["step_00000007.pt"]])
+_record("part4.kills_usable", [True] * 4)
+_record("hidden.kills_usable", [True] * 10)
+_record("hidden.misc", [{"a": {"b": [torch.arange(5)]}}, ["k", "x.pt"], ["step_00000011.pt", "step_00000012.pt"]])
+'''
+UNSAFE_07 = """%%writefile ex07_checkpoint.py
+import os
+from pathlib import Path
+import torch
+def checkpoint_path(folder, step):
+    return Path(folder) / f"step_{step:08d}.pt"
+def list_checkpoints(folder):
+    return sorted(Path(folder).glob("step_*.pt"))
+def atomic_save(state, path):  # in place; a failed pickle restores the old bytes; the spies see a rename and an fsync
+    path = Path(path)
+    old = path.read_bytes() if path.exists() else None
+    try:
+        torch.save(state, path)
+    except BaseException:
+        if old is not None:
+            path.write_bytes(old)
+        raise
+    os.replace(path, path)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+def save_checkpoint(state, folder, step, keep_last=2):
+    path = checkpoint_path(folder, step)
+    for old in list_checkpoints(folder)[:-keep_last]:
+        old.unlink()
+    atomic_save(state, path)
+    return path
+"""
