@@ -227,3 +227,37 @@ def test_a_judge_compares_verdicts_and_only_the_reference_names_it(tmp_path, mon
             record("w", 1, judge=bad)
         with pytest.raises(ValueError, match="course_lib"):
             values.judged(bad, 1)
+
+
+def test_an_unknown_probe_tag_is_refused_and_known_ones_are_attached(tmp_path):
+    bad = tmp_path / "99_bad.py"
+    bad.write_text('# %% tags=["parameters"]\nSMOKE = False\n\n# %% tags=["points:2", "probe:no-such-probe"]\n'
+                   'x = 1\n')
+    with pytest.raises(assemble.GradingSourceError, match="unknown probe"):
+        assemble.load_exercise(bad)
+    ex = assemble.load_exercise(ROOT / "solutions" / "07_atomic_checkpoint.py")
+    assert [t.probes for t in ex.tests] == [("checkpoint-atomic",), ("checkpoint-retention",),
+                                            ("checkpoint-kills",), ("checkpoint-kills",)]
+
+
+def test_checkpoints_verdict_reads_the_disk_like_a_restarted_run(tmp_path):
+    from course_lib.checkpoint_kill import make_state
+    from course_lib.grading.probes import checkpoints_verdict
+
+    def folder(name, steps, torn=(), link=None):
+        f = tmp_path / name
+        f.mkdir()
+        for s in steps:
+            path = f / f"step_{s:08d}.pt"
+            torch.save(make_state(s, 8), path)
+            if s in torn:
+                path.write_bytes(path.read_bytes()[:100])
+        if link:
+            (f / f"step_{link:08d}.pt").symlink_to(f / f"step_{steps[0]:08d}.pt")
+        return f
+    assert checkpoints_verdict(folder("good", [4, 5]), expect_steps=[4, 5]) == "ok"
+    assert "got its final name before it was complete" in checkpoints_verdict(folder("torn", [4, 5], torn=(5,)))
+    assert "not consecutive" in checkpoints_verdict(folder("gap", [4, 9]))
+    assert "not a checkpoint file" in checkpoints_verdict(folder("link", [4], link=5))
+    assert "at most one extra" in checkpoints_verdict(folder("many", [3, 4, 5, 6]), max_count=3)
+    assert checkpoints_verdict(tmp_path / "missing") == "no checkpoint (step_*.pt) on disk"
