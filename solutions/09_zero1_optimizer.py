@@ -155,6 +155,8 @@ def show(rows):
 
 rows2 = exercise_runs.check_sharded_optimizer(ShardedOptimizer, 2, SCENARIOS, steps=STEPS)
 record("rows_2_ranks", [[r["ranks"], r["scenario"], r["rank"], r["state_elements"], r["all_elements"]] for r in rows2])
+# every rank's parameters after every step: equal to the plain optimizer's, so to the last bit
+record("rows_2_ranks.outputs", [[r["scenario"], r["rank"], r["outputs"]] for r in rows2], rtol=1e-6, atol=1e-8)
 show(rows2)
 check(len(rows2) == 2 * len(SCENARIOS), "every scenario should report one row per rank")
 print("ShardedOptimizer on 2 ranks: equal to plain AdamW to the last bit; each rank holds about half the state")
@@ -171,6 +173,7 @@ print("ShardedOptimizer on 2 ranks: equal to plain AdamW to the last bit; each r
 # %% tags=["points:2"]
 rows4 = exercise_runs.check_sharded_optimizer(ShardedOptimizer, 4, SCENARIOS, steps=STEPS)
 record("rows_4_ranks", [[r["ranks"], r["scenario"], r["rank"], r["state_elements"], r["all_elements"]] for r in rows4])
+record("rows_4_ranks.outputs", [[r["scenario"], r["rank"], r["outputs"]] for r in rows4], rtol=1e-6, atol=1e-8)
 show(rows4)
 check(len(rows4) == 4 * len(SCENARIOS), "every scenario should report one row per rank")
 print("ShardedOptimizer on 4 ranks: equal to plain AdamW to the last bit")
@@ -211,5 +214,6 @@ hidden = [("sgd momentum, group at step 1", "sgd", 0, False), ("adamw, lr schedu
           ("sgd, group at step 4", "sgd", 3, False)]
 hidden_rows = exercise_runs.check_sharded_optimizer(ShardedOptimizer, 3, hidden, steps=5)
 record("hidden.rows", [[r["ranks"], r["scenario"], r["rank"], r["state_elements"], r["all_elements"]] for r in hidden_rows])
+record("hidden.outputs", [[r["scenario"], r["rank"], r["outputs"]] for r in hidden_rows], rtol=1e-6, atol=1e-8)
 check(len(hidden_rows) == 3 * len(hidden), "hidden: every scenario reports one row per rank")
 ### END HIDDEN TESTS

@@ -222,6 +222,7 @@ from ex10_tp_linear import ColumnParallelLinear, RowParallelLinear, copy_to_tp, 
 SHAPES = [(5,), (3, WIDTH), (2, 3, WIDTH)]
 op_rows = exercise_runs_tp_pp.check_conjugate_ops(copy_to_tp, reduce_from_tp, 2, SHAPES)
 record("ops", [[str(r["shape"]), r["f forward"], r["f backward"], r["g forward"], r["g backward"]] for r in op_rows])
+record("ops.outputs", [r["outputs"] for r in op_rows], rtol=1e-5, atol=1e-6)  # f(x), g(x) and x.grad per rank
 print(f"{'shape':<14} {'f forward':>9} {'f backward':>10} {'g forward':>9} {'g backward':>10}   (collectives)")
 for r in op_rows:
     print(f"{r['shape']:<14} {r['f forward']:>9} {r['f backward']:>10} {r['g forward']:>9} {r['g backward']:>10}")
@@ -265,6 +266,7 @@ def show(rows):
 
 rows = exercise_runs_tp_pp.check_parallel_linears(ColumnParallelLinear, RowParallelLinear, 2, SCENARIOS)
 record("linears", [[r["ranks"], r["scenario"], r["forward"], r["backward"], r["params_per_rank"], r["dense_params"], r["max_err"]] for r in rows], atol=1e-4)  # errors within 1e-4 of the reference's ~0
+record("linears.outputs", [r["outputs"] for r in rows], rtol=1e-5, atol=1e-6)  # y, x.grad, shard grads per rank
 show(rows)
 check(all(r["max_err"] < 1e-4 for r in rows), "every output and gradient should match the dense layer")
 mlp = rows[-1]
@@ -318,5 +320,6 @@ hidden = [("column, no bias, 2-D", "column", (12, 8), False, (5,)),
           ("mlp, groups of 2", "mlp", (4, 8), True, (1, 6), 2)]
 hidden_rows = exercise_runs_tp_pp.check_parallel_linears(ColumnParallelLinear, RowParallelLinear, 4, hidden)
 record("hidden.rows", [[[str(r["shape"]), r["f forward"], r["f backward"], r["g forward"], r["g backward"]] for r in hidden_ops], [[r["ranks"], r["scenario"], r["forward"], r["backward"], r["params_per_rank"], r["dense_params"], r["max_err"]] for r in hidden_rows]], atol=1e-4)
+record("hidden.outputs", [[r["outputs"] for r in hidden_ops], [r["outputs"] for r in hidden_rows]], rtol=1e-5, atol=1e-6)
 check(all(r["max_err"] < 1e-4 for r in hidden_rows), "hidden: 4 ranks match the dense layers")
 ### END HIDDEN TESTS

@@ -122,6 +122,7 @@ for s in range(2):
 PIPELINES = [(2, 1), (2, 4), (4, 8)]
 pure_rows = [exercise_runs_tp_pp.check_schedule_fn(one_f_one_b, pp, m) for pp, m in PIPELINES]
 record("pure", [[r["pp"], r["micro_batches"], r["makespan"], r["ideal"], r["peak_in_flight"]] for r in pure_rows])
+record("pure.lists", [r["lists"] for r in pure_rows])  # the stage lists themselves: 1F1B is one order
 print(f"\n{'pp':>3} {'m':>3} {'time units':>10} {'ideal (m+pp-1)x3':>17}  in flight per stage (bound min(m, pp-s))")
 for r in pure_rows:
     bound = [min(r["micro_batches"], r["pp"] - s) for s in range(r["pp"])]
@@ -173,11 +174,13 @@ def draw(ax, lists, title):
 
 fig, axes = plt.subplots(2, 1, figsize=(10, 4.5), sharex=True)
 gpipe = draw(axes[0], [stage_actions("gpipe", PP_SHOW, M_SHOW, s) for s in range(PP_SHOW)], "GPipe")
-mine = draw(axes[1], [one_f_one_b(PP_SHOW, M_SHOW, s) for s in range(PP_SHOW)], "your 1F1B")
+mine_lists = [one_f_one_b(PP_SHOW, M_SHOW, s) for s in range(PP_SHOW)]
+mine = draw(axes[1], mine_lists, "your 1F1B")
 axes[1].set_xlabel("time (forward = 1, backward = 2)")
 plt.tight_layout()
 plt.show()
 record("drawn", [mine["makespan"], mine["peak_in_flight"]])
+record("drawn.lists", mine_lists)
 check(mine["peak_in_flight"] == [min(M_SHOW, PP_SHOW - s) for s in range(PP_SHOW)],
       f"1F1B should hold min(m, pp - stage) micro-batches per stage, got {mine['peak_in_flight']}")
 
@@ -198,6 +201,7 @@ check(mine["peak_in_flight"] == [min(M_SHOW, PP_SHOW - s) for s in range(PP_SHOW
 # %% tags=["points:3"]
 run_rows = exercise_runs_tp_pp.check_one_f_one_b_on_ranks(one_f_one_b, 2, M_RUN)
 record("ranks", [[r["pp"], r["micro_batches"], r["loss"], r["peak_in_flight"]] for r in run_rows], rtol=1e-5, atol=1e-6)
+record("ranks.outputs", [[r["lists"], r["loss"], r["grads"]] for r in run_rows], rtol=1e-5, atol=1e-6)  # lists run, loss, grads per rank
 print(f"{'pp':>3} {'m':>3} {'pipeline loss':>14} {'one process':>12} {'max grad error':>15} {'in flight per stage':>20}")
 for r in run_rows:
     print(f"{r['pp']:>3} {r['micro_batches']:>3} {r['loss']:>14.6f} {r['ref_loss']:>12.6f} "
@@ -212,14 +216,16 @@ print("your 1F1B order trains exactly like one process on 2 ranks")
 
 # %% tags=["points:3"]
 ### BEGIN HIDDEN TESTS
-hidden_pure = []
+hidden_pure, hidden_lists = [], []
 for pp in range(1, 5):
     for m in range(1, 9):
         r = exercise_runs_tp_pp.check_schedule_fn(one_f_one_b, pp, m)
         hidden_pure.append([r["pp"], r["micro_batches"], r["makespan"], r["peak_in_flight"]])
+        hidden_lists.append(r["lists"])
 hidden_rows = exercise_runs_tp_pp.check_one_f_one_b_on_ranks(one_f_one_b, 4, [1, 3, 8] if not SMOKE else [3, 8])
 record("hidden.rows", [hidden_pure, [[r["pp"], r["micro_batches"], r["loss"], r["peak_in_flight"]] for r in hidden_rows]],
        rtol=1e-5, atol=1e-6)
+record("hidden.outputs", [hidden_lists, [[r["lists"], r["loss"], r["grads"]] for r in hidden_rows]], rtol=1e-5, atol=1e-6)
 check(all(r["peak_in_flight"] == [min(r["micro_batches"], 4 - s) for s in range(4)] for r in hidden_rows),
       "hidden: 4 stages hold min(m, pp - s) micro-batches")
 ### END HIDDEN TESTS

@@ -1,18 +1,23 @@
 """Every exercise through the grader (slow: about 6 minutes on 2 loaded cores).
 
 For each ``solutions/NN_*.py``: the solution notebook scores full marks (which also proves its
-recorded values reproduce from one run to the next), the untouched exercise scores zero, and for
-05 and 07 an honest submission with one known mistake scores exactly the tests it passes.
+recorded values reproduce from one run to the next), the untouched exercise scores zero, for
+05 and 07 an honest submission with one known mistake scores exactly the tests it passes, and for
+the exercises whose code runs on ranks (00, 08-11) a forged submission - wrong answers, silenced
+checks, course_lib's rank checker replaced in the kernel by one returning perfect rows - earns
+only the points of the answers it left right (tests/grading_corpus/forged_*.py).
 """
 from pathlib import Path
 
 import pytest
 
 from course_lib.grading import grade
-from tests.grading_corpus import ROOT, exercise_notebook, solution_notebook, write_submission
+from tests.grading_corpus import ROOT, exercise_notebook, forged_dp, forged_tp_pp, patched, solution_notebook, write_submission
 from tests.test_grading_batch import PARTIALS, write_partial
 
 SOURCES = sorted(ROOT.glob("solutions/[0-9][0-9]_*.py"))
+FORGED = {**forged_dp.FORGED, **forged_tp_pp.FORGED}
+FORGED_KEEPS = {**getattr(forged_dp, "FORGED_KEEPS", {}), **getattr(forged_tp_pp, "FORGED_KEEPS", {})}
 
 
 @pytest.mark.slow
@@ -23,6 +28,8 @@ def test_every_exercise_solution_full_exercise_zero(tmp_path, source: Path):
     write_submission(subs, "solution", name, solution_notebook(name))
     write_submission(subs, "untouched", name, exercise_notebook(name))
     partial = write_partial(subs, name, number) if number in PARTIALS else None
+    if number in FORGED:
+        write_submission(subs, "forged", name, patched(solution_notebook(name), FORGED[number]))
     graded = {g.student: g for g in grade.grade(subs, number, tmp_path / "out", root=ROOT,
                                                  cache_dir=tmp_path / "cache", progress=False, jobs=2)}
     full = sum(t.points for t in (r.test for r in graded["solution"].results))
@@ -31,3 +38,6 @@ def test_every_exercise_solution_full_exercise_zero(tmp_path, source: Path):
     assert graded["untouched"].points == 0
     if partial is not None:
         assert graded["partial"].points == partial
+    if number in FORGED:
+        forged = graded["forged"]
+        assert forged.points == FORGED_KEEPS.get(number, 0), [(r.test.id, r.status, r.message) for r in forged.results]

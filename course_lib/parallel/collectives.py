@@ -80,28 +80,92 @@ def time_all_reduce(rank: int, world_size: int, sizes_bytes: Sequence[int], repe
     return medians
 
 
+# Collectives the exercise's rules forbid inside a ring (it must use send/recv only). The names
+# that a torch build lacks are skipped.
+FORBIDDEN_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather",
+                         "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
+                         "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all",
+                         "all_to_all_single", "gather", "scatter")
+
+
+class _CollectiveSpy:
+    """While active, note every forbidden collective called through ``torch.distributed`` (or a
+    name the learner's module imported from it) and still run it, so the ranks stay in step.
+
+    It catches an honest shortcut, not a determined cheat (who could call the C++ process group)."""
+
+    def __init__(self, impl: Callable):
+        from torch.distributed import distributed_c10d
+
+        self.called: list[str] = []
+        self._patches = []  # (namespace dict or module, name, original)
+        originals = {name: getattr(dist, name) for name in FORBIDDEN_COLLECTIVES if hasattr(dist, name)}
+        for name, fn in originals.items():
+            for module in (dist, distributed_c10d):
+                if getattr(module, name, None) is fn:
+                    self._patches.append((module, name, fn))
+        by_id = {id(fn): name for name, fn in originals.items()}
+        learner_globals = getattr(impl, "__globals__", None)
+        if isinstance(learner_globals, dict):  # `from torch.distributed import all_reduce` in the module
+            for key, value in list(learner_globals.items()):
+                if id(value) in by_id and callable(value):
+                    self._patches.append((learner_globals, key, value))
+
+    def _wrap(self, name: str, fn: Callable) -> Callable:
+        def spy(*args, **kwargs):
+            self.called.append(name)
+            return fn(*args, **kwargs)
+        return spy
+
+    def __enter__(self) -> "_CollectiveSpy":
+        for where, key, fn in self._patches:
+            if isinstance(where, dict):
+                where[key] = self._wrap(fn.__name__, fn)
+            else:
+                setattr(where, key, self._wrap(key, fn))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for where, key, fn in self._patches:
+            if isinstance(where, dict):
+                where[key] = fn
+            else:
+                setattr(where, key, fn)
+
+
+def case_data(rank: int, numel: int, dtype_name: str, seed: int) -> torch.Tensor:
+    """The seeded input one rank feeds the all-reduce in a test case (``numel`` elements)."""
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    if DTYPES[dtype_name].is_floating_point:
+        return torch.randn(numel, generator=gen).to(DTYPES[dtype_name])
+    return torch.randint(-1000, 1000, (numel,), generator=gen).to(DTYPES[dtype_name])
+
+
 def compare_all_reduce(rank: int, world_size: int, impl: Callable,
                        cases: Sequence[tuple[int, str, int]]) -> list[dict]:
     """Run ``impl(tensor)`` (an in-place sum all-reduce) and ``dist.all_reduce`` on the same data.
 
     ``cases`` is a list of ``(numel, dtype_name, seed)``. Returns, per case, the max abs error
-    against ``dist.all_reduce`` and whether the call changed the tensor in place."""
+    against ``dist.all_reduce``, whether the call changed the tensor in place, the collectives the
+    call used (``collectives``: names, forbidden by the rules) and ``result``, the tensor ``impl``
+    produced (a copy, for the grader)."""
     report = []
     for numel, dtype_name, seed in cases:
-        gen = torch.Generator().manual_seed(seed * 1000 + rank)
-        if DTYPES[dtype_name].is_floating_point:
-            data = torch.randn(numel, generator=gen).to(DTYPES[dtype_name])
-        else:
-            data = torch.randint(-1000, 1000, (numel,), generator=gen).to(DTYPES[dtype_name])
+        data = case_data(rank, numel, dtype_name, seed)
         expected = data.clone()
         dist.all_reduce(expected)
         mine = data.clone()
-        returned = impl(mine)
+        with _CollectiveSpy(impl) as spy:
+            returned = impl(mine)
         result = mine if returned is None else returned
-        err = (result.double() - expected.double()).abs().max().item() if numel else 0.0
+        is_tensor = isinstance(result, torch.Tensor)
+        shape_ok = is_tensor and result.shape == data.shape
+        err = (result.double() - expected.double()).abs().max().item() if numel and shape_ok else 0.0
         report.append({"numel": numel, "dtype": dtype_name, "max_abs_err": err,
-                       "in_place": torch.equal(mine, result), "shape_ok": result.shape == data.shape,
-                       "dtype_ok": result.dtype == data.dtype})
+                       "in_place": is_tensor and shape_ok and torch.equal(mine, result),
+                       "shape_ok": shape_ok, "dtype_ok": is_tensor and result.dtype == data.dtype,
+                       "collectives": sorted(set(spy.called)),
+                       "result": result.detach().clone() if is_tensor else None})
     return report
 
 
@@ -111,7 +175,9 @@ def check_all_reduce(impl: Callable, world_sizes: Sequence[int],
 
     Raises ``NotImplementedError`` when the learner's function still raises it,
     :class:`course_lib.checks.CheckFailed` with a sentence when a result is wrong. Returns the
-    rows of a table (world size, numel, dtype, max error) on success."""
+    rows of a table (world size, numel, dtype, max error) on success; each row also carries
+    ``outputs``, every rank's result tensor for that case (rank order), for the grader to compare
+    with the instructor's: unlike the error, it cannot be right without a working all-reduce."""
     from course_lib.checks import CheckFailed
 
     rows = []
@@ -133,6 +199,12 @@ def check_all_reduce(impl: Callable, world_sizes: Sequence[int],
         for rank, report in enumerate(per_rank):
             for row in report:
                 where = f"{world_size} ranks, numel={row['numel']}, {row['dtype']}, rank {rank}"
+                if row["collectives"]:
+                    used = ", ".join(f"dist.{name}" for name in row["collectives"])
+                    raise CheckFailed(
+                        f"{where}: your ring called {used} while it ran; the rules allow only "
+                        "point-to-point messages (dist.send / dist.recv / dist.isend / dist.irecv). "
+                        "Build the sum from the ring's reduce-scatter and all-gather steps.")
                 if not (row["shape_ok"] and row["dtype_ok"]):
                     raise CheckFailed(f"{where}: the result must keep the input's shape and dtype")
                 tol = 1e-2 * world_size if row["dtype"] == "bfloat16" else 1e-4
@@ -145,7 +217,7 @@ def check_all_reduce(impl: Callable, world_sizes: Sequence[int],
                 if not row["in_place"]:
                     raise CheckFailed(f"{where}: the sum must end up in the tensor you were given "
                                       "(in place), like dist.all_reduce")
-                if rank == 0:
-                    rows.append({"ranks": world_size, **{k: row[k] for k in ("numel", "dtype",
-                                                                               "max_abs_err")}})
+        for i, row in enumerate(per_rank[0]):
+            rows.append({"ranks": world_size, **{k: row[k] for k in ("numel", "dtype", "max_abs_err")},
+                         "outputs": [report[i]["result"] for report in per_rank]})
     return rows

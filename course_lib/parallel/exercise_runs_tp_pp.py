@@ -96,14 +96,22 @@ def _tp_group(world_size: int, tp: int | None):
 
 
 # ============================================================= exercise 10: f and g
+def _raw(t):
+    """A detached copy of what the learner's code produced (None stays None, a non-tensor too):
+    the grader compares these values themselves, never a summary computed from them."""
+    return t.detach().clone() if isinstance(t, torch.Tensor) else None
+
+
 def _ops_scenario(f, g, shape, group, n, r, calls) -> dict:
     problems, counts = [], {}
+    raw = {"f(x)": None, "f x.grad": None, "g(x)": None, "g x.grad": None}
     # f: identity forward; backward sums the gradients of every rank (each rank's differ)
     x = _randn(shape, 1)
     xin = x.clone().requires_grad_()
     calls.phase = "f forward"
     y = f(xin, group)
     counts["f forward"] = calls.take("f forward")
+    raw["f(x)"] = _raw(y)
     if not isinstance(y, torch.Tensor) or y.shape != x.shape or not torch.equal(y.detach(), x):
         problems.append((1, "f(x) should return x unchanged (f is the identity in forward)"))
     elif not y.requires_grad or y.grad_fn is None:
@@ -115,6 +123,7 @@ def _ops_scenario(f, g, shape, group, n, r, calls) -> dict:
         calls.phase = "f backward"
         y.backward(mine)
         counts["f backward"] = calls.take("f backward")
+        raw["f x.grad"] = _raw(xin.grad)
         want = torch.stack(ups).sum(0)
         hint = ("f's backward must all-reduce (sum) the incoming gradient over the group: every rank "
                 "read the same x, so x's gradient is the sum of every rank's part")
@@ -134,6 +143,7 @@ def _ops_scenario(f, g, shape, group, n, r, calls) -> dict:
     calls.phase = "g forward"
     y = g(xin, group)
     counts["g forward"] = calls.take("g forward")
+    raw["g(x)"] = _raw(y)
     want = torch.stack(xs).sum(0)
     hint = "g's forward must return the sum over the group of every rank's x (an all-reduce)"
     if isinstance(y, torch.Tensor) and _close(y.detach(), xs[r]):
@@ -150,6 +160,7 @@ def _ops_scenario(f, g, shape, group, n, r, calls) -> dict:
         calls.phase = "g backward"
         y.backward(up)
         counts["g backward"] = calls.take("g backward")
+        raw["g x.grad"] = _raw(xin.grad)
         hint = ("g's backward is the identity: the derivative of a sum with respect to each of its "
                 "terms is 1, so every rank's x gets the incoming gradient as it is")
         if xin.grad is not None and _close(xin.grad, n * up):
@@ -166,7 +177,7 @@ def _ops_scenario(f, g, shape, group, n, r, calls) -> dict:
         if phase in counts and (got.get("all_reduce", 0) != n_want or sum(got.values()) != n_want):
             problems.append((5, f"{phase} issued {got or 'no collectives'}; it should issue exactly "
                                 f"{n_want} all_reduce and nothing else"))
-    return {"problems": problems, "counts": {k: sum(v.values()) for k, v in counts.items()}}
+    return {"problems": problems, "counts": {k: sum(v.values()) for k, v in counts.items()}, "raw": raw}
 
 
 def ops_rank(rank: int, world_size: int, refs: tuple, folder: str, shapes: list, tp) -> dict:
@@ -184,13 +195,16 @@ def check_conjugate_ops(f, g, world_size: int, shapes: list, *, tp: int | None =
                         timeout: float = 120.0) -> list[dict]:
     """Run the learner's ``f`` (identity / all-reduce) and ``g`` (all-reduce / identity) on
     ``world_size`` gloo ranks (in groups of ``tp`` ranks; None: all of them) for every shape;
-    raise on the first problem, else one row per shape with the collectives of each phase."""
+    raise on the first problem, else one row per shape with the collectives of each phase and
+    ``outputs``: per rank, what the learner's operators returned on the seeded inputs (``f(x)``,
+    ``f x.grad``, ``g(x)``, ``g x.grad``; fp32 tensors, None where not reached), for the grader."""
     refs = [impl_ref(fn) for fn in (f, g)]
     per_rank = _launch(ops_rank, world_size, "your f and g", timeout,
                        tuple(ref for ref, _ in refs), refs[0][1], [tuple(s) for s in shapes], tp,
                        deadlock_hint="Every rank of the group must call the same all_reduce, with the same group.")
     _first_problem(per_rank, world_size)
-    return [{"ranks": world_size, "shape": name, **per_rank[0][name]["counts"]} for name in per_rank[0]]
+    return [{"ranks": world_size, "shape": name, **per_rank[0][name]["counts"],
+             "outputs": [per_rank[r][name]["raw"] for r in range(world_size)]} for name in per_rank[0]]
 
 
 # ============================================================= exercise 10: the layers
@@ -288,8 +302,11 @@ def _layer_scenario(col_cls, row_cls, kind, dims, bias, lead, group, n, r, calls
                                 f"{n_want} all_reduce there (column: f's in backward; row: g's in forward)"))
     err = max(_err(y.detach(), want_y), _err(x_in.grad, want_xg),
               *(_err(layer.weight.grad, wg) for layer, (wg, _) in zip(layers, want)))
+    raw = {"y": _raw(y), "x.grad": _raw(x_in.grad),
+           "grads": [[_raw(layer.weight.grad), _raw(getattr(getattr(layer, "bias", None), "grad", None))]
+                     for layer in layers]}  # this rank's shard, [weight, bias] per layer
     return {"problems": problems, "forward": sum(fwd.values()), "backward": sum(bwd.values()),
-            "max_err": err, "shards": [layer.weight.detach().clone() for layer in layers],
+            "max_err": err, "raw": raw, "shards": [layer.weight.detach().clone() for layer in layers],
             "dense_weights": [m.weight.detach().clone() for m in dense.modules() if isinstance(m, nn.Linear)],
             "params": sum(p.numel() for layer in layers for p in layer.parameters()),
             "dense_params": sum(p.numel() for p in dense.parameters())}
@@ -315,7 +332,9 @@ def check_parallel_linears(col_cls, row_cls, world_size: int, scenarios: list, *
     ranks in every scenario ``(name, "column"|"row"|"mlp", dims, bias, leading input dims[, tp])``
     (``tp``: tensor-parallel groups of that many consecutive ranks; left out or None: all ranks):
     outputs and gradients equal to the dense layer, and the all-reduces each direction needs.
-    Raises on the first problem, else one row per scenario."""
+    Raises on the first problem, else one row per scenario; its ``outputs`` hold, per rank, what
+    the learner's layers produced on the seeded input (``y``, ``x.grad``, and ``grads``: [weight,
+    bias] gradients of this rank's shard per layer; fp32 tensors), for the grader."""
     for cls in (col_cls, row_cls):
         if cls.__module__.startswith("course_lib"):
             raise CheckFailed(f"{cls.__name__} is the library's own class ({cls.__module__}): this "
@@ -334,6 +353,7 @@ def check_parallel_linears(col_cls, row_cls, world_size: int, scenarios: list, *
                      "dense_params": r0["dense_params"],
                      "max_err": max(per_rank[r][name]["max_err"] for r in range(world_size)),
                      "shards": [per_rank[r][name]["shards"] for r in range(world_size)],
+                     "outputs": [per_rank[r][name]["raw"] for r in range(world_size)],
                      "dense_weights": r0["dense_weights"]})
     return rows
 
@@ -435,7 +455,8 @@ def check_schedule_fn(fn, pp: int, micro_batches: int) -> dict:
     """The pure checks of exercise 11 for one (pp, m): well-formed lists, no deadlock, no mixed-up
     messages, at most ``min(m, pp - stage)`` micro-batches in flight, and the library's 1F1B order
     (:func:`course_lib.parallel.pipeline.schedules.stage_actions`). Raises CheckFailed (or the
-    learner's NotImplementedError), else returns a row with the simulated numbers."""
+    learner's NotImplementedError), else returns a row with the simulated numbers and ``lists``:
+    every stage's list as ``fn`` returned it (``[action, micro_batch]`` pairs), for the grader."""
     from course_lib.parallel.pipeline.schedules import stage_actions
 
     m = micro_batches
@@ -471,7 +492,8 @@ def check_schedule_fn(fn, pp: int, micro_batches: int) -> dict:
                 f"warm up with min(pp - stage - 1, m) = {min(pp - s - 1, m)} forwards, then one forward "
                 "and one backward (oldest micro-batch first), then the remaining backwards.")
     return {"pp": pp, "micro_batches": m, "makespan": sim["makespan"], "ideal": (m + pp - 1) * 3.0,
-            "peak_in_flight": sim["peak_in_flight"], "events": sim["events"]}
+            "peak_in_flight": sim["peak_in_flight"], "events": sim["events"],
+            "lists": [[list(a) for a in actions] for actions in lists]}
 
 
 # ============================================================= exercise 11: on gloo ranks
@@ -523,8 +545,9 @@ def _pp_scenario(rank: int, world: int, m: int, actions: list) -> dict:
     if result["peak_in_flight"] > min(m, world - rank):
         problems.append((3, f"the runner held {result['peak_in_flight']} micro-batches in flight, "
                             f"1F1B allows min(m, pp - stage) = {min(m, world - rank)}"))
+    grads = {n: _raw(p.grad) for n, p in stage.named_parameters()}  # this stage's, for the grader
     return {"problems": problems, "max_err": err, "peak_in_flight": result["peak_in_flight"],
-            "loss": result["loss"], "ref_loss": ref_loss}
+            "loss": result["loss"], "ref_loss": ref_loss, "grads": grads}
 
 
 def pp_rank(rank: int, world_size: int, scenarios: list) -> dict:
@@ -538,7 +561,9 @@ def check_one_f_one_b_on_ranks(fn, pp: int, micro_batch_counts: list, *,
                                timeout: float = 120.0) -> list[dict]:
     """Execute ``fn``'s orders on ``pp`` gloo ranks (one stage each, a 4-block TinyGPT) with the
     library's runner, one scenario per micro-batch count; compare loss and gradients with one
-    process. The pure checks run first, so an order that would hang is never started."""
+    process. The pure checks run first, so an order that would hang is never started. Each row's
+    ``grads`` holds, per rank, its stage's parameter gradients by name (fp32 tensors), and ``lists``
+    the action lists the ranks ran, for the grader."""
     scenarios = []
     for m in micro_batch_counts:
         check_schedule_fn(fn, pp, m)
@@ -549,5 +574,7 @@ def check_one_f_one_b_on_ranks(fn, pp: int, micro_batch_counts: list, *,
     return [{"pp": pp, "micro_batches": m, "loss": per_rank[-1][name]["loss"],
              "ref_loss": per_rank[-1][name]["ref_loss"],
              "max_err": max(per_rank[r][name]["max_err"] for r in range(pp)),
-             "peak_in_flight": [per_rank[r][name]["peak_in_flight"] for r in range(pp)]}
-            for name, m, _ in scenarios]
+             "peak_in_flight": [per_rank[r][name]["peak_in_flight"] for r in range(pp)],
+             "grads": [per_rank[r][name]["grads"] for r in range(pp)],
+             "lists": [[list(a) for a in actions] for actions in lists]}
+            for name, m, lists in scenarios]

@@ -201,7 +201,7 @@ def _ddp_scenario(cls, rank, world, tricky, bucket_mb, micro, steps, calls) -> d
         problems.append((0, "wrapper.module should be the module you were given, the same object"))
     problems += [(0, t) for t in _compare("right after construction", _state(model), ref["start"],
                  "Broadcast every parameter (frozen ones too) and every buffer from rank 0.")]
-    opt, per, table, max_err = _sgd(model), BATCH // world, [], 0.0
+    opt, per, table, max_err, seen = _sgd(model), BATCH // world, [], 0.0, []
     for step, (x, y) in enumerate(_batches(steps)):
         xs, ys = x[rank * per:(rank + 1) * per].chunk(micro), y[rank * per:(rank + 1) * per].chunk(micro)
         opt.zero_grad(set_to_none=True)
@@ -218,6 +218,7 @@ def _ddp_scenario(cls, rank, world, tricky, bucket_mb, micro, steps, calls) -> d
         calls.phase = None
         table.append(dict(calls.counts, async_in_backward=calls.async_in_backward))
         got = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+        seen.append(got)
         hint = ("Step 1 was right: reset the per-bucket ready counts and the pending work at the end "
                 "of finish_gradient_synchronization()." if step and not problems else
                 "Divide the summed bucket by the world size and copy each parameter's slice of the "
@@ -236,7 +237,10 @@ def _ddp_scenario(cls, rank, world, tricky, bucket_mb, micro, steps, calls) -> d
         "The gradients were right: check what else your wrapper changes.")]
     if tricky and model.head.weight is not model.emb.weight:
         problems.append((steps + 1, "the tied weight was untied: head.weight must stay emb.weight"))
-    return {"problems": problems, "calls": table, "max_err": max_err}
+    # outputs: what the learner's wrapper produced (gradients after each step's synchronisation,
+    # then parameters and buffers), for the grader to compare with the instructor's run
+    return {"problems": problems, "calls": table, "max_err": max_err,
+            "outputs": {"grads": seen, "end": _state(model)}}
 
 
 def ddp_rank(rank: int, world_size: int, ref: str, folder: str, scenarios: list, steps: int) -> dict:
@@ -256,7 +260,9 @@ def check_bucketed_ddp(cls, world_size: int, scenarios: list, *, steps: int = 3,
                        timeout: float = 180.0) -> list[dict]:
     """Run ``cls`` (the learner's BucketedDDP) on ``world_size`` gloo ranks in every scenario
     ``(name, tricky, bucket_mb, micro)``; raise on the first problem, else return table rows:
-    scenario, all-reduces per step, how many started asynchronously during backward, max error."""
+    scenario, all-reduces per step, how many started asynchronously during backward, max error,
+    and ``outputs``: per rank (rank order), ``{"grads": [{name: gradient or None} per step],
+    "end": {name: parameter or buffer}}`` as the learner's wrapper left them (fp32 tensors)."""
     ref, folder = impl_ref(cls)
     per_rank = _launch(ddp_rank, world_size, "your BucketedDDP", timeout, ref, folder,
                        list(scenarios), steps)
@@ -278,7 +284,8 @@ def check_bucketed_ddp(cls, world_size: int, scenarios: list, *, steps: int = 3,
                               f"everything in one bucket (one all-reduce), saw {total} per step")
         rows.append({"ranks": world_size, "scenario": name, "all_reduces": total,
                      "in_backward": calls["async_in_backward"],
-                     "max_err": max(per_rank[r][name]["max_err"] for r in range(world_size))})
+                     "max_err": max(per_rank[r][name]["max_err"] for r in range(world_size)),
+                     "outputs": [per_rank[r][name]["outputs"] for r in range(world_size)]})
     return rows
 
 
@@ -321,7 +328,7 @@ def _zero_scenario(cls, rank, world, opt_name, add_at, schedule, steps) -> dict:
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.7 ** s) for o in (opt, plain)] \
         if schedule else []
     g = torch.Generator().manual_seed(99)
-    per, active = 8 // world, []
+    per, active, after = 8 // world, [], []
     for step in range(steps):
         if step == add_at:
             opt.add_param_group({"params": late, "lr": 5e-3})
@@ -341,6 +348,7 @@ def _zero_scenario(cls, rank, world, opt_name, add_at, schedule, steps) -> dict:
             s.step()
         opt.zero_grad(set_to_none=True)
         plain.zero_grad(set_to_none=True)
+        after.append([p.detach().clone() for p in ps + late])
         for i, (p, t) in enumerate(zip(ps + late, twins)):
             if not problems and not torch.equal(p.detach(), t.detach()):
                 diff = (p.detach() - t.detach()).abs().max().item()
@@ -363,7 +371,7 @@ def _zero_scenario(cls, rank, world, opt_name, add_at, schedule, steps) -> dict:
     held = _held(opt)
     every = ps + late
     return {"problems": problems, "held": [i for i, p in enumerate(every) if id(p) in held],
-            "numel": [p.numel() for p in every]}
+            "numel": [p.numel() for p in every], "outputs": after}
 
 
 def zero_rank(rank: int, world_size: int, ref: str, folder: str, scenarios: list, steps: int) -> dict:
@@ -380,7 +388,8 @@ def check_sharded_optimizer(cls, world_size: int, scenarios: list, *, steps: int
     """Run ``cls`` (the learner's ShardedOptimizer) on ``world_size`` gloo ranks in every scenario
     ``(name, optimizer "adamw"/"sgd", step at which a group is added or None, lr schedule?)``;
     raise on the first problem, else return one row per scenario and rank: elements whose
-    optimizer state the rank holds, against all elements."""
+    optimizer state the rank holds, against all elements, and ``outputs``, that rank's parameters
+    after every step (a list per step, parameter order of the scenario, late group included)."""
     ref, folder = impl_ref(cls)
     per_rank = _launch(zero_rank, world_size, "your ShardedOptimizer", timeout, ref, folder,
                        list(scenarios), steps)
@@ -406,5 +415,5 @@ def check_sharded_optimizer(cls, world_size: int, scenarios: list, *, steps: int
                     f"{total} elements, more than 1/{world_size} plus the largest parameter "
                     f"({biggest}): give each new parameter to the rank that owns the fewest elements")
             rows.append({"ranks": world_size, "scenario": name, "rank": r, "state_elements": held,
-                         "all_elements": total})
+                         "all_elements": total, "outputs": per_rank[r][name]["outputs"]})
     return rows
