@@ -192,6 +192,18 @@ def _fresh_folder(scratch: Path, name: str, module: str, code: bytes) -> Path:
     return work
 
 
+def _scenario(work: Path, scratch: Path, limits: ProbeLimits, module: str, scenario: str, tested: str,
+              verdicts: int) -> tuple[Path, list[str]]:
+    """Run ``scenario`` (a function of this module) on a copy of the written ``module`` in a fresh
+    kernel; its folder, and ``verdicts`` copies of the reason when it could not run (else [])."""
+    code = _module_file(work, module)
+    if code is None:
+        return Path(), [f"no {module}.py was written (run the %%writefile cell)"] * verdicts
+    folder = _fresh_folder(scratch, f"probe-{scenario}", module, code)
+    error = _run_scenario(folder, f"from course_lib.grading.probes import {scenario}; {scenario}({module!r})", limits)
+    return folder, [f"the grader's run of {tested} failed: {error}"] * verdicts if error else []
+
+
 def _run_scenario(work: Path, call: str, limits: ProbeLimits) -> str:
     """Run ``call`` (one line of Python) in a fresh confined kernel in ``work``; "" when it
     finished, else how it ended. The kernel is gone when this returns."""
@@ -208,14 +220,9 @@ def probe_atomic_save(work: Path, scratch: Path, limits: ProbeLimits, module: st
     folder holds exactly ``model.pt`` with the second state; a nested state saved to a ``str``
     path loads back; and ``model.pt`` still loads after each of two kills mid-save
     (:func:`kill_cycles`). Verdicts: [replace-and-failed-save, nested, kill, kill]."""
-    code = _module_file(work, module)
-    if code is None:
-        return [f"no {module}.py was written (run the %%writefile cell)"] * 4
-    folder = _fresh_folder(scratch, "probe-atomic", module, code)
-    error = _run_scenario(folder, f"from course_lib.grading.probes import atomic_save_scenario; "
-                                  f"atomic_save_scenario({module!r})", limits)
-    if error:
-        return [f"the grader's run of atomic_save failed: {error}"] * 4
+    folder, failed = _scenario(work, scratch, limits, module, "atomic_save_scenario", "atomic_save", 4)
+    if failed:
+        return failed
     from course_lib.checkpoint_kill import state_step
 
     names = [e.name for e in _listing(folder / "a")]
@@ -240,14 +247,9 @@ def probe_retention(work: Path, scratch: Path, limits: ProbeLimits, module: str 
     """The submission's ``save_checkpoint``, run by the grader: steps 1-5 then an unloadable step 6
     with keep_last=2 leave exactly steps 4 and 5; keep_last=5 keeps 9-11, then keep_last=2 after
     step 12 leaves 11 and 12. Verdicts: [keep_last=2 and the bad save, keep_last=5 then 2]."""
-    code = _module_file(work, module)
-    if code is None:
-        return [f"no {module}.py was written (run the %%writefile cell)"] * 2
-    folder = _fresh_folder(scratch, "probe-retention", module, code)
-    error = _run_scenario(folder, f"from course_lib.grading.probes import retention_scenario; "
-                                  f"retention_scenario({module!r})", limits)
-    if error:
-        return [f"the grader's run of save_checkpoint failed: {error}"] * 2
+    folder, failed = _scenario(work, scratch, limits, module, "retention_scenario", "save_checkpoint", 2)
+    if failed:
+        return failed
     leftovers = [e.name for e in _listing(folder / "r") if not fnmatch.fnmatch(e.name, "step_*.pt")]
     first = checkpoints_verdict(folder / "r", expect_steps=[4, 5])
     if first == "ok" and leftovers:
