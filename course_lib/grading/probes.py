@@ -133,16 +133,19 @@ def _listing(folder: Path) -> list[os.DirEntry]:
         return []
 
 
-def _load(path: Path):
-    """``torch.load(weights_only=True)`` of a regular file of bounded size, or None."""
-    import torch
-
+def _loadable_file(path: Path) -> bool:
+    """A regular file (not a link) small enough to load in the grader's process."""
     try:
-        if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_CHECKPOINT_BYTES:
-            return None
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001 - torn, empty or refused: all "does not load"
-        return None
+        return not path.is_symlink() and path.is_file() and path.stat().st_size <= MAX_CHECKPOINT_BYTES
+    except OSError:
+        return False
+
+
+def _loaded_step(path: Path) -> int | None:
+    """:func:`course_lib.checkpoint_kill.loaded_step` (``weights_only=True``) of a loadable file."""
+    from course_lib.checkpoint_kill import loaded_step
+
+    return loaded_step(path) if _loadable_file(path) else None
 
 
 def checkpoints_verdict(folder: Path, *, expect_steps: list[int] | None = None,
@@ -150,8 +153,6 @@ def checkpoints_verdict(folder: Path, *, expect_steps: list[int] | None = None,
     """"ok" when every ``step_*.pt`` in ``folder`` is a regular file that loads with
     ``weights_only=True`` and holds its own step, the steps are consecutive, and (when given)
     they are exactly ``expect_steps`` / at most ``max_count``; else what is wrong, in words."""
-    from course_lib.checkpoint_kill import state_step
-
     finals = [e for e in _listing(folder) if fnmatch.fnmatch(e.name, "step_*.pt")]
     if not finals:
         return "no checkpoint (step_*.pt) on disk"
@@ -160,7 +161,7 @@ def checkpoints_verdict(folder: Path, *, expect_steps: list[int] | None = None,
         match = CHECKPOINT_NAME.fullmatch(entry.name)
         if not match or not entry.is_file(follow_symlinks=False):
             return f"{entry.name} is not a checkpoint file named step_NNNNNNNN.pt"
-        if state_step(_load(folder / entry.name)) != int(match.group(1)):
+        if _loaded_step(folder / entry.name) != int(match.group(1)):
             return (f"{entry.name} does not load with weights_only=True or holds another step: a file "
                     "got its final name before it was complete")
         steps.append(int(match.group(1)))
@@ -223,18 +224,18 @@ def probe_atomic_save(work: Path, scratch: Path, limits: ProbeLimits, module: st
     folder, failed = _scenario(work, scratch, limits, module, "atomic_save_scenario", "atomic_save", 4)
     if failed:
         return failed
-    from course_lib.checkpoint_kill import state_step
-
     names = [e.name for e in _listing(folder / "a")]
     if names != ["model.pt"]:
         first = f"after two saves and a failed one the folder holds {names[:6]}, expected only model.pt"
-    elif state_step(_load(folder / "a" / "model.pt")) != 2:
+    elif _loaded_step(folder / "a" / "model.pt") != 2:
         first = ("model.pt does not hold the second save after a save that failed halfway: the failed "
                  "save wrote over it instead of into a temporary file")
     else:
         first = "ok"
-    nested = _load(folder / "b" / "x.pt")
     try:
+        import torch
+
+        nested = torch.load(folder / "b" / "x.pt", weights_only=True) if _loadable_file(folder / "b" / "x.pt") else None
         good = nested["step"] == 4 and bool((nested["w"]["nested"][0] == 4.0).all())
     except Exception:  # noqa: BLE001 - a file the student wrote: any shape of wrong
         good = False
@@ -304,11 +305,9 @@ def kill_cycles(work: Path, scratch: Path, limits: ProbeLimits, module: str, fun
 
 
 def _model_file_verdict(path: Path) -> str:
-    from course_lib.checkpoint_kill import state_step
-
     if not path.exists():
         return "model.pt was gone after the kill: the old file was removed before the new one was in place"
-    if state_step(_load(path)) is None:
+    if _loaded_step(path) is None:
         return ("model.pt does not load with weights_only=True after a kill mid-save: it was written in "
                 "place (or renamed before it was complete)")
     return "ok"
