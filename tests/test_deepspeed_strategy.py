@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("deepspeed")
 
 import deepspeed_rank_fns as ds_fns  # noqa: E402
+from adam_tolerance import assert_weights_match_after_adam  # noqa: E402
 from course_lib import train_config  # noqa: E402
 from course_lib.metrics import read_rows  # noqa: E402
 from course_lib.parallel import run_ranks  # noqa: E402
@@ -171,8 +172,9 @@ def test_every_zero_stage_and_offload_matches_one_process_with_the_global_batch(
         state = deepspeed_to_state_dict(tmp_path / name / "checkpoints" / "step_000000012")
         plain = TinyGPT(train_config.build_model_config(cfg()))
         plain.load_state_dict(state, strict=True)
-        for key, value in want.items():
-            torch.testing.assert_close(plain.state_dict()[key], value, rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
+        # the key biases have no exact gradient: Adam moves them by noise, bounded (tests/adam_tolerance.py)
+        got = {k: v for k, v in plain.state_dict().items() if k in want}
+        assert_weights_match_after_adam(got, want, lr=3e-3, steps=12, msg=name)
 
 
 def test_a_skipped_step_leaves_no_trace_and_the_scheduled_lr_reaches_deepspeed(deepspeed_ops):

@@ -78,11 +78,14 @@ class MeshLayout:
     def group_ranks(self, dim: str) -> list[list[int]]:
         """Every group along ``dim``: lists of global ranks that differ only in ``dim`` (ordered by
         their ``dim`` coordinate). ``dim`` may also be "mp" (model parallel: tp x cp x pp, the
-        ranks that share one data-parallel replica, i.e. all ranks with the same dp coordinate)."""
-        along = ("pp", "cp", "tp") if dim == "mp" else (dim,)
+        ranks that share one data-parallel replica, i.e. all ranks with the same dp coordinate) or
+        "dp_cp" (dp x cp: the ranks that hold the *same* weights - same stage, same tp shard - and
+        read different tokens, so the group gradients are averaged or sharded over; it is the dp
+        group when cp = 1, as torchtitan's flattened "dp_shard_cp")."""
+        along = {"mp": ("pp", "cp", "tp"), "dp_cp": ("dp", "cp")}.get(dim, (dim,))
         for d in along:
             if d not in DIMS:
-                raise ValueError(f"dim must be one of {', '.join(DIMS)} or 'mp', got {dim!r}")
+                raise ValueError(f"dim must be one of {', '.join(DIMS)}, 'mp' or 'dp_cp', got {dim!r}")
         fixed = [d for d in DIMS if d not in along]
         groups = []
         for values in itertools.product(*(range(getattr(self, d)) for d in fixed)):
@@ -198,7 +201,7 @@ def build_mesh(layout: MeshLayout, rank: int | None = None, backend: str | None 
                          f"{layout.cp} x tp {layout.tp}) but the process group has {world}")
     rank = dist.get_rank() if rank is None else rank
     groups, ranks = {}, {}
-    for dim in (*DIMS, "mp"):
+    for dim in (*DIMS, "mp", "dp_cp"):
         for members in layout.group_ranks(dim):  # every rank creates every group, same order
             group = dist.new_group(members, backend=backend)
             if rank in members:
