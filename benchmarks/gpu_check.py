@@ -5,6 +5,7 @@ and the memory-leak / fragmentation failure modes seen through the CUDA allocato
     python benchmarks/gpu_check.py mfu [--steps 60]    # GPT-2 small (124M, seq 1024) in the trainer
     python benchmarks/gpu_check.py profile             # where the MFU run's GPU time goes
     python benchmarks/gpu_check.py memory              # max_memory_allocated vs course_lib.estimate
+    python benchmarks/gpu_check.py memory-accum        # the same under grad_accum 1/4/16, ZeRO 0-3, fp32/bf16
     python benchmarks/gpu_check.py leak                # lab 04's leak on the CUDA allocator
     python benchmarks/gpu_check.py fragmentation       # reserved vs allocated, with and without
                                                        # expandable segments
@@ -368,6 +369,97 @@ def run_memory(args) -> dict:
     return {"env": env, "rows": rows}
 
 
+# ----------------------------------------------------------------------------- memory under accumulation
+ACCUM_STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}  # train.strategy -> ZeRO stage it is
+
+
+def _nccl_group_of_one() -> None:
+    """A one-rank NCCL process group, so the trainer builds its data-parallel strategies (DDP,
+    ZeRO-1/2, FSDP2) on the GPU as a torchrun rank would; the group is reused by every case."""
+    import torch.distributed as dist
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29531"))
+    if not dist.is_initialized():
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=0, world_size=1)
+
+
+def accum_row(strategy: str, precision: str, grad_accum: int, micro_batch: int) -> dict:
+    """One trainer run (GPT-2 small, seq 1024, 3 optimizer steps of ``grad_accum`` micro-batches
+    of ``micro_batch`` sequences, AdamW) under ``strategy`` on the one-rank NCCL group: the CUDA
+    allocator's peak (bytes above what was allocated before) next to the estimator's step peak -
+    today's (no gradients at the start of backward) and with the gradients that accumulation keeps
+    alive from the second micro-batch on. Activations: the saved-tensor census of one micro-batch
+    of the same model under the same autocast (exact), so the columns differ by model state and
+    transients only."""
+    import gc
+
+    from course_lib import estimate, train_config
+    from course_lib.measure import saved_activation_bytes
+    from course_lib.model import TinyGPT
+    from course_lib.train import train
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    overrides = [o for o in gpt2_small_overrides(micro_batch, 3) if not o.startswith(("train.precision", "train.compile",
+                                                                                        "optim.fused", "train.grad_accum"))]
+    overrides += [f"train.precision='{precision}'", "train.compile=false", "optim.fused=false",
+                  f"train.grad_accum={grad_accum}", f"train.strategy='{strategy}'", "schedule.warmup_steps=1"]
+    cfg = train_config.load(None, overrides)
+    with tempfile.TemporaryDirectory() as out:
+        train(cfg, out)
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - base
+    gc.collect()
+    torch.cuda.empty_cache()
+    mcfg = train_config.build_model_config(cfg)
+    torch.manual_seed(0)
+    model = TinyGPT(mcfg).cuda()
+    idx = torch.randint(0, mcfg.vocab_size, (micro_batch, 1024), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        saved = saved_activation_bytes(lambda: model(idx, idx)[1],
+                                       skip=tuple(model.parameters()) + tuple(model.buffers())).total_bytes
+    n = model.num_params()
+    del model, idx
+    gc.collect()
+    torch.cuda.empty_cache()
+    stage = ACCUM_STRATEGIES[strategy]
+    states = estimate.model_state_bytes(n, recipe="fp32-adam", zero_stage=stage, dp=1)  # autocast keeps fp32 states
+    transient = estimate.output_backward_transient_bytes(seq_len=1024, micro_batch=micro_batch, vocab_size=mcfg.vocab_size,
+                                                         bytes_per_element=2 if precision == "bf16" else 4)
+    today = estimate.training_step_peak_bytes(states, saved, transient_bytes=transient)
+    live_grads = states.grads if grad_accum > 1 else 0.0  # micro-batch 2..k: the sum so far is live
+    with_grads = max(today.backward_start + live_grads, today.optimizer_step)
+    return {"strategy": strategy, "zero_stage": stage, "precision": precision, "grad_accum": grad_accum,
+            "micro_batch": micro_batch, "params": n, "measured_peak": measured, "saved_activations": saved,
+            "est_states": states.total, "est_grads": states.grads, "est_transient": transient,
+            "est_peak_today": today.peak, "est_peak_with_accum_grads": with_grads,
+            "ratio_today": measured / today.peak, "ratio_with_accum_grads": measured / with_grads}
+
+
+def run_memory_accum(args) -> dict:
+    env = environment()
+    _nccl_group_of_one()
+    rows = []
+    mb = min(args.micro_batch, 4)
+    print(f"GPT-2 small, seq 1024, micro-batch {mb}, AdamW, the kit's trainer on a one-rank NCCL group, "
+          f"on {env['device']} (torch {env['torch']}); GiB")
+    print(f"  {'strategy':8s} {'prec':5s} {'accum':>5s} | {'measured':>8s} {'saved act':>9s} {'est today':>9s} "
+          f"{'ratio':>6s} | {'est + grads':>11s} {'ratio':>6s}")
+    for precision in ("fp32", "bf16"):
+        for strategy in ACCUM_STRATEGIES:
+            for k in (1, 4, 16):
+                r = accum_row(strategy, precision, k, mb)
+                rows.append(r)
+                print(f"  {strategy:8s} {precision:5s} {k:5d} | {r['measured_peak'] / GiB:8.2f} "
+                      f"{r['saved_activations'] / GiB:9.2f} {r['est_peak_today'] / GiB:9.2f} {r['ratio_today']:6.3f} | "
+                      f"{r['est_peak_with_accum_grads'] / GiB:11.2f} {r['ratio_with_accum_grads']:6.3f}", flush=True)
+    return {"env": env, "rows": rows}
+
+
 # ----------------------------------------------------------------------------- leak and fragmentation
 LEAK_LOOPS = ("train: losses.append(loss)", "train: losses.append(loss.detach())",
               "eval, grad on: losses.append(loss)", "eval, no_grad: losses.append(loss.item())")
@@ -466,7 +558,7 @@ def run_fragmentation(args) -> dict:
 
 # ----------------------------------------------------------------------------- command line
 COMMANDS = {"env": run_env, "mfu": run_mfu, "profile": run_profile, "memory": run_memory, "leak": run_leak,
-            "fragmentation": run_fragmentation}
+            "fragmentation": run_fragmentation, "memory-accum": run_memory_accum}
 
 
 def main(argv=None) -> int:
