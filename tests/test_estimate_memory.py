@@ -145,3 +145,27 @@ def test_training_step_peak_is_the_larger_of_backward_start_and_optimizer_step()
     assert small.optimizer_step == 20 * n and small.peak == 20 * n and small.where == "optimizer step"
     with pytest.raises(ValueError, match="activation_bytes"):
         training_step_peak_bytes(states, -1.0)
+
+
+def test_accumulation_keeps_the_gradient_sum_live_from_the_second_micro_batch():
+    """Llama 2 7B on 8 GPUs, ZeRO-1, 64 micro-batches: the bf16 gradients (2 B x 6.74e9 = 12.55 GiB)
+    are live at the start of every backward but the first; ZeRO-2 keeps its shard (1/8) when it
+    reduce-scatters each micro-batch, the whole tensor when it accumulates locally first."""
+    from course_lib.estimate import accumulated_grad_bytes, engine_accumulation, training_step_peak_bytes
+
+    n = 6_738_415_616
+    z1 = model_state_bytes(n, recipe="mixed-adam", zero_stage=1, dp=8)
+    one = training_step_peak_bytes(z1, 30e9, transient_bytes=2e9)
+    many = training_step_peak_bytes(z1, 30e9, transient_bytes=2e9, grad_accum=64)
+    assert many.backward_start - one.backward_start == 2 * n == z1.grads
+    z2 = model_state_bytes(n, recipe="mixed-adam", zero_stage=2, dp=8)
+    assert accumulated_grad_bytes(z2, "sharded") == z2.grads == 2 * n / 8
+    assert accumulated_grad_bytes(z2, "local") == 2 * n  # this kit's zero2: full local sums until the step
+    bucket = 5e8 * 2
+    z2_peak = training_step_peak_bytes(z2, 30e9, grad_accum=4, accumulation="sharded", reduce_bucket_bytes=bucket)
+    assert z2_peak.backward_start == z2.total + 30e9 + bucket
+    assert [engine_accumulation(s) for s in range(4)] == ["local", "local", "sharded", "sharded"]
+    with pytest.raises(ValueError, match="accumulation"):
+        training_step_peak_bytes(z1, 1.0, grad_accum=2, accumulation="lazy")
+    with pytest.raises(ValueError, match="grad_accum"):
+        training_step_peak_bytes(z1, 1.0, grad_accum=0)

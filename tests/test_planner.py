@@ -44,7 +44,12 @@ def peak_from_estimator(spec, lay: Layout) -> float:
     if lay.recompute != "none":  # the layer being recomputed (all of it, or its attention core)
         one = activation_breakdown_per_layer(**{**layer_kwargs(spec, lay), "recompute": "none"}).components
         transient += sum(one.values()) if lay.recompute == "full" else one["attention_core"]
-    return training_step_peak_bytes(states, acts, transient_bytes=transient).peak
+    # accumulation: the gradient sum is live from the second micro-batch on - whole for DDP / ZeRO-1,
+    # the shard for ZeRO-2/3 (reduce-scattered every micro-batch through DeepSpeed's 5e8-element bucket)
+    live = (states.grads if lay.grad_accum > 1 else 0.0)
+    bucket = min(5e8, sh.params_on_busiest_rank(tp=lay.tp, pp=lay.pp)) * 2 if lay.zero_stage == 2 else 0.0
+    base = training_step_peak_bytes(states, acts, transient_bytes=transient)
+    return max(base.backward_start + live + bucket, base.optimizer_step)
 
 
 def assert_valid_layout(p, c):

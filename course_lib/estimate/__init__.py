@@ -36,8 +36,8 @@ from .comm import (
 from .ds_estimator import DeepSpeedEstimate, deepspeed_zero2_estimate, deepspeed_zero3_estimate
 from .flops import flops_per_token, mfu, model_flops_per_iteration, palm_flops_per_token, training_days
 from .hardware import ACCELERATORS, Accelerator, accelerator
-from .memory import (RECIPES, ModelStateBytes, PrecisionRecipe, StepPeak, model_state_bytes, resolve_recipe,
-                     training_step_peak_bytes)
+from .memory import (GRAD_ACCUMULATION, RECIPES, ModelStateBytes, PrecisionRecipe, StepPeak, accumulated_grad_bytes,
+                     engine_accumulation, model_state_bytes, resolve_recipe, training_step_peak_bytes)
 from .pipeline import bubble_fraction
 from .shapes import PRESETS, ModelShape, default_d_ff
 from .units import BYTE_UNITS, bytes_to, format_bytes, format_si
@@ -52,5 +52,5 @@ __all__ = [
     "format_si", "mfu", "model_flops_per_iteration", "model_state_bytes", "output_backward_transient_bytes",
     "palm_flops_per_token",
     "resolve_recipe", "ring_bytes_per_rank", "ring_steps", "tp_comm_bytes_per_layer", "training_days",
-    "training_step_peak_bytes",
+    "training_step_peak_bytes", "accumulated_grad_bytes", "engine_accumulation", "GRAD_ACCUMULATION",
 ]

@@ -19,7 +19,8 @@ from .activations import ATTENTION, NORM_SAVES, RECOMPUTE, first_stage_activatio
 from .comm import comm_elements_per_step, tp_comm_bytes_per_layer
 from .flops import flops_per_token, model_flops_per_iteration
 from .hardware import ACCELERATORS, accelerator
-from .memory import RECIPES, model_state_bytes, resolve_recipe
+from .activations import output_backward_transient_bytes
+from .memory import RECIPES, engine_accumulation, model_state_bytes, resolve_recipe, training_step_peak_bytes
 from .pipeline import bubble_fraction
 from .shapes import MLPS, NORMS, PRESETS, ModelShape
 from .units import format_bytes, format_si
@@ -115,6 +116,11 @@ def estimate(args) -> dict:
                                        recompute=args.recompute)
     sequences = args.micro_batch * m * args.dp
     total = states.total + acts.total
+    transient = output_backward_transient_bytes(seq_len=seq, micro_batch=args.micro_batch, vocab_size=shape.vocab_size,
+                                                tp=args.tp, bytes_per_element=e)
+    # the same rule as `course plan`: m micro-batches per step keep the gradient sum live from the second on
+    peak = training_step_peak_bytes(states, acts.total, transient_bytes=transient, grad_accum=m,
+                                    accumulation=engine_accumulation(args.zero_stage))
     out = {
         "units": "bytes (memory), FLOPs (work); per rank = the busiest rank (first pipeline stage)",
         "model": {**dataclasses.asdict(shape), "d_ff": shape.ffn_dim, "num_params": shape.num_params(),
@@ -128,7 +134,8 @@ def estimate(args) -> dict:
                         "dropout": not args.no_dropout, "norm_saves": args.norm_saves, "kv_repeat": args.kv_repeat},
         "per_rank_bytes": {"params": states.params, "grads": states.grads, "optimizer": states.optimizer,
                            "master_weights": states.master_weights, "optimizer_states": states.optimizer_states,
-                           "activations": acts.total, "total": total},
+                           "activations": acts.total, "total": total, "output_transient": transient,
+                           "step_peak": peak.peak, "step_peak_at": peak.where},
         "activations": {"per_layer_bytes": acts.per_layer, "layer_equivalents": acts.layer_equivalents,
                         "in_flight_micro_batches": acts.in_flight_micro_batches,
                         "embedding_bytes": acts.embedding, "output_layer_bytes": acts.output},
@@ -153,7 +160,8 @@ def _text(r: dict, unit: str) -> str:
     name = md["preset"] or "custom shape"
     rows = [("parameters", b["params"]), ("gradients", b["grads"]),
             ("optimizer (master + moments)", b["optimizer"]),
-            ("activations (first stage, peak)", b["activations"]), ("total", b["total"])]
+            ("activations (first stage, peak)", b["activations"]), ("total", b["total"]),
+            (f"step peak (at {b['step_peak_at']})", b["step_peak"])]
     width = max(len(format_bytes(v, unit)) for _, v in rows)
     lines = [
         f"course estimate - {name}: {md['num_params']:,} parameters,"

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from course_lib.estimate import (activation_breakdown_per_layer, activation_bytes_first_stage, bubble_fraction, comm_elements_per_step,
+                                 engine_accumulation,
                                  cp_comm_bytes_per_layer, model_flops_per_iteration, model_state_bytes,
                                  output_backward_transient_bytes, resolve_recipe, tp_comm_bytes_per_layer,
                                  training_step_peak_bytes)
@@ -118,6 +119,11 @@ def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
     return size > 1 and stride * (size - 1) >= gpus_per_node
 
 
+#: DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements): ZeRO-2 fills a bucket
+#: this large with gradients before each reduce-scatter (the kit's DeepSpeed JSON keeps the default).
+DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
+
+
 def layer_kwargs(spec: JobSpec, lay: Layout) -> dict:
     """The keywords ``activation_bytes_per_layer`` gets for this job and layout (one source of
     truth: tests call the estimator with exactly these)."""
@@ -152,9 +158,17 @@ def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
     if lay.zero_stage == 3:  # the layer computing plus the one prefetched, gathered in bf16
         transient += 2 * 2 * sh.layer_params() / lay.tp
     transient += recompute_working_bytes(spec, lay)
-    peak = training_step_peak_bytes(states, acts, transient_bytes=transient)
+    # Accumulation keeps the gradients summed so far live from the second micro-batch on: full
+    # tensors for DDP / ZeRO-1 (one reduce per step), the shard for ZeRO-2/3, which reduce-scatter
+    # every micro-batch (as the dp traffic below assumes) through a bucket of DeepSpeed's default size.
+    accumulation = engine_accumulation(lay.zero_stage)
+    bucket = (min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, rank_params) * recipe.grad_bytes if lay.zero_stage == 2 else 0.0)
+    peak = training_step_peak_bytes(states, acts, transient_bytes=transient, grad_accum=lay.grad_accum,
+                                    accumulation=accumulation, reduce_bucket_bytes=bucket)
+    live_grads = peak.backward_start - (states.total - states.grads + acts + transient + bucket)
     memory = {"params": states.params, "grads": states.grads, "optimizer": states.optimizer,
-              "activations": acts, "transient": transient, "peak": peak.peak, "peak_at": peak.where}
+              "activations": acts, "transient": transient + bucket, "accumulated_grads": live_grads,
+              "peak": peak.peak, "peak_at": peak.where}
 
     layers, m, s_local = sh.n_layers // lay.pp, lay.grad_accum, spec.seq // lay.cp
     hw_flops = model_flops_per_iteration(sh, batch=spec.global_batch, seq_len=spec.seq, recompute=lay.recompute)

@@ -89,6 +89,7 @@ def budget(spec: JobSpec, c: Candidate, ck: CheckpointPlan) -> dict:
         "memory_gib_per_gpu": {
             "params": m["params"] / gib, "grads": m["grads"] / gib, "optimizer": m["optimizer"] / gib,
             "activations": m["activations"] / gib, "transient": m["transient"] / gib,
+            "accumulated_grads": m["accumulated_grads"] / gib,
             "peak": m["peak"] / gib, "headroom_reserved": spec.gpu_memory_bytes * spec.headroom / gib,
             "device": spec.gpu_memory_bytes / gib},
         "step_s": c.step_s, "tokens_per_step": spec.global_batch_tokens, "tokens_per_s": c.tokens_per_s,

@@ -129,7 +129,7 @@ def plan_markdown(plan: Plan, ck: CheckpointPlan | None, budget: dict | None, fi
     lines += ["", "## Resource budget", "",
               "| per GPU | GiB |", "| --- | ---: |"]
     lines += [f"| {k} | {mem[k]:.2f} |" for k in ("params", "grads", "optimizer", "activations", "transient",
-                                                   "peak", "headroom_reserved", "device")]
+                                                   "accumulated_grads", "peak", "headroom_reserved", "device")]
     sl = budget["slurm"]
     lines += ["", f"- {budget['tokens_per_s']:,.0f} tokens/s, {budget['steps']:,} steps, {budget['days']:.1f} days, "
               f"{budget['gpu_hours']:,.0f} GPU-hours.",
