@@ -269,9 +269,6 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
         if mcfg.dropout:
             raise ConfigError(f"parallel.tp = {tp} needs model.dropout = 0 (got {mcfg.dropout}): dropout inside "
                               f"a tensor-parallel region needs a per-rank random stream, not built here")
-        if mcfg.checkpointing != "none" or mcfg.offload_activations:
-            raise ConfigError(f"parallel.tp = {tp} supports model.checkpointing = 'none' and "
-                              f"model.offload_activations = false only")
         if par["sequence_parallel"] and cfg["data"]["seq_len"] % tp:
             raise ConfigError(f"parallel.sequence_parallel needs data.seq_len ({cfg['data']['seq_len']}) "
                               f"divisible by parallel.tp ({tp})")

@@ -249,7 +249,7 @@ def test_bad_input_errors_name_the_argument(ranks):
 def test_bad_input_errors_without_ranks():
     from torch import nn
 
-    from course_lib.model import ModelConfig, TinyGPT
+    from course_lib.model import ModelConfig
     from course_lib.model_layers import Attention
     from course_lib.parallel.tensor_parallel import (ColumnParallelLinear, TPAttention, TPBlock, copy_to_tp_region,
                                                      tp_tinygpt, vocab_parallel_cross_entropy)
@@ -262,8 +262,6 @@ def test_bad_input_errors_without_ranks():
         copy_to_tp_region([1.0])
     with pytest.raises(TypeError, match="model must be a course_lib.model.TinyGPT"):
         tp_tinygpt(nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="checkpointing"):
-        tp_tinygpt(TinyGPT(ModelConfig(n_heads=4, d_model=16, checkpointing="full")))
     with pytest.raises(TypeError, match="block must be"):
         TPBlock.from_dense(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="targets"):

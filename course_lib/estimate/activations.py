@@ -23,6 +23,23 @@ TinyGPT (course_lib/model.py) in fp32 on a CPU: ``dropout=False, attention="flas
 kv_repeat=True, bytes_per_element=4`` plus ``norm_saves="input+stats"`` (GPT-style, LayerNorm) or
 ``norm_saves="unfused-rmsnorm"`` (Llama-style) give exactly the bytes autograd saves per block,
 for every recompute mode (tests/test_estimate_activations.py).
+
+Tensor parallelism with recomputation (the table's rows with t > 1), per layer and rank:
+
+| recompute | tensor parallel | tensor + sequence parallel (Megatron) | + SP, the kit (``sp_gathered_inputs="keep"``) |
+| --- | --- | --- | --- |
+| none | sbh(10 + 24/t + 5as/(ht)) | sbh/t (34 + 5as/h) | sbh/t (34 + 5as/h) + 4sbh(1 - 1/t) |
+| selective | sbh(10 + 24/t) | 34 sbh/t | 34 sbh/t + 4sbh(1 - 1/t) |
+| full | 2sbh | 2sbh/t | 2sbh/t |
+
+(e = 2 bytes.) Sequence parallelism all-gathers the sequence-split input of the QKV and the first
+MLP matmul. Megatron-LM saves the sequence shard (e sbh/t) and all-gathers it again in backward
+(Korthikanti Sec. 4.2.2); the kit's column-parallel layers (course_lib.parallel.tensor_parallel)
+keep the gathered [s, b, h] input instead, 2 x e sbh (1 - 1/t) more per layer and no second
+all-gather. ``sp_gathered_inputs`` says which of the two is counted. Full recomputation keeps only
+the layer input, which sequence parallelism splits (Korthikanti Sec. 5: 2sbh/t per layer). Measured
+equal on 2 gloo ranks for TinyGPT under tp 2, SP off and on, every mode
+(tests/test_train_recompute_tp.py).
 """
 
 from __future__ import annotations
@@ -36,6 +53,7 @@ RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("eager", "flash")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 NORM_SAVES = ("input", "input+stats", "unfused-rmsnorm")
+SP_GATHERED_INPUTS = ("regather", "keep")
 
 
 @dataclass(frozen=True)
@@ -61,7 +79,8 @@ def activation_breakdown_per_layer(*, seq_len: int, micro_batch: int, d_model: i
                                    dropout: bool = True, attention: str = "eager", mlp: str = "gelu",
                                    d_ff: int | None = None, n_kv_heads: int | None = None,
                                    bytes_per_element: float = 2, residual_bytes: float | None = None,
-                                   norm_saves: str = "input", kv_repeat: bool = False) -> ActivationBreakdown:
+                                   norm_saves: str = "input", kv_repeat: bool = False,
+                                   sp_gathered_inputs: str = "regather") -> ActivationBreakdown:
     """Per-tensor breakdown of `activation_bytes_per_layer` (same arguments). See that function."""
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("d_model", d_model),
                         ("n_heads", n_heads), ("tp", tp)):
@@ -83,12 +102,15 @@ def activation_breakdown_per_layer(*, seq_len: int, micro_batch: int, d_model: i
     r = e if residual_bytes is None else check_number("residual_bytes", residual_bytes, 0, lo_open=True)
     check_choice("norm_saves", norm_saves, NORM_SAVES)
     check_bool("kv_repeat", kv_repeat)
+    check_choice("sp_gathered_inputs", sp_gathered_inputs, SP_GATHERED_INPUTS)
 
     s, b, h, a, t = seq_len, micro_batch, d_model, n_heads, tp
     sbh, sb = s * b * h, s * b
     # Tensors that tensor parallelism alone leaves replicated (norms, dropout, the inputs of the
     # column-parallel matmuls) are split along the sequence by sequence parallelism.
     rep = t if sequence_parallel else 1
+    # The QKV and first MLP matmul inputs: under SP Megatron keeps the shard, the kit the gathered copy.
+    gathered = 1 if sp_gathered_inputs == "keep" else rep
     if recompute == "full":
         # Only the layer's input (the residual stream) is kept; the rest is recomputed in backward.
         return ActivationBreakdown({"layer_input": r * sbh / rep})
@@ -112,11 +134,11 @@ def activation_breakdown_per_layer(*, seq_len: int, micro_batch: int, d_model: i
     return ActivationBreakdown({
         "norm_inputs": norm_inputs,
         "norm_extras": norm_extras,
-        "qkv_input": e * sbh / rep,
+        "qkv_input": e * sbh / gathered,
         "q_k_v": e * sbh * (1 + 2 * kv_saved / a) / t,
         "attention_core": core,
         "out_proj_input": e * sbh / t,
-        "mlp_input": e * sbh / rep,
+        "mlp_input": e * sbh / gathered,
         "mlp_hidden": n_hidden * e * s * b * f / t,
         "dropout_masks": 2 * mask * sbh / rep,
     })
@@ -137,7 +159,8 @@ def activation_bytes_per_layer(*, seq_len: int, micro_batch: int, d_model: int, 
                                dropout: bool = True, attention: str = "eager", mlp: str = "gelu",
                                d_ff: int | None = None, n_kv_heads: int | None = None,
                                bytes_per_element: float = 2, residual_bytes: float | None = None,
-                               norm_saves: str = "input", kv_repeat: bool = False) -> float:
+                               norm_saves: str = "input", kv_repeat: bool = False,
+                               sp_gathered_inputs: str = "regather") -> float:
     """Bytes of activations one transformer layer saves for backward, **per micro-batch, per rank**.
 
     Korthikanti et al. 2022, Sec. 4 / Table 2 (formulas in the module docstring); every default is
@@ -155,7 +178,11 @@ def activation_bytes_per_layer(*, seq_len: int, micro_batch: int, d_model: int, 
       torch.autocast with fp32 weights the residual stream stays fp32 (4) while matmul inputs
       are bf16 (`bytes_per_element=2`). Default: `bytes_per_element`;
     - `norm_saves`: "input" (the paper), "input+stats" (PyTorch's fused LayerNorm also keeps fp32
-      mean and rstd per token), "unfused-rmsnorm" (see the code).
+      mean and rstd per token), "unfused-rmsnorm" (see the code);
+    - `sp_gathered_inputs` (read with `sequence_parallel=True`): "regather" (Megatron-LM, the
+      paper: the QKV and MLP-up matmuls keep their sequence shard, e*sbh/t each, and all-gather it
+      again in backward) or "keep" (the kit's tensor-parallel layers keep the all-gathered
+      [s, b, h] input, e*sbh each: 2*e*sbh*(1 - 1/t) more per layer).
 
     Not counted: RoPE copies of Q and K made out of place while the fused QKV output stays alive;
     under torch.autocast, the bf16 weight copies autocast saves (they are the recipe's 2-byte
@@ -167,7 +194,8 @@ def activation_bytes_per_layer(*, seq_len: int, micro_batch: int, d_model: int, 
         seq_len=seq_len, micro_batch=micro_batch, d_model=d_model, n_heads=n_heads, tp=tp,
         sequence_parallel=sequence_parallel, recompute=recompute, dropout=dropout, attention=attention,
         mlp=mlp, d_ff=d_ff, n_kv_heads=n_kv_heads, bytes_per_element=bytes_per_element,
-        residual_bytes=residual_bytes, norm_saves=norm_saves, kv_repeat=kv_repeat).total
+        residual_bytes=residual_bytes, norm_saves=norm_saves, kv_repeat=kv_repeat,
+        sp_gathered_inputs=sp_gathered_inputs).total
 
 
 @dataclass(frozen=True)
@@ -240,7 +268,10 @@ def first_stage_activation_breakdown(*, n_layers: int, pp: int = 1, virtual_stag
             # the cross-entropy, split over the vocabulary (Sec. 4.3: 4sbh/t (1 + v/h) for e = 2).
             norm_input, norm_extra = _one_norm_bytes(
                 layer_kwargs.get("norm_saves", "input"), r, s * b * h, s * b)
-            output = (norm_input + norm_extra + e * s * b * h) / rep + 4 * s * b * vocab_size / t
+            # The head is column-parallel: under SP its input is all-gathered first, and the kit
+            # keeps the gathered copy (sp_gathered_inputs="keep"), Megatron the shard.
+            head_in = rep if layer_kwargs.get("sp_gathered_inputs", "regather") == "regather" else 1
+            output = (norm_input + norm_extra) / rep + e * s * b * h / head_in + 4 * s * b * vocab_size / t
     return StageActivations(per_layer.total, layer_equivalents, in_flight, embedding, output)
 
 

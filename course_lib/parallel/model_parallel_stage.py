@@ -6,7 +6,9 @@ stage, and a pipeline schedule runner that speaks the trainer's language.
   attributes, same ``forward(x, targets)`` contract, dense parameter names, so
   :func:`~.pipeline.schedules.sync_tied_grads` works on it), but its blocks are TP blocks and its
   loss is the vocab-parallel cross-entropy. Under sequence parallelism the hidden state that
-  travels between stages is this rank's ``[B, T/tp, C]`` slice.
+  travels between stages is this rank's ``[B, T/tp, C]`` slice. Its blocks are recomputed (and
+  saved tensors offloaded) as the TP model's ``model.checkpointing`` says, block numbers dense
+  (``checkpoint_every = k`` checkpoints blocks 0, k, 2k, ... of the whole model, wherever they sit).
 * :func:`run_pipeline` - one optimizer step's micro-batches through the stages, in the order of
   :func:`~.pipeline.schedules.stage_actions` (GPipe or 1F1B, our schedules). It differs from
   :func:`~.pipeline.schedules.run_schedule` (the lab's instrumented runner) only in what a trainer
@@ -56,6 +58,10 @@ class TPPipelineStage(PipelineStage):
             self.rope_cos = self.rope_sin = None
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        with self._tp.offload_context(x):  # the TP model's memory strategy, on this stage's blocks
+            return self._forward(x, targets)
+
+    def _forward(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         tp = self._tp
         split = tp.tp if tp.sequence_parallel else 1  # the hidden state holds T/split tokens
         if self.is_first:  # as TPTinyGPT.forward, up to the blocks
@@ -71,7 +77,7 @@ class TPPipelineStage(PipelineStage):
         cos = self.rope_cos[:T] if self.rope_cos is not None else None  # attention sees all T tokens
         sin = self.rope_sin[:T] if self.rope_sin is not None else None
         for i in self.block_ids:
-            h = self.blocks[str(i)](h, cos, sin)
+            h = tp.run_block(i, h, cos, sin)  # checkpointed as the model's checkpointing says
         if not self.is_last:
             return h
         logits = self.lm_head(self.norm_f(h))  # [B, T, vocab/tp]

@@ -47,7 +47,6 @@ def trainer_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan, mirror: st
     vocab = sh.vocab_size
     if vocab % lay.tp:  # Megatron pads the vocabulary to a multiple of 128 x tp
         vocab = -(-vocab // (128 * lay.tp)) * 128 * lay.tp
-    rc_ok = lay.tp == 1
     # The kit's trainer has no context parallelism: the cp ranks run as more data-parallel replicas
     # (same world size, same global batch: fewer accumulation steps each).
     dp, accum = lay.dp, lay.grad_accum
@@ -76,10 +75,7 @@ def trainer_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan, mirror: st
             "norm": (sh.norm, ""), "mlp": (sh.mlp, ""),
             "position": ("learned" if sh.learned_pos_emb else "rope", ""),
             "bias": (sh.bias, ""), "tie_embeddings": (sh.tied_embeddings, ""), "dropout": (0.0, ""),
-            "checkpointing": (lay.recompute if rc_ok else "none",
-                              "activation recomputation" if rc_ok or lay.recompute == "none" else
-                              f"plan: {lay.recompute}; the kit's tp path runs without recomputation "
-                              "(set it in Megatron-LM: --recompute-granularity)"),
+            "checkpointing": (lay.recompute, "activation recomputation (under tp/pp too)"),
         },
         "optim": {"lr": (learning_rate(spec), "Llama 2 Table 1"), "min_lr": (round(learning_rate(spec) / 10, 12), ""),
                   "weight_decay": (0.1, ""), "beta2": (0.95, "")},

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from course_lib.model_layers import MLP, Attention, Block, SwiGLU, apply_rope, sliding_window_mask
 from course_lib.parallel.tensor_parallel.comm_ops import copy_to_tp_region, gather_from_sequence_region
@@ -105,6 +106,9 @@ class TPAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = q_proj, k_proj, v_proj, out_proj
         self.head_dim, self.window, self.use_rope = head_dim, window, use_rope
         self.group, self.sequence_parallel = group, sequence_parallel
+        # Set by TPTinyGPT.set_memory_strategy (selective recomputation): keep only q, k, v and
+        # recompute the core in backward. The core has no collective, so nothing is re-sent.
+        self.recompute_core = False
 
     @classmethod
     def from_dense(cls, attn: Attention, group=None, sequence_parallel: bool = False) -> "TPAttention":
@@ -141,7 +145,11 @@ class TPAttention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, D).transpose(1, 2)  # [B, H/N, T, D]
         k = self.k_proj(x).view(B, T, -1, D).transpose(1, 2)  # [B, Hkv/N, T, D]
         v = self.v_proj(x).view(B, T, -1, D).transpose(1, 2)
-        y = self.core(q, k, v, cos, sin).transpose(1, 2).reshape(B, T, -1)  # [B, T, C/N]
+        if self.recompute_core and torch.is_grad_enabled():
+            y = checkpoint(self.core, q, k, v, cos, sin, use_reentrant=False)
+        else:
+            y = self.core(q, k, v, cos, sin)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # [B, T, C/N]
         return self.out_proj(y)  # row-parallel: g (or reduce-scatter) inside
 
 

@@ -12,13 +12,28 @@ batch) and gets the same loss. With ``sequence_parallel=True`` the residual stre
 ``[B, T/N, C]`` per rank between the blocks (T must be divisible by N) and
 :meth:`TPTinyGPT.finish_gradient_synchronization` must run after backward (it sums the gradients
 of the replicated parameters that saw only this rank's tokens; a no-op without SP).
+
+Recomputation follows the dense model's ``cfg.checkpointing`` (see ``TinyGPT.set_memory_strategy``):
+``full`` checkpoints every TP block (only its input is kept: ``[B, T, C]``, ``[B, T/N, C]`` under
+SP), ``selective`` recomputes each block's attention core on its local heads, ``selective`` with
+``checkpoint_every = k`` checkpoints blocks 0, k, 2k, ... whole; ``offload_activations`` moves the
+saved tensors to CPU memory. A recomputed block re-runs its collectives (the all-reduce ``g``, or the
+all-gather / reduce-scatter under SP) inside backward. That is safe because every rank of the tp
+group holds the same graph: torch's non-reentrant checkpoint (``use_reentrant=False``, the only kind
+used here) recomputes a block when backward first unpacks one of its saved tensors, and stops the
+recomputation after the last one it needs, at the same op on every rank, so the ranks issue the same
+collectives in the same order. The recomputed forward is deterministic (no dropout under TP), so the
+gradients are those of the run without recomputation.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from course_lib.model import TinyGPT
 from course_lib.parallel.tensor_parallel.blocks import (TPBlock, mark_sequence_parallel,
@@ -44,9 +59,6 @@ class TPTinyGPT(nn.Module):
             raise TypeError(f"model must be a course_lib.model.TinyGPT, got {type(model).__name__}")
         check_bool("sequence_parallel", sequence_parallel)
         cfg = model.cfg
-        if cfg.checkpointing != "none" or cfg.offload_activations:
-            raise ValueError("tp_tinygpt supports checkpointing='none' and offload_activations=False only; "
-                             f"got checkpointing={cfg.checkpointing!r}, offload_activations={cfg.offload_activations}")
         self.tp, self.rank = tp_size_and_rank(group, "tp_tinygpt")
         self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
         sp = sequence_parallel
@@ -66,6 +78,39 @@ class TPTinyGPT(nn.Module):
             self.register_buffer("rope_sin", model.rope_sin.clone(), persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
+        self.set_memory_strategy(cfg.checkpointing, cfg.checkpoint_every, cfg.offload_activations)
+
+    def set_memory_strategy(self, checkpointing: str = "none", checkpoint_every: int | None = None,
+                            offload_activations: bool = False) -> None:
+        """Recomputation and offloading on this TP model, with the meaning of
+        ``TinyGPT.set_memory_strategy`` (the config is re-validated). Weights are not touched."""
+        self.cfg = dataclasses.replace(self.cfg, checkpointing=checkpointing, checkpoint_every=checkpoint_every,
+                                       offload_activations=offload_activations)
+        core_only = checkpointing == "selective" and checkpoint_every is None
+        for block in self.blocks:
+            block.attn.recompute_core = core_only
+
+    def checkpoints_block(self, index: int) -> bool:
+        """Whether block ``index`` (dense numbering) is checkpointed whole: every block under
+        ``full``, blocks 0, k, 2k, ... under ``selective`` with ``checkpoint_every = k``."""
+        cfg = self.cfg
+        if cfg.checkpointing == "full":
+            return True
+        return cfg.checkpointing == "selective" and cfg.checkpoint_every is not None and index % cfg.checkpoint_every == 0
+
+    def offload_context(self, x: torch.Tensor):
+        """``save_on_cpu`` (pinned when ``x`` is on CUDA) while ``offload_activations`` is on and
+        grad mode is, else a no-op."""
+        if self.cfg.offload_activations and torch.is_grad_enabled():
+            return torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda)
+        return contextlib.nullcontext()
+
+    def run_block(self, index: int, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        """Block ``index`` on ``x``, checkpointed (non-reentrant) when the strategy says so."""
+        block = self.blocks[index]
+        if torch.is_grad_enabled() and self.checkpoints_block(index):
+            return checkpoint(block, x, cos, sin, use_reentrant=False)
+        return block(x, cos, sin)
 
     def _bound(self, emb: torch.Tensor) -> torch.Tensor:  # as TinyGPT._bound (elementwise)
         b = self.cfg.embedding_bound
@@ -81,14 +126,18 @@ class TPTinyGPT(nn.Module):
             raise ValueError(f"sequence length must be in [1, block_size={self.cfg.block_size}], got {T}")
         if self.sequence_parallel and T % self.tp:
             raise ValueError(f"sequence_parallel needs the sequence length ({T}) divisible by tp ({self.tp})")
+        with self.offload_context(idx):
+            return self._forward(idx, targets, T)
+
+    def _forward(self, idx, targets, T):
         x = self._bound(self.tok_emb(idx))  # [B, T, C], or this rank's [B, T/N, C] under SP
         if self.pos_emb is not None:
             start = self.rank * (T // self.tp) if self.sequence_parallel else 0
             x = x + self.pos_emb(torch.arange(start, start + x.shape[1], device=idx.device))
         cos = self.rope_cos[:T] if self.rope_cos is not None else None  # attention sees all T tokens
         sin = self.rope_sin[:T] if self.rope_sin is not None else None
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        for i in range(len(self.blocks)):
+            x = self.run_block(i, x, cos, sin)
         logits = self.lm_head(self.norm_f(x))  # [B, T, vocab/N]
         loss = None
         if targets is not None:
@@ -105,5 +154,6 @@ class TPTinyGPT(nn.Module):
 def tp_tinygpt(model, group=None, sequence_parallel: bool = False) -> TPTinyGPT:
     """This rank's tensor-parallel copy of a dense ``TinyGPT`` (the dense model is left unchanged).
     Raises ValueError naming ``tp`` and ``n_heads`` / ``n_kv_heads`` / the vocabulary / the MLP
-    width when the group size does not divide them, and for dropout > 0."""
+    width when the group size does not divide them, and for dropout > 0. The model's checkpointing
+    and offloading settings carry over (see the module docstring)."""
     return TPTinyGPT(model, group, sequence_parallel)

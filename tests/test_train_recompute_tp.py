@@ -1,0 +1,216 @@
+"""Activation recomputation (``model.checkpointing``) under tensor and pipeline parallelism.
+
+Two claims, on gloo CPU ranks in fp32:
+
+1. **Recomputation does not change the numbers.** On 4 ranks, in one launch, the trainer runs
+   selective recomputation under tp 2 x dp 2 (30 steps), full recomputation under tp 2 x pp 2
+   (1F1B), selective recomputation of every 2nd block (``checkpoint_every = 2``) with activation
+   offloading under tp 2 x dp 2 with sequence parallelism, and selective (attention core)
+   recomputation under tp 2 x pp 2 with sequence parallelism and GPipe (8 steps each). Per-step
+   losses and gradient norms equal one process *without* recomputation on the same global batch
+   within 1e-4 relative, and every layout resumes bit-exact from a mid-run checkpoint (a second
+   launch). A recomputed TP block re-runs its collectives inside backward: a rank that recomputed
+   in another order than its peers would deadlock or mix up tensors, not pass. Since equal losses
+   would also follow from no recomputation at all, each rank then counts the bytes its trained part
+   (TP model or TP pipeline stage) saves with and without the run's recomputation: the difference
+   is the estimator's, block by block.
+2. **Saved bytes per rank equal the estimator.** On 2 ranks, in one launch, a saved-tensor hooks
+   census over one forward of ``tp_tinygpt`` (GPT- and Llama-style blocks) with 1 and 2 blocks:
+   their difference, one block's bytes on this rank, equals
+   ``course_lib.estimate.activation_bytes_per_layer`` for tp 2, SP off and on, recompute none /
+   selective / full, counting the kit's SP variant (``sp_gathered_inputs="keep"``: the gathered
+   QKV and MLP inputs are kept, where Megatron re-gathers them). ``checkpoint_every = 2`` on 3
+   blocks saves exactly 2 x (full - none) per layer less than no recomputation.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import model_parallel_rank_fns as fns
+import recompute_rank_fns
+from course_lib import train_config
+from course_lib.estimate import activation_bytes_per_layer
+from course_lib.measure import tinygpt_activation_kwargs
+from course_lib.parallel import run_ranks
+from course_lib.parallel.tensor_parallel import lab_runs
+from course_lib.train import train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = Path(__file__).resolve().parents[1] / "labs" / "configs" / "tiny-cpu.toml"
+MB, ACCUM = 8, 2  # the reference: 8 sequences per micro-batch, 2 micro-batches per step
+
+# name -> (steps, [parallel] settings, micro_batch per data-parallel replica, [model] settings)
+LAYOUTS = {
+    "tp2-dp2-selective": (30, {"tp": 2}, MB // 2, {"n_layers": 2, "checkpointing": "selective"}),
+    "tp2-pp2-full-1f1b": (8, {"tp": 2, "pp": 2, "pp_schedule": "1f1b"}, MB,
+                          {"n_layers": 2, "checkpointing": "full"}),
+    "tp2-dp2-sp-every2-offload": (8, {"tp": 2, "sequence_parallel": True}, MB // 2,
+                                  {"n_layers": 3, "checkpointing": "selective", "checkpoint_every": 2,
+                                   "offload_activations": True}),
+    "tp2-pp2-sp-selective-gpipe": (8, {"tp": 2, "pp": 2, "pp_schedule": "gpipe", "sequence_parallel": True}, MB,
+                                   {"n_layers": 3, "checkpointing": "selective"}),
+}
+REFERENCES = sorted({(steps, model["n_layers"]) for steps, _, _, model in LAYOUTS.values()})
+
+
+def every(steps):
+    """Checkpoint interval: the resume starts from the one before the last."""
+    return 10 if steps == 30 else 4
+
+
+def cfg(**sets):
+    def toml(v):
+        return json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v
+
+    overrides = ["train.progress=false", "schedule.warmup_steps=3", "train.peak_flops=1e12",
+                 f"train.grad_accum={ACCUM}", "checkpoint.async_save=false"]
+    return train_config.load(TINY, overrides + [f"{k.replace('__', '.')}={toml(v)}" for k, v in sets.items()])
+
+
+def layout_cfg(name):
+    steps, par, mb, model = LAYOUTS[name]
+    sets = {f"parallel__{k}": v for k, v in par.items()} | {f"model__{k}": v for k, v in model.items()}
+    return cfg(train__max_steps=steps, train__micro_batch=mb, train__strategy="ddp",
+               checkpoint__save_every=every(steps), **sets)
+
+
+def rows(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def max_rel(a, b):
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recompute_tp")
+    for steps, layers in REFERENCES:  # one process, no recomputation
+        train(cfg(train__max_steps=steps, train__micro_batch=MB, model__n_layers=layers), root / f"single-{steps}-{layers}")
+    first = run_ranks(recompute_rank_fns.train_and_measure, 4,
+                      [(layout_cfg(n), str(root / n / "full"), False) for n in LAYOUTS], timeout=600, show_output=False)
+    for n in LAYOUTS:  # drop the newest checkpoint: the resume starts from the one before
+        shutil.copytree(root / n / "full", root / n / "cut")
+        shutil.rmtree(sorted((root / n / "cut" / "checkpoints").glob("step_*"))[-1])
+    second = run_ranks(fns.train_many, 4, [(layout_cfg(n), str(root / n / "cut"), True) for n in LAYOUTS],
+                       timeout=600, show_output=False)
+    return {"root": root, "first": dict(zip(LAYOUTS, first[0])), "second": dict(zip(LAYOUTS, second[0])),
+            "census": [dict(zip(LAYOUTS, rank)) for rank in first]}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_recomputation_matches_one_process_without_it(runs, name):
+    steps, _, _, model = LAYOUTS[name]
+    root = runs["root"]
+    got, ref = rows(root / name / "full"), rows(root / f"single-{steps}-{model['n_layers']}")
+    assert len(got) == steps
+    rel = max_rel([r["loss"] for r in got], [r["loss"] for r in ref])
+    assert rel <= 1e-4, f"{name}: per-step losses differ from one process by up to {rel:.2e} (relative)"
+    rel_g = max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
+    assert rel_g <= 1e-4, f"{name}: gradient norms differ from one process by up to {rel_g:.2e}"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_resume_is_bit_exact(runs, name):
+    import torch
+
+    steps = LAYOUTS[name][0]
+    start = steps - every(steps)
+    first, second = runs["first"][name], runs["second"][name]
+    assert second["resumed_from"] == start and second["steps"] == steps
+    for k, v in first["weights"].items():
+        assert torch.equal(second["weights"][k], v), f"{name}: {k} differs after the resume"
+    cut, full = ([r["loss"] for r in rows(runs["root"] / name / d)][start:] for d in ("cut", "full"))
+    assert cut == full, f"{name}: losses after the resume differ"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_trained_stages_recompute_what_the_config_says(runs, name):
+    """The part each rank trained (TP model, or TP pipeline stage) saves, over one forward of a
+    micro-batch, exactly the estimator's per-layer difference less with the run's recomputation
+    than without it, summed over the blocks it holds: block i is recomputed whole under ``full``
+    and under ``checkpoint_every = k`` when i % k == 0, its attention core under ``selective``.
+    Recomputation that silently did nothing would save 0 bytes here."""
+    import dataclasses
+
+    _, par, mb, model = LAYOUTS[name]
+    mcfg = train_config.build_model_config(layout_cfg(name))
+    kw = tinygpt_activation_kwargs(dataclasses.replace(mcfg, checkpointing="none", checkpoint_every=None,
+                                                       offload_activations=False), seq_len=64, micro_batch=mb)
+    sp = par.get("sequence_parallel", False)
+    per_layer = {mode: activation_bytes_per_layer(**(kw | {"recompute": mode}), tp=par["tp"], sequence_parallel=sp,
+                                                  sp_gathered_inputs="keep") for mode in ("none", "selective", "full")}
+    k = model.get("checkpoint_every")
+    for rank, layouts in enumerate(runs["census"]):
+        got = layouts[name]["census"]
+        modes = ["full" if model["checkpointing"] == "full" or (k and i % k == 0) else "none" if k else "selective"
+                 for i in got["blocks"]]
+        want = sum(per_layer["none"] - per_layer[m] for m in modes)
+        assert want > 0 and got["without"] - got["with"] == want, (rank, got, modes, want)
+
+
+# ------------------------------------------------------------------------ saved bytes per rank
+B, T, C, N = 2, 8, 16, 2
+KINDS = ("gpt", "llama")  # LayerNorm + GELU + learned positions; RMSNorm + SwiGLU + RoPE + GQA
+
+
+@pytest.fixture(scope="module")
+def census():
+    configs = [(kind, lab_runs.block_config(kind, T, C)) for kind in KINDS]
+    return run_ranks(recompute_rank_fns.saved_bytes_census, N, configs, B, T, timeout=300, show_output=False)
+
+
+def _estimate(kind, sp, mode):
+    kw = tinygpt_activation_kwargs(lab_runs.block_config(kind, T, C), seq_len=T, micro_batch=B)
+    kw["recompute"] = mode
+    return activation_bytes_per_layer(**kw, tp=N, sequence_parallel=sp, sp_gathered_inputs="keep")
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_saved_bytes_per_rank_equal_the_estimator(census, kind, sp, mode):
+    want = _estimate(kind, sp, mode)
+    for rank, got in enumerate(census):
+        assert got[(kind, sp, mode)]["one_block"] == want, (rank, got[(kind, sp, mode)], want)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoint_every_2_saves_two_blocks_worth(census, kind, sp):
+    saved_per_block = _estimate(kind, sp, "none") - _estimate(kind, sp, "full")
+    assert saved_per_block > 0
+    for got in census:
+        row = got[(kind, sp, "every2")]
+        assert row["none"] - row["saved"] == 2 * saved_per_block, row
+
+
+def test_the_kit_keeps_the_gathered_inputs_megatron_does_not():
+    """The two SP variants differ by the two all-gathered matmul inputs, 2 e s b h (1 - 1/t); without
+    SP, and under full recomputation (only the layer input is kept), they are the same."""
+    kw = dict(seq_len=T, micro_batch=B, d_model=C, n_heads=4, tp=N, bytes_per_element=4)
+    for mode in ("none", "selective"):
+        keep = activation_bytes_per_layer(**kw, recompute=mode, sequence_parallel=True, sp_gathered_inputs="keep")
+        regather = activation_bytes_per_layer(**kw, recompute=mode, sequence_parallel=True)
+        assert keep - regather == 2 * 4 * B * T * C * (1 - 1 / N)
+    for sp, mode in ((False, "none"), (True, "full")):
+        assert (activation_bytes_per_layer(**kw, recompute=mode, sequence_parallel=sp, sp_gathered_inputs="keep")
+                == activation_bytes_per_layer(**kw, recompute=mode, sequence_parallel=sp))
+    with pytest.raises(ValueError, match="sp_gathered_inputs"):
+        activation_bytes_per_layer(**kw, sp_gathered_inputs="gather")
+
+
+def test_recomputation_with_tp_is_accepted_by_the_config():
+    """The refusal is gone: every mode validates with tp (with and without SP) and with tp x pp."""
+    for par in ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"tp": 2, "pp": 2}):
+        for model in ({"checkpointing": "full"}, {"checkpointing": "selective"},
+                      {"checkpointing": "selective", "checkpoint_every": 2}, {"offload_activations": True}):
+            sets = {f"parallel__{k}": v for k, v in par.items()} | {f"model__{k}": v for k, v in model.items()}
+            c = cfg(train__strategy="ddp", train__micro_batch=4, **sets)
+            assert c["model"] | model == c["model"]
