@@ -1,0 +1,22 @@
+"""Rank functions for tests/test_train_pipeline_layouts.py (importable: run_ranks spawns fresh processes)."""
+from __future__ import annotations
+
+
+def train_layouts(rank, world_size, runs):
+    """Several trainer runs in one launch (each ``(cfg, out_dir, resume)``): per run, the steps,
+    where it resumed from, the split the strategy chose, the dense block ids this rank holds, the
+    per-rank autocast dtype seen by a stage forward, and (rank 0) the dense weights gathered through
+    the strategy."""
+    from course_lib.train import train
+
+    out = []
+    for cfg, out_dir, resume in runs:
+        result = train(cfg, out_dir, resume=resume)
+        strategy = result.strategy
+        full = strategy.full_weights()  # a collective: every rank calls it
+        blocks = sorted(int(k) for k in strategy.model.blocks.keys())
+        out.append({"steps": result.steps, "resumed_from": result.resumed_from,
+                    "split": getattr(strategy, "split", None), "blocks": blocks,
+                    "coords": strategy.mesh.coords,
+                    "weights": {k: v.float().cpu().clone() for k, v in full.items()} if rank == 0 else None})
+    return out
