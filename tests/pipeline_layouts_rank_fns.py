@@ -17,6 +17,22 @@ def train_layouts(rank, world_size, runs):
         blocks = sorted(int(k) for k in strategy.model.blocks.keys())
         out.append({"steps": result.steps, "resumed_from": result.resumed_from,
                     "split": getattr(strategy, "split", None), "blocks": blocks,
+                    "logits_dtype": _last_stage_logits_dtype(strategy),
                     "coords": strategy.mesh.coords,
                     "weights": {k: v.float().cpu().clone() for k, v in full.items()} if rank == 0 else None})
     return out
+
+
+def _last_stage_logits_dtype(strategy):
+    """Interleaved runs: the dtype of the logits the last virtual stage's torch-facing module
+    returns, with the autocast the trainer handed it (str), on the ranks holding that stage (both
+    tp ranks run it, so their collectives pair up); None elsewhere."""
+    import torch
+
+    for st in getattr(strategy.model, "torch_stages", []):
+        wrapper = st.submod
+        if wrapper.stage.is_last:
+            h = torch.randn(1, 8, wrapper.stage.cfg.d_model)
+            with torch.no_grad():
+                return str(wrapper(h).dtype)
+    return None
