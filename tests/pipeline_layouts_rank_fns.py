@@ -36,3 +36,22 @@ def _last_stage_logits_dtype(strategy):
             with torch.no_grad():
                 return str(wrapper(h).dtype)
     return None
+
+
+def layouts_then_host_reads(rank, world_size, runs, reads_cfg, reads_dir, reads_steps):
+    """:func:`train_layouts`, then the host reads per optimizer step made by course_lib on this
+    rank for ``reads_cfg`` (runs of ``reads_steps`` and twice that many steps; tests/host_reads.py),
+    in one launch (starting 4 ranks is the slow part)."""
+    import os
+
+    from host_reads import reads_per_step
+
+    from course_lib.train import train
+
+    out = train_layouts(rank, world_size, runs)
+
+    def run(steps):
+        cfg = {**reads_cfg, "train": {**reads_cfg["train"], "max_steps": steps}}
+        train(cfg, os.path.join(reads_dir, f"r{steps}"))
+
+    return {"runs": out, "reads": reads_per_step(run, steps=reads_steps)}
