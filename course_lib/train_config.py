@@ -11,7 +11,7 @@
     [profile] enabled, wait, warmup, active, top_ops (torch.profiler around chosen steps)
     [parallel] bucket_mb, reshard_after_forward, cpu_offload, zero_stage, offload_optimizer,
               offload_param (read by the strategy named in train.strategy);
-              dp, tp, pp, pp_schedule, virtual_stages, sequence_parallel, cp (model parallelism:
+              dp, tp, pp, pp_schedule, virtual_stages, pp_split, sequence_parallel, cp (model parallelism:
               tp * pp > 1 composes tensor and pipeline parallelism with train.strategy = "ddp" as
               the data-parallel dimension; the world size must be dp * tp * pp * cp, checked when
               the ranks start)
@@ -115,6 +115,9 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "pp": (int, 1, (1, None)),                 # pipeline stages (contiguous runs of blocks)
         "pp_schedule": (str, "1f1b", ("1f1b", "gpipe", "interleaved")),  # micro-batches = train.grad_accum
         "virtual_stages": (int, 1, (1, None)),     # stages per pipeline rank; > 1 needs "interleaved"
+        # blocks per stage: "even" | "balanced" (ends count their embedding / head) | an array of
+        # pp * virtual_stages ints (course_lib.estimate.stage_split)
+        "pp_split": (list, "even", ("even", "balanced")),
         "sequence_parallel": (bool, False, None),  # tp > 1: norms/residual split along the sequence
         "cp": (int, 1, (1, None)),                 # context parallel: only 1 here (ring attention has its own module)
     },
@@ -140,6 +143,12 @@ def _suggest(word: str, options) -> str:
 
 
 def _check_value(where: str, value: Any, kind: type, constraint: Any) -> Any:
+    if kind is list:  # one of the named choices, or an array of ints (counts checked in _parallel_checks)
+        ints = isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        if value in constraint or ints:
+            return list(value) if ints else value
+        raise ConfigError(f"{where} must be one of {', '.join(constraint)} or an array of ints (e.g. [1, 3]); "
+                          f"got {type(value).__name__} {value!r}")
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if kind is not bool and isinstance(value, bool) or not isinstance(value, kind):
@@ -244,6 +253,7 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
     if sched == "interleaved" and pp == 1:
         raise ConfigError("parallel.pp_schedule = 'interleaved' needs parallel.pp > 1 (it interleaves "
                           "parallel.virtual_stages stages per pipeline rank)")
+    _split_checks(cfg, mcfg)
     if model_parallel_size(cfg) == 1:
         if par["dp"]:
             raise ConfigError(f"parallel.dp = {par['dp']} is read with parallel.tp or parallel.pp > 1 only (plain "
@@ -278,20 +288,30 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
                 else f"parallel.pp = {pp} stages")
         raise ConfigError(f"{what}, but model.n_layers = {mcfg.n_layers}: every stage needs at least one "
                           f"block; accepted: pp * virtual_stages in [1, {mcfg.n_layers}]")
-    if sched == "interleaved":
-        if tp > 1:
-            raise ConfigError(f"parallel.pp_schedule = 'interleaved' runs dense stages only (torch.distributed."
-                              f"pipelining); with parallel.tp = {tp} use '1f1b' or 'gpipe'")
-        if t["precision"] != "fp32":
-            raise ConfigError(f"parallel.pp_schedule = 'interleaved' runs with train.precision = 'fp32' only "
-                              f"(torch's schedule runs forward and backward itself: no autocast or loss scaling "
-                              f"hook); got {t['precision']!r}, or use '1f1b'")
+    if sched == "interleaved":  # tp > 1, bf16 and fp16 run (course_lib.parallel.model_parallel_interleaved)
         m = t["grad_accum"]
         rounds = max(1, m // pp)
         if m % rounds:  # torch's ScheduleInterleaved1F1B refuses it at its first step otherwise
             raise ConfigError(f"train.grad_accum ({m}) must be a multiple of max(1, grad_accum // parallel.pp) = "
                               f"{rounds} for parallel.pp_schedule = 'interleaved': any value <= {2 * pp - 1} "
                               f"or a multiple of {pp}")
+
+
+def _split_checks(cfg: dict, mcfg) -> None:
+    """``parallel.pp_split`` against pp, virtual_stages and model.n_layers (the stage count itself
+    is checked with the other model-parallel keys)."""
+    from course_lib.estimate.stage_split import split_for_config
+
+    par = cfg["parallel"]
+    stages = par["pp"] * par["virtual_stages"]
+    if stages > mcfg.n_layers:
+        return  # "every stage needs at least one block" is said below, with the keys that set it
+    try:
+        split_for_config(cfg, mcfg)
+    except ValueError as exc:
+        raise ConfigError(f"parallel.pp_split = {par['pp_split']!r}: {exc}; accepted: 'even', 'balanced' or "
+                          f"{stages} ints >= 1 (parallel.pp x parallel.virtual_stages = {par['pp']} x "
+                          f"{par['virtual_stages']}) summing to model.n_layers = {mcfg.n_layers}") from None
 
 
 def vocab_size_of(cfg: dict) -> int:

@@ -118,21 +118,29 @@ class MeshLayout:
                  vocab_size: int | None = None, balance: list[int] | None = None) -> dict[int, str]:
         """rank -> what it holds, in words (for :meth:`draw`): its pipeline stage's blocks (and the
         embedding / head ends), its tensor-parallel slice of the heads and vocabulary, and which
-        1/dp share of each global batch it reads."""
+        1/dp share of each global batch it reads. ``balance``: blocks per stage (default the even
+        split), e.g. :func:`course_lib.estimate.stage_split.stage_split`'s; with ``k * pp`` entries
+        (interleaved, k virtual stages per rank) pipeline rank p holds stages p, p + pp, ..."""
         counts = balance
         if counts is None and n_layers is not None:  # the pipeline's even split (stages.even_split)
             base, extra = divmod(n_layers, self.pp)
             counts = [base + (1 if s < extra else 0) for s in range(self.pp)]
+        if counts is not None and len(counts) % self.pp:
+            raise ValueError(f"balance must have a multiple of pp = {self.pp} entries (one per stage), got {list(counts)}")
         out = {}
         for r in range(self.world_size):
             c = self.coords_of(r)
             parts = []
             if counts is not None:
-                start = sum(counts[:c["pp"]])
-                blocks = f"blocks {start}-{start + counts[c['pp']] - 1}" if counts[c["pp"]] > 1 else f"block {start}"
-                held = ((["embeddings"] if c["pp"] == 0 else []) + [blocks]
-                        + (["final norm, head, loss"] if c["pp"] == self.pp - 1 else []))
-                parts.append(f"stage {c['pp']}: " + ", ".join(held))
+                held = []
+                for s in range(c["pp"], len(counts), self.pp):
+                    start = sum(counts[:s])
+                    blocks = f"blocks {start}-{start + counts[s] - 1}" if counts[s] > 1 else f"block {start}"
+                    held += ((["embeddings"] if s == 0 else []) + [blocks]
+                             + (["final norm, head, loss"] if s == len(counts) - 1 else []))
+                stages = "stage" if len(counts) == self.pp else "stages"
+                label = ", ".join(str(s) for s in range(c["pp"], len(counts), self.pp))
+                parts.append(f"{stages} {label}: " + ", ".join(held))
             if self.tp > 1:
                 tp_part = []
                 if n_heads is not None:

@@ -15,9 +15,9 @@ stage, and a pipeline schedule runner that speaks the trainer's language.
   needs: the loss of every micro-batch goes through ``on_loss`` (the stabilizer's fault point) and
   ``backward`` (fp16 loss scaling), forward runs under ``autocast``, receive buffers live on the
   compute device, and the loss stays on the device (no host read, no timeline).
-* :class:`HeldStages` and :func:`run_interleaved` - ``pp_schedule = "interleaved"``: torch's
-  ``ScheduleInterleaved1F1B`` over the virtual stages :func:`~.pipeline.torch_pipelining.build_torch_stages`
-  cuts (our splitter, dense names), seen by the trainer as one module of this rank's stages.
+
+``pp_schedule = "interleaved"`` (torch's ``ScheduleInterleaved1F1B``) lives in
+:mod:`.model_parallel_interleaved`; it cuts its virtual stages with the same classes.
 """
 from __future__ import annotations
 
@@ -139,87 +139,4 @@ def run_pipeline(stage: PipelineStage, batches: list[tuple[torch.Tensor, torch.T
         work.wait()
     if not stage.is_last:
         return None
-    return total / k if k > 1 else total
-
-
-# ------------------------------------------------------------------ interleaved (torch pipelining)
-class HeldStages(nn.Module):
-    """The virtual stages one pipeline rank runs under the interleaved schedule (stages r, r + pp,
-    ... of ``pp * virtual_stages``; :func:`~.pipeline.torch_pipelining.build_torch_stages`), seen as
-    one module under the dense names: the embeddings if it holds the first stage, the blocks of all
-    its stages, the final norm and head if it holds the last. The trainer's optimizer, gradient norm
-    and checkpoints read this module; torch's schedule runs the stages."""
-
-    def __init__(self, torch_stages, pp_ranks: list[int]):
-        super().__init__()
-        subs = [s.submod for s in torch_stages]
-        object.__setattr__(self, "torch_stages", list(torch_stages))  # not submodules: same params
-        self.cfg, self.pp_ranks = subs[0].cfg, list(pp_ranks)
-        first = [s for s in subs if s.is_first]
-        last = [s for s in subs if s.is_last]
-        self.is_first, self.is_last = bool(first), bool(last)
-        if first:
-            self.tok_emb, self.pos_emb, self.drop = first[0].tok_emb, first[0].pos_emb, first[0].drop
-        self.blocks = nn.ModuleDict({k: b for s in subs for k, b in s.blocks.items()})
-        if last:
-            self.norm_f, self.lm_head = last[0].norm_f, last[0].lm_head
-        # The first stage lives on pipeline rank 0 and the last on rank pp - 1 (stage i on i % pp).
-        self.tied = self.cfg.tie_embeddings and len(pp_ranks) > 1 and (self.is_first or self.is_last)
-
-    @property
-    def tied_param(self):
-        if not self.tied:
-            return None
-        return self.tok_emb.weight if self.is_first else self.lm_head.weight
-
-    def sync_tied(self) -> None:
-        """Add the tied table's two gradient parts on the first and last stage's ranks."""
-        from course_lib.parallel.pipeline.schedules import sync_tied_grads
-
-        n = len(self.pp_ranks) * (self.torch_stages[0].num_stages // len(self.pp_ranks))
-        ranks = [self.pp_ranks[s % len(self.pp_ranks)] for s in range(n)]  # global rank of every stage
-        for st in self.torch_stages:
-            sync_tied_grads(st.submod, ranks)
-
-
-class _TrainerLoss:
-    """The loss torch's schedule calls per micro-batch on the last stage: mean cross-entropy per
-    scored token (fp32, as TinyGPT), through the trainer's ``on_loss``, divided by m so the
-    gradients accumulate to the step's mean (``scale_grads=False``: nothing rescales afterwards)."""
-
-    def __init__(self, m: int):
-        self.m, self.on_loss, self.seen = m, None, []
-
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1),
-                                                 ignore_index=-100)
-        loss = self.on_loss(loss)
-        self.seen.append(loss.detach().float())
-        return loss / self.m if self.m > 1 else loss
-
-
-def run_interleaved(held: HeldStages, batches, *, on_loss) -> torch.Tensor | None:
-    """One step's micro-batches through torch's ``ScheduleInterleaved1F1B`` (the schedule object is
-    kept while the micro-batch count stays the same: a new one re-runs torch's shape inference).
-    Returns the mean loss on the rank holding the last stage (on the device), else None."""
-    from torch.distributed.pipelining import ScheduleInterleaved1F1B
-
-    k = len(batches)
-    cached = getattr(held, "_schedule", None)
-    if cached is None or cached[0] != k:
-        loss_fn = _TrainerLoss(k)
-        cached = (k, ScheduleInterleaved1F1B(held.torch_stages, n_microbatches=k, loss_fn=loss_fn,
-                                             scale_grads=False), loss_fn)
-        object.__setattr__(held, "_schedule", cached)
-    _, sched, loss_fn = cached
-    loss_fn.on_loss, loss_fn.seen = on_loss, []
-    x = torch.cat([b[0] for b in batches])  # torch splits it back into the same k micro-batches
-    y = torch.cat([b[1] for b in batches])
-    sched.step(*((x,) if held.is_first else ()), target=y if held.is_last else None,
-               losses=[] if held.is_last else None, return_outputs=False)
-    if not held.is_last:
-        return None
-    # The last k calls are the micro-batches: on its first step torch's shape inference calls the
-    # loss once more, before them, on uninitialised stand-in tensors.
-    total = torch.stack(loss_fn.seen[-k:]).sum()
     return total / k if k > 1 else total

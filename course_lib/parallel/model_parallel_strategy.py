@@ -13,7 +13,9 @@ dimension; ``dp = world_size / (tp * pp)`` (or ``parallel.dp``, which must then 
   pipeline's micro-batches, run in the order of ``parallel.pp_schedule``: "gpipe" | "1f1b" by
   our runner (:mod:`.model_parallel_stage`), "interleaved" by torch's
   ``ScheduleInterleaved1F1B`` over ``parallel.virtual_stages`` stages per rank
-  (:mod:`.pipeline.torch_pipelining`; tp = 1 and fp32 only);
+  (:mod:`.model_parallel_interleaved`: dense or TP stages, under the trainer's autocast and fp16
+  loss scaling). ``parallel.pp_split`` chooses the blocks per stage
+  (:func:`course_lib.estimate.stage_split.split_for_config`: even, balanced or explicit);
 * **DP**: after the last micro-batch the gradients are averaged over the dp group, one
   all-reduce of all of them flattened.
 
@@ -28,8 +30,8 @@ its modules, under TP the shards are copies) - fine for the course's models; a 7
 built per stage on the meta device and loaded from a checkpoint instead.
 
 ``train.compile`` compiles what forward is called on (``module``): the TP model, or this rank's
-stage, which our pipeline runner calls (torch's interleaved schedule calls its own stages, so
-train_config refuses compile there). ``optim.fused`` is kept: the optimizer is re-created with the
+stage, which our pipeline runner calls (torch's interleaved schedule calls its own stage modules,
+so train_config refuses compile there). ``optim.fused`` is kept: the optimizer is re-created with the
 trainer's class and options.
 
 After backward, in this order: sequence-parallel partial gradients are summed over tp; every
@@ -123,22 +125,26 @@ class ModelParallel(Distributed):
                 local.check_targets = False  # data checked at start-up: no host read per micro-batch
             except ValueError as exc:  # train_config checks these first; say which key anyway
                 raise _config_error(f"parallel.tp = {self.tp}: {exc}") from None
-        if self.pp > 1 and self.schedule == "interleaved":  # torch's schedule over our stage split
-            from course_lib.parallel.model_parallel_stage import HeldStages
-            from course_lib.parallel.pipeline.torch_pipelining import build_torch_stages
+        if self.pp > 1:  # blocks per stage: parallel.pp_split (course_lib.estimate.stage_split)
+            from course_lib.estimate.stage_split import split_for_config
 
-            stages = build_torch_stages(model, self.pp_rank, self.pp, self.virtual_stages,
-                                        group=self.mesh.groups["pp"], device=self.device)
-            local = HeldStages(stages, self.mesh.ranks["pp"])
+            self.split = split_for_config(self.cfg, model.cfg)
+        if self.pp > 1 and self.schedule == "interleaved":  # torch's schedule, our stages (dense or TP)
+            from course_lib.parallel.model_parallel_interleaved import build_held_stages
+
+            local = build_held_stages(model, self.pp_rank, self.pp, self.virtual_stages, self.split,
+                                      pp_group=self.mesh.groups["pp"], pp_ranks=self.mesh.ranks["pp"],
+                                      device=self.device, tp_model=local if self.tp > 1 else None,
+                                      tp_group=self.tp_group if self.tp > 1 else None)
         elif self.pp > 1:
             if self.tp > 1:
                 from course_lib.parallel.model_parallel_stage import TPPipelineStage
 
-                local = TPPipelineStage(local, self.pp_rank, self.pp)
+                local = TPPipelineStage(local, self.pp_rank, self.pp, self.split)
             else:
                 from course_lib.parallel.pipeline.stages import build_stage
 
-                local = build_stage(model, self.pp_rank, self.pp)
+                local = build_stage(model, self.pp_rank, self.pp, self.split)
         self.model = self.module = local
         self.layout.bind(local)
         self.optimizer = type(base)(self.layout.local_groups(named_groups), **constructor_kwargs(base))
@@ -155,24 +161,30 @@ class ModelParallel(Distributed):
             raise ValueError("forward_backward needs at least one micro-batch")
         if self.pp == 1:  # the usual micro-batch loop; TPTinyGPT returns (logits, loss)
             local = super().forward_backward(batches, autocast=autocast, on_loss=on_loss, backward=backward)
-        elif self.schedule == "interleaved":  # fp32 only (train_config): torch runs forward and backward
-            from course_lib.parallel.model_parallel_stage import run_interleaved
+        elif self.schedule == "interleaved":  # torch runs forward and backward; our hooks inside
+            from course_lib.parallel.model_parallel_interleaved import run_interleaved
 
-            local = run_interleaved(self.model, batches, on_loss=on_loss)
+            local = run_interleaved(self.model, batches, autocast=autocast, on_loss=on_loss,
+                                    scaler=self._scaler_on_every_stage())
             local = local if local is not None else torch.zeros((), device=self.device)
         else:
             local = self._pipeline(batches, autocast, on_loss, backward)
         self._finish_gradients()
         return local
 
-    def _pipeline(self, batches, autocast, on_loss, backward):
-        from course_lib.parallel.model_parallel_stage import run_pipeline
-
+    def _scaler_on_every_stage(self):
+        """The fp16 GradScaler (None otherwise), its scale tensor created on every stage."""
         scaler = self._policy.scaler if self._policy is not None else None
         if scaler is not None and not self.is_last and scaler._scale is None:
             # fp16: only the last stage scales a loss, but every stage unscales its gradients
             # (scaled by the same factor on the way back); this creates the scale tensor here.
             scaler.scale(torch.ones((), device=self.device))
+        return scaler
+
+    def _pipeline(self, batches, autocast, on_loss, backward):
+        from course_lib.parallel.model_parallel_stage import run_pipeline
+
+        self._scaler_on_every_stage()
         mb, T = batches[0][0].shape
         act_shape = (mb, T // self.tp if self.sequence_parallel else T, self.model.cfg.d_model)
         dtype = next(self.model.parameters()).dtype
