@@ -119,7 +119,7 @@ def test_model_state_bytes_equal_the_estimator(runs, name):
         got = per[name]
         pp_rank, tp = got["coords"]["pp"], par.get("tp", 1)
         n = shape.params_on_rank(tp=tp, pp=par.get("pp", 1), stage=pp_rank, blocks=got["blocks"])
-        assert got["census"]["param_elements"] == n, f"{name} rank {rank}: the shape counts {n} parameters here"
+        assert got["local_elements"] == n, f"{name} rank {rank}: the shape counts {n} parameters here"
         est = model_state_bytes(n, recipe="fp32-adam", zero_stage=stage, dp=2)
         m = got["census"]
         assert (m["params"], m["grads"], m["optimizer_moments"], m["total"]) == \
@@ -127,7 +127,7 @@ def test_model_state_bytes_equal_the_estimator(runs, name):
         seen.add(m["optimizer_moments"])
         assert m["optimizer_moments"] < 8 * n, "the Adam moments are not sharded"
     if stage == 2:
-        assert all(per[name]["census"]["grads"] == 4 * per[name]["census"]["param_elements"] // 2
+        assert all(per[name]["census"]["grads"] == 4 * per[name]["local_elements"] // 2
                    for per in runs["census"]), "ZeRO-2 keeps only half of the gradients per rank"
 
 

@@ -31,6 +31,7 @@ def census(rank, world_size, cfg):
     c = model_state_bytes_on_rank(None, strategy.optimizer, params=strategy.dp.census_params())
     stage = strategy.model
     return {"coords": strategy.mesh.coords, "census": c.to_dict(),
+            "local_elements": sum(p.numel() for p in strategy.model.parameters()),
             "blocks": len(getattr(stage, "block_ids", range(mcfg.n_layers)))}
 
 
