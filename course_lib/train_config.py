@@ -232,7 +232,7 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
     The world size (dp * tp * pp * cp) is checked when the ranks start (course_lib.train)."""
     par, t = cfg["parallel"], cfg["train"]
     tp, pp, v, sched = par["tp"], par["pp"], par["virtual_stages"], par["pp_schedule"]
-    if model_parallel_size(cfg) > 1:
+    if par["cp"] > 1:
         _model_parallel_strategy_check(cfg)  # before the cp refusal: deepspeed x cp names its layouts
     if par["cp"] > 1:
         raise ConfigError(f"parallel.cp = {par['cp']}: context parallelism runs in course_lib.parallel."
@@ -252,6 +252,7 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
                               f"data parallelism uses every rank started); leave it 0")
         return
     keys = " and ".join(f"parallel.{k} = {par[k]}" for k in ("tp", "pp") if par[k] > 1)
+    _model_parallel_strategy_check(cfg)
     if t["compile"] and sched == "interleaved" and pp > 1:
         raise ConfigError("train.compile = true does not apply to parallel.pp_schedule = 'interleaved': torch's "
                           "schedule calls its stage modules itself; set train.compile = false or use '1f1b'")
