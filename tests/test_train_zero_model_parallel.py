@@ -9,7 +9,8 @@ the final weights too. Then the model-state census of one step of each layout, p
 equal ``course_lib.estimate.model_state_bytes`` for the parameters that rank holds
 (``ModelShape.params_on_rank``), to the byte. A second launch resumes both runs from their
 step-20 checkpoint (dense layout, the optimizer state gathered from the dp shards): weights
-``torch.equal`` and losses ``==`` to the uninterrupted runs.
+``torch.equal`` and losses ``==`` to the uninterrupted runs. The first launch also counts the
+host reads per step of both layouts (one: the stabilizer's).
 """
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ def cfg(**sets):
 
 def layout_cfg(name, **more):
     strategy, par, _ = LAYOUTS[name]
-    return cfg(train__max_steps=STEPS, train__micro_batch=MB // 2, train__strategy=strategy,
-               checkpoint__save_every=EVERY, **{f"parallel__{k}": v for k, v in par.items()}, **more)
+    sets = {"train__max_steps": STEPS, "train__micro_batch": MB // 2, "train__strategy": strategy,
+            "checkpoint__save_every": EVERY, **{f"parallel__{k}": v for k, v in par.items()}, **more}
+    return cfg(**sets)
 
 
 def rows(out):
@@ -65,7 +67,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("zero_model_parallel")
     single = train(cfg(train__max_steps=STEPS, train__micro_batch=MB), root / "single")
     jobs = [(layout_cfg(n), str(root / n / "full"), False) for n in LAYOUTS]
-    first = run_ranks(fns.train_and_census, 4, jobs, [layout_cfg(n) for n in LAYOUTS], timeout=600)
+    host = [layout_cfg(n, checkpoint__save_every=0) for n in LAYOUTS]  # saves gather: counted in their own tests
+    first = run_ranks(fns.train_and_census, 4, jobs, [layout_cfg(n) for n in LAYOUTS], host, str(root / "host"),
+                      timeout=600)
     for n in LAYOUTS:  # drop the newest checkpoint: the resume starts from the one before
         shutil.copytree(root / n / "full", root / n / "cut")
         shutil.rmtree(sorted((root / n / "cut" / "checkpoints").glob("step_*"))[-1])
@@ -74,7 +78,8 @@ def runs(tmp_path_factory):
     second = run_ranks(mp.train_many, 4, [(layout_cfg(n), str(root / n / "cut"), True) for n in LAYOUTS],
                        timeout=600)
     return {"root": root, "single": single, "first": dict(zip(LAYOUTS, first[0]["runs"])),
-            "census": [dict(zip(LAYOUTS, r["census"])) for r in first], "second": dict(zip(LAYOUTS, second[0]))}
+            "census": [dict(zip(LAYOUTS, r["census"])) for r in first], "second": dict(zip(LAYOUTS, second[0])),
+            "host_reads": [dict(zip(LAYOUTS, r["host_reads"])) for r in first]}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -129,6 +134,13 @@ def test_model_state_bytes_equal_the_estimator(runs, name):
     if stage == 2:
         assert all(per[name]["census"]["grads"] == 4 * per[name]["local_elements"] // 2
                    for per in runs["census"]), "ZeRO-2 keeps only half of the gradients per rank"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_zero_keeps_one_host_read_per_step(runs, name):
+    """The reduce-scatter, the norm's all-reduce and the all-gather stay on the device: the
+    stabilizer's verdict is still the step's only host read, on every rank."""
+    assert [r[name] for r in runs["host_reads"]] == [1.0] * 4
 
 
 # ---------------------------------------------------------------- refusals (no ranks started)

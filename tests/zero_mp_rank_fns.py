@@ -35,8 +35,14 @@ def census(rank, world_size, cfg):
             "blocks": len(getattr(stage, "block_ids", range(mcfg.n_layers)))}
 
 
-def train_and_census(rank, world_size, runs, census_cfgs):
-    """The trainer runs (model_parallel_rank_fns.train_many), then each census, in one launch."""
-    import model_parallel_rank_fns as mp
+def train_and_census(rank, world_size, runs, census_cfgs, host_cfgs, host_root):
+    """The trainer runs (model_parallel_rank_fns.train_many), each census, then the host reads per
+    step of each ``host_cfgs`` run (rank_fns.host_reads_on_rank), in one launch."""
+    import os
 
-    return {"runs": mp.train_many(rank, world_size, runs), "census": [census(rank, world_size, c) for c in census_cfgs]}
+    import model_parallel_rank_fns as mp
+    import rank_fns
+
+    return {"runs": mp.train_many(rank, world_size, runs), "census": [census(rank, world_size, c) for c in census_cfgs],
+            "host_reads": [rank_fns.host_reads_on_rank(rank, world_size, c, os.path.join(host_root, str(i)))
+                           for i, c in enumerate(host_cfgs)]}
