@@ -260,7 +260,8 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             policy.unscale_(strategy.optimizer)  # clip and measure true gradients, never scaled ones
             scale = policy.scale_tensor()
             decision = stabilizer.after_backward(  # the one host read of the step
-                strategy.model if strategy.grads_visible else None, mean_loss, step, optimizer=strategy.optimizer, scaler=policy.scaler,
+                # grads_module: where this rank's gradients live (ZeRO under tp/pp: its range of them)
+                getattr(strategy, "grads_module", strategy.model) if strategy.grads_visible else None, mean_loss, step, optimizer=strategy.optimizer, scaler=policy.scaler,
                 batch=batches[-1], extra=control.extra(scale),  # [scale?, stop flag]
                 reduce_sq=strategy.reduce_grad_sq)
             lr = scheduler.get_last_lr()[0] * decision.lr_factor

@@ -242,6 +242,8 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
     par, t = cfg["parallel"], cfg["train"]
     tp, pp, v, sched = par["tp"], par["pp"], par["virtual_stages"], par["pp_schedule"]
     if par["cp"] > 1:
+        _model_parallel_strategy_check(cfg)  # before the cp refusal: deepspeed x cp names its layouts
+    if par["cp"] > 1:
         raise ConfigError(f"parallel.cp = {par['cp']}: context parallelism runs in course_lib.parallel."
                           f"context_parallel only (ring attention), not in the trainer; set parallel.cp = 1")
     if par["sequence_parallel"] and tp == 1:
@@ -260,10 +262,7 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
                               f"data parallelism uses every rank started); leave it 0")
         return
     keys = " and ".join(f"parallel.{k} = {par[k]}" for k in ("tp", "pp") if par[k] > 1)
-    if t["strategy"] != "ddp":
-        raise ConfigError(f"{keys} composes with train.strategy = 'ddp' only (the data-parallel dimension; "
-                          f"its gradients are averaged by the model-parallel strategy itself); got "
-                          f"train.strategy = {t['strategy']!r}")
+    _model_parallel_strategy_check(cfg)
     if t["compile"] and sched == "interleaved" and pp > 1:
         raise ConfigError("train.compile = true does not apply to parallel.pp_schedule = 'interleaved': torch's "
                           "schedule calls its stage modules itself; set train.compile = false or use '1f1b'")
@@ -312,6 +311,30 @@ def _split_checks(cfg: dict, mcfg) -> None:
         raise ConfigError(f"parallel.pp_split = {par['pp_split']!r}: {exc}; accepted: 'even', 'balanced' or "
                           f"{stages} ints >= 1 (parallel.pp x parallel.virtual_stages = {par['pp']} x "
                           f"{par['virtual_stages']}) summing to model.n_layers = {mcfg.n_layers}") from None
+
+
+def _model_parallel_strategy_check(cfg: dict) -> None:
+    """With tp/pp/cp > 1, ``train.strategy`` names the data-parallel dimension: only the modes of
+    course_lib.parallel.model_parallel_dp compose; the others are refused naming what does."""
+    from course_lib.parallel.registry import MODEL_PARALLEL_DP
+
+    par, name = cfg["parallel"], cfg["train"]["strategy"]
+    if name in MODEL_PARALLEL_DP:
+        return
+    keys = " and ".join(f"parallel.{k} = {par[k]}" for k in ("tp", "pp", "cp") if par[k] > 1)
+    composing = ", ".join(repr(n) for n in MODEL_PARALLEL_DP)
+    why = {
+        "deepspeed": ("the DeepSpeed engine runs here as data parallelism only (parallel.tp = parallel.pp = "
+                      "parallel.cp = 1): ZeRO stages 0-3 (parallel.zero_stage) with optional CPU offload "
+                      "(parallel.offload_optimizer, parallel.offload_param); its own pipeline and tensor-"
+                      "parallel engines are not wired into the trainer"),
+        "ddp-scratch": "the from-scratch BucketedDDP wraps a whole model over every rank (data parallelism only)",
+        "fsdp-scratch": "the from-scratch SimpleFSDP shards a whole model over every rank (data parallelism only)",
+        "single": "'single' is one process",
+    }.get(name, f"{name!r} is not a data-parallel dimension of the model-parallel strategy")
+    raise ConfigError(f"{keys} does not compose with train.strategy = {name!r}: {why}. With tensor/pipeline/"
+                      f"context parallelism, train.strategy names the data-parallel dimension: one of "
+                      f"{composing}")
 
 
 def vocab_size_of(cfg: dict) -> int:

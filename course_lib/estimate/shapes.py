@@ -168,6 +168,37 @@ class ModelShape:
             return first + out
         return max(first, layers + out)
 
+    def params_on_rank(self, *, tp: int = 1, pp: int = 1, stage: int = 0, blocks: int | None = None) -> int | float:
+        """Parameters held by one rank of pipeline stage ``stage`` (of ``pp``) and a tensor-parallel
+        group of ``tp``, as the trainer's model-parallel strategy lays TinyGPT out - a count, what
+        :func:`~course_lib.estimate.memory.model_state_bytes` takes as ``num_params`` for the
+        data-parallel group of that rank. ``blocks``: blocks on this stage (default n_layers / pp).
+
+        Tensor parallelism splits the matrices, the token table (vocab rows) and the
+        column-parallel biases (q, k, v, MLP up/gate) by tp; the norms, the row-parallel biases
+        (o, down) and the learned position table are replicated (unlike
+        :meth:`params_on_busiest_rank`, which also divides the position table). The first stage
+        holds the embeddings, the last the final norm and the output projection - with tied
+        embeddings and pp > 1 its own copy of the token table. A count (fractional when tp does not
+        divide a width)."""
+        check_int("tp", tp, 1)
+        check_int("pp", pp, 1)
+        check_int("stage", stage, 0, pp - 1, "pp - 1")
+        if blocks is None:
+            check_divides("pp", pp, "n_layers", self.n_layers)
+            blocks = self.n_layers // pp
+        check_int("blocks", blocks, 0, self.n_layers, "n_layers")
+        d = self.d_model
+        replicated = 2 * self._norm_params() + ((2 * d) if self.bias else 0)
+        split = self.layer_params() - replicated
+        total = blocks * replicated + (blocks * split) / tp
+        table = self.vocab_size * d
+        if stage == 0:
+            total += table / tp + self.position_params()
+        if stage == pp - 1:
+            total += self._norm_params() + (table / tp if (not self.tied_embeddings or pp > 1) else 0)
+        return int(total) if float(total).is_integer() else total
+
     # ------------------------------------------------------------------ presets
     @classmethod
     def preset(cls, name: str, **overrides) -> "ModelShape":

@@ -16,8 +16,11 @@ dimension; ``dp = world_size / (tp * pp)`` (or ``parallel.dp``, which must then 
   (:mod:`.model_parallel_interleaved`: dense or TP stages, under the trainer's autocast and fp16
   loss scaling). ``parallel.pp_split`` chooses the blocks per stage
   (:func:`course_lib.estimate.stage_split.split_for_config`: even, balanced or explicit);
-* **DP**: after the last micro-batch the gradients are averaged over the dp group, one
-  all-reduce of all of them flattened.
+* **DP** (``train.strategy``: "ddp", "zero1", "zero2"): :mod:`.model_parallel_dp` - after the
+  last micro-batch the gradients are averaged over the ranks holding the same weights (the mesh's
+  ``dp_cp`` group): "ddp" all-reduces them, flattened; "zero1"/"zero2" reduce-scatter them into
+  equal flat ranges, step the optimizer on this rank's range only and all-gather the updated
+  weights (ZeRO-2 keeps only its range of gradient).
 
 TP and PP peers read the *same* batch: :attr:`dp_rank`/:attr:`dp_size` are the data-parallel
 coordinates only, so the global batch is ``micro_batch * grad_accum * dp`` sequences a step, as
@@ -64,7 +67,7 @@ class ModelParallel(Distributed):
     None and the strategy builds it from ``[parallel]`` (the trainer's way). There is no global
     mesh: whoever needs the groups asks this object (``strategy.mesh``)."""
 
-    name = "ddp+tp/pp"
+    name = "ddp+tp/pp"  # per instance: "<train.strategy>+tp/pp"
     checkpoint_format = "full"
     checkpoint_formats = ("full",)  # shards in the dense layout; DCP would need DTensors
 
@@ -92,7 +95,8 @@ class ModelParallel(Distributed):
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp - 1
         self.tp_group, self.dp_group, self.mp_group = (self.mesh.groups[d] for d in ("tp", "dp", "mp"))
         self._policy = None
-        self._mask = None
+        self.dp_mode_name = self.cfg["train"]["strategy"]
+        self.name = f"{self.dp_mode_name}+tp/pp"
 
     # ------------------------------------------------------------------ where this rank sits
     @property
@@ -147,8 +151,12 @@ class ModelParallel(Distributed):
                 local = build_stage(model, self.pp_rank, self.pp, self.split)
         self.model = self.module = local
         self.layout.bind(local)
-        self.optimizer = type(base)(self.layout.local_groups(named_groups), **constructor_kwargs(base))
-        self.reduce_grad_sq = self._reduce_grad_sq
+        from course_lib.parallel.model_parallel_dp import make_dp_mode
+
+        self.dp = make_dp_mode(self.dp_mode_name, self)
+        self.optimizer = self.dp.setup(local, self.layout.local_groups(named_groups), type(base),
+                                       constructor_kwargs(base))
+        self.reduce_grad_sq = self.dp.reduce_grad_sq
 
     def precision_policy(self, precision: str):
         self._policy = super().precision_policy(precision)
@@ -195,26 +203,36 @@ class ModelParallel(Distributed):
 
     @torch.no_grad()
     def _finish_gradients(self) -> None:
-        """SP partial sums (tp), the data-parallel mean (dp), then the tied copies' sum (pp)."""
+        """SP partial sums (tp), then the data-parallel mode (dp_cp), which also calls the tied
+        copies' sum (pp) where its layout needs it."""
         if self.sequence_parallel:
             from course_lib.parallel.tensor_parallel.blocks import sync_sequence_parallel_grads
 
             sync_sequence_parallel_grads(self.model, self.tp_group)
-        if self.dp_size > 1:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            # One collective for every gradient (per-call latency dominates small tensors on gloo).
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.dp_size
-            torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        self.dp.finish_gradients(self._sync_tied)
+
+    def _sync_tied(self) -> None:
         if self.pp > 1 and self.model.tied:
-            # After the dp mean, so both copies add the same two (dp-averaged) parts.
             from course_lib.parallel.pipeline.schedules import sync_tied_grads
 
             if self.schedule == "interleaved":
                 self.model.sync_tied()  # each of this rank's virtual stages that holds a copy
             else:
                 sync_tied_grads(self.model, self.mesh.ranks["pp"])
+
+    @property
+    def grads_module(self) -> nn.Module:
+        """What the stabilizer measures and clips: the local module, or under ZeRO this rank's
+        range of the gradients (:mod:`.model_parallel_dp`)."""
+        return self.dp.grads_module
+
+    def optimizer_step(self, policy, *, lr_factor: float = 1.0, found_inf: bool | None = None) -> None:
+        super().optimizer_step(policy, lr_factor=lr_factor, found_inf=found_inf)
+        if not found_inf:
+            self.dp.after_step()  # ZeRO: every rank's updated range into the weights
+
+    def zero_grad(self) -> None:
+        self.dp.zero_grad()
 
     def global_mean(self, value: torch.Tensor) -> torch.Tensor:
         """The loss over the dp replicas, equal on every rank: only the last stage computed it
@@ -223,29 +241,6 @@ class ModelParallel(Distributed):
         out = value.detach().float().clone() if owner else torch.zeros((), device=self.device)
         dist.all_reduce(out)  # over the world: every rank gets the sum over the replicas
         return out / self.dp_size
-
-    def _reduce_grad_sq(self, sq: torch.Tensor):
-        """Per-tensor squared norms of this rank's gradients -> (whole-tensor squares, global total).
-
-        A TP shard's square sums over the tp group into the whole tensor's; a replicated tensor's
-        is already whole. The total counts each logical parameter once: shards on every tp rank,
-        replicas on tp rank 0 only, the tied LM head copy of the last stage not at all (the first
-        stage counts the matrix), every stage once - summed over the model-parallel group (all
-        ranks of one dp replica: after the dp mean the replicas hold the same gradients)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self._mask is None or self._mask[0] != len(params):
-            tied = self.model.tied_param if self.pp > 1 and self.model.tied and self.is_last else None
-            sharded = [1.0 if hasattr(p, "tp_partition_dim") else 0.0 for p in params]
-            count = [0.0 if p is tied else (1.0 if s or self.tp_rank == 0 else 0.0) for p, s in zip(params, sharded)]
-            self._mask = (len(params), torch.tensor(sharded, device=sq.device), torch.tensor(count, device=sq.device))
-        _, sharded, count = self._mask
-        total = (sq * count).sum()
-        dist.all_reduce(total, group=self.mp_group)
-        if self.tp > 1:
-            shard_sq = sq * sharded
-            dist.all_reduce(shard_sq, group=self.tp_group)
-            sq = shard_sq + sq * (1 - sharded)
-        return sq, total
 
     # ------------------------------------------------------------------ checkpoints
     def full_weights(self) -> dict[str, torch.Tensor]:
@@ -260,6 +255,7 @@ class ModelParallel(Distributed):
 
         from course_lib.parallel.model_parallel_checkpoint import FullModelView, FullOptimizerView
 
-        model, optim = self.layout.gather(self.mesh, self.optimizer) if saving else (None, None)
+        local_optimizer = self.dp.optimizer_view(saving)  # ZeRO: gathers the dp shards (collective)
+        model, optim = self.layout.gather(self.mesh, local_optimizer) if saving else (None, None)
         return replace(state, model=FullModelView(self.layout, self.mesh, model),
-                       optimizer=FullOptimizerView(self.layout, self.mesh, self.optimizer, optim))
+                       optimizer=FullOptimizerView(self.layout, self.mesh, local_optimizer, optim))

@@ -27,9 +27,18 @@ STRATEGIES: dict[str, tuple[str, str, str]] = {  # name -> (module, class, one-l
 }
 
 #: Not a ``train.strategy`` name: chosen by :func:`make_strategy` when ``parallel.tp * parallel.pp
-#: * parallel.cp > 1``; ``train.strategy`` then names its data-parallel dimension (only "ddp").
+#: * parallel.cp > 1``; ``train.strategy`` then names its data-parallel dimension, one of
+#: :data:`MODEL_PARALLEL_DP`.
 MODEL_PARALLEL = ("course_lib.parallel.model_parallel_strategy", "ModelParallel",
                   "tensor (parallel.tp) x pipeline (parallel.pp) parallel, data parallel over the rest")
+
+#: The ``train.strategy`` names that compose with tp/pp/cp > 1 (modes of
+#: :mod:`course_lib.parallel.model_parallel_dp`), name -> what the data-parallel dimension does.
+MODEL_PARALLEL_DP: dict[str, str] = {
+    "ddp": "replicated weights and optimizer, one flattened gradient all-reduce over the dp ranks",
+    "zero1": "ZeRO-1 over the dp ranks: optimizer state sharded, gradients reduce-scattered",
+    "zero2": "ZeRO-2 over the dp ranks: as zero1, and each rank keeps only its range of the gradients",
+}
 
 
 def strategy_names() -> tuple[str, ...]:
@@ -45,6 +54,9 @@ def make_strategy(name: str, info: Any, device: Any, cfg: dict | None = None):
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {name!r}")
     module, cls, _ = STRATEGIES[name]
     par = (cfg or {}).get("parallel", {})
-    if par.get("tp", 1) * par.get("pp", 1) * par.get("cp", 1) > 1:  # train_config allows only "ddp" here
+    if par.get("tp", 1) * par.get("pp", 1) * par.get("cp", 1) > 1:  # train.strategy: the dp dimension
+        if name not in MODEL_PARALLEL_DP:  # train_config refuses it first, with the layouts
+            raise ValueError(f"strategy {name!r} does not compose with parallel.tp/pp/cp > 1; use one of "
+                             f"{', '.join(MODEL_PARALLEL_DP)}")
         module, cls, _ = MODEL_PARALLEL
     return getattr(importlib.import_module(module), cls)(info, device, cfg)

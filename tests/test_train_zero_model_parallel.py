@@ -1,0 +1,178 @@
+"""ZeRO-1 / ZeRO-2 as the data-parallel dimension under tensor and pipeline parallelism, in the
+trainer (course_lib/parallel/model_parallel_dp.py), and DeepSpeed's honest refusal of layouts it
+does not run.
+
+On 4 gloo ranks, one launch: zero1 x pp (2 x 2, 1F1B) and zero2 x tp (2 x 2) train 30 steps in
+fp32 on the same global batch as one process (each dp replica reads half of the reference's
+micro-batch); per-step losses and gradient norms must equal one process within 1e-4 relative,
+the final weights too. Then the model-state census of one step of each layout, per rank, must
+equal ``course_lib.estimate.model_state_bytes`` for the parameters that rank holds
+(``ModelShape.params_on_rank``), to the byte. A second launch resumes both runs from their
+step-20 checkpoint (dense layout, the optimizer state gathered from the dp shards): weights
+``torch.equal`` and losses ``==`` to the uninterrupted runs. The first launch also counts the
+host reads per step of both layouts (one: the stabilizer's).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import zero_mp_rank_fns as fns
+from course_lib import train_config
+from course_lib.estimate import model_state_bytes
+from course_lib.measure import tinygpt_shape
+from course_lib.parallel import run_ranks
+from course_lib.parallel.registry import MODEL_PARALLEL_DP
+from course_lib.train import train
+
+TINY = Path(__file__).resolve().parents[1] / "labs" / "configs" / "tiny-cpu.toml"
+MB, ACCUM, STEPS, EVERY = 8, 2, 30, 10
+
+# name -> (train.strategy, [parallel] settings, zero stage)
+LAYOUTS = {
+    "zero1-pp2-dp2-1f1b": ("zero1", {"pp": 2, "pp_schedule": "1f1b"}, 1),
+    "zero2-tp2-dp2": ("zero2", {"tp": 2}, 2),
+}
+
+
+def cfg(**sets):
+    overrides = ["train.progress=false", "schedule.warmup_steps=3", "train.peak_flops=1e12",
+                 f"train.grad_accum={ACCUM}", "checkpoint.async_save=false", "model.n_layers=2"]
+    overrides += [f"{k.replace('__', '.')}={json.dumps(v) if isinstance(v, str) else v}" for k, v in sets.items()]
+    return train_config.load(TINY, overrides)
+
+
+def layout_cfg(name, **more):
+    strategy, par, _ = LAYOUTS[name]
+    sets = {"train__max_steps": STEPS, "train__micro_batch": MB // 2, "train__strategy": strategy,
+            "checkpoint__save_every": EVERY, **{f"parallel__{k}": v for k, v in par.items()}, **more}
+    return cfg(**sets)
+
+
+def rows(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def max_rel(a, b):
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zero_model_parallel")
+    single = train(cfg(train__max_steps=STEPS, train__micro_batch=MB), root / "single")
+    jobs = [(layout_cfg(n), str(root / n / "full"), False) for n in LAYOUTS]
+    host = [layout_cfg(n, checkpoint__save_every=0) for n in LAYOUTS]  # saves gather: counted in their own tests
+    first = run_ranks(fns.train_and_census, 4, jobs, [layout_cfg(n) for n in LAYOUTS], host, str(root / "host"),
+                      timeout=600)
+    for n in LAYOUTS:  # drop the newest checkpoint: the resume starts from the one before
+        shutil.copytree(root / n / "full", root / n / "cut")
+        shutil.rmtree(sorted((root / n / "cut" / "checkpoints").glob("step_*"))[-1])
+    import model_parallel_rank_fns as mp
+
+    second = run_ranks(mp.train_many, 4, [(layout_cfg(n), str(root / n / "cut"), True) for n in LAYOUTS],
+                       timeout=600)
+    return {"root": root, "single": single, "first": dict(zip(LAYOUTS, first[0]["runs"])),
+            "census": [dict(zip(LAYOUTS, r["census"])) for r in first], "second": dict(zip(LAYOUTS, second[0])),
+            "host_reads": [dict(zip(LAYOUTS, r["host_reads"])) for r in first]}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_zero_layout_matches_one_process(runs, name):
+    got, ref = rows(runs["root"] / name / "full"), rows(runs["root"] / "single")
+    rel = max_rel([r["loss"] for r in got], [r["loss"] for r in ref])
+    assert rel <= 1e-4, f"{name}: per-step losses differ from one process by up to {rel:.2e} (relative)"
+    # The norm counts every logical element once: each dp rank its own range, TP shards summed,
+    # replicated tensors and the tied head copy once. So clipping decides alike too.
+    rel_g = max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
+    assert rel_g <= 1e-4, f"{name}: gradient norms differ from one process by up to {rel_g:.2e}"
+    assert any(r["clipped"] for r in ref), "the reference never clips: the clipping check would prove nothing"
+    assert [r["clipped"] for r in got] == [r["clipped"] for r in ref]
+    want = {k: v.float() for k, v in runs["single"].model.state_dict().items()}
+    weights = runs["first"][name]["weights"]
+    assert set(weights) == set(want)
+    diff = torch.cat([(weights[k] - want[k]).reshape(-1) for k in want]).norm()
+    rel_w = (diff / torch.cat([want[k].reshape(-1) for k in want]).norm()).item()
+    assert rel_w <= 1e-4, f"{name}: final weights differ from one process by {rel_w:.2e} (relative L2)"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_zero_resume_is_bit_exact(runs, name):
+    start = STEPS - EVERY
+    first, second = runs["first"][name], runs["second"][name]
+    assert second["resumed_from"] == start and second["steps"] == STEPS
+    for k, v in first["weights"].items():
+        assert torch.equal(second["weights"][k], v), f"{name}: {k} differs after the resume"
+    cut, full = ([r["loss"] for r in rows(runs["root"] / name / d)][start:] for d in ("cut", "full"))
+    assert cut == full, f"{name}: losses after the resume differ"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_model_state_bytes_equal_the_estimator(runs, name):
+    """Per rank: weights + gradients + Adam moments measured (storages, each once) equal
+    model_state_bytes(params on that rank, fp32-adam, ZeRO stage, dp = 2) exactly."""
+    _, par, stage = LAYOUTS[name]
+    c = layout_cfg(name)
+    shape = tinygpt_shape(train_config.build_model_config(c))
+    seen = set()
+    for rank, per in enumerate(runs["census"]):
+        got = per[name]
+        pp_rank, tp = got["coords"]["pp"], par.get("tp", 1)
+        n = shape.params_on_rank(tp=tp, pp=par.get("pp", 1), stage=pp_rank, blocks=got["blocks"])
+        assert got["local_elements"] == n, f"{name} rank {rank}: the shape counts {n} parameters here"
+        est = model_state_bytes(n, recipe="fp32-adam", zero_stage=stage, dp=2)
+        m = got["census"]
+        assert (m["params"], m["grads"], m["optimizer_moments"], m["total"]) == \
+            (est.params, est.grads, est.optimizer, est.total), f"{name} rank {rank}: {m} vs {est.to_dict()}"
+        seen.add(m["optimizer_moments"])
+        assert m["optimizer_moments"] < 8 * n, "the Adam moments are not sharded"
+    if stage == 2:
+        assert all(per[name]["census"]["grads"] == 4 * per[name]["local_elements"] // 2
+                   for per in runs["census"]), "ZeRO-2 keeps only half of the gradients per rank"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_zero_keeps_one_host_read_per_step(runs, name):
+    """The reduce-scatter, the norm's all-reduce and the all-gather stay on the device: the
+    stabilizer's verdict is still the step's only host read, on every rank."""
+    assert [r[name] for r in runs["host_reads"]] == [1.0] * 4
+
+
+# ---------------------------------------------------------------- refusals (no ranks started)
+COMPOSING = ", ".join(repr(n) for n in MODEL_PARALLEL_DP)
+
+
+@pytest.mark.parametrize("sets, match", [
+    ({"parallel__tp": 2, "train__strategy": "deepspeed"}, r"parallel.tp = 2 does not compose with train.strategy = "
+                                                          r"'deepspeed': the DeepSpeed engine runs here as data parallelism only"),
+    ({"parallel__pp": 2, "train__strategy": "deepspeed"}, r"ZeRO stages 0-3 \(parallel.zero_stage\) with optional CPU offload"),
+    ({"parallel__cp": 2, "train__strategy": "deepspeed"}, r"parallel.cp = 2 does not compose with train.strategy = 'deepspeed'"),
+    ({"parallel__tp": 2, "train__strategy": "fsdp-scratch"}, r"'fsdp-scratch': the from-scratch SimpleFSDP"),
+    ({"parallel__pp": 2, "train__strategy": "ddp-scratch"}, r"'ddp-scratch': the from-scratch BucketedDDP"),
+    ({"parallel__tp": 2}, r"train.strategy = 'single': 'single' is one process"),
+])
+def test_strategies_that_do_not_compose_are_refused_before_any_file(tmp_path, sets, match):
+    with pytest.raises(train_config.ConfigError, match=match) as exc:
+        train(cfg(**sets), tmp_path / "run")
+    assert f"train.strategy names the data-parallel dimension: one of {COMPOSING}" in str(exc.value)
+    assert all(f"'{n}'" in str(exc.value) for n in ("ddp", "zero1", "zero2"))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+@pytest.mark.parametrize("par", [{"parallel__tp": 2}, {"parallel__pp": 2}, {"parallel__tp": 2, "parallel__pp": 2}])
+def test_zero_composes_with_tp_and_pp(strategy, par):
+    c = cfg(train__strategy=strategy, **par)
+    assert c["train"]["strategy"] == strategy
+
+
+def test_make_strategy_refuses_a_non_composing_name_without_ranks():
+    from course_lib.parallel.registry import make_strategy
+
+    with pytest.raises(ValueError, match="does not compose with parallel.tp/pp/cp > 1; use one of ddp, zero1, zero2"):
+        make_strategy("deepspeed", None, "cpu", {"parallel": {"tp": 2, "pp": 1, "cp": 1}})

@@ -1,0 +1,48 @@
+"""Rank functions for tests/test_train_zero_model_parallel.py (importable: run_ranks spawns fresh processes)."""
+from __future__ import annotations
+
+
+def census(rank, world_size, cfg):
+    """One optimizer step of the model-parallel strategy built from ``cfg`` (its train.strategy is
+    the dp dimension), outside the trainer so the gradients still exist; returns this rank's
+    mesh coordinates, measured model-state bytes and the stage's block count."""
+    import torch
+
+    from course_lib import train_config
+    from course_lib.model import TinyGPT
+    from course_lib.parallel.launch import DistInfo
+    from course_lib.parallel.memory_census import model_state_bytes_on_rank
+    from course_lib.parallel.registry import make_strategy
+    from course_lib.precision import make_policy
+
+    cpu = torch.device("cpu")
+    strategy = make_strategy(cfg["train"]["strategy"], DistInfo(rank, world_size, rank, cpu, "gloo"), cpu, cfg)
+    mcfg = train_config.build_model_config(cfg)
+    torch.manual_seed(0)
+    model = TinyGPT(mcfg)
+    strategy.setup(model, lambda m: torch.optim.AdamW(m.param_groups(0.1), lr=1e-3))
+    g = torch.Generator().manual_seed(1)  # every rank the same tokens (TP peers must agree)
+    T = cfg["data"]["seq_len"]
+    batches = [(torch.randint(0, mcfg.vocab_size, (2, T), generator=g),
+                torch.randint(0, mcfg.vocab_size, (2, T), generator=g)) for _ in range(2)]
+    policy = make_policy("fp32", cpu)
+    strategy.forward_backward(batches, autocast=policy.autocast, on_loss=lambda x: x, backward=policy.backward)
+    strategy.optimizer_step(policy, found_inf=False)
+    c = model_state_bytes_on_rank(None, strategy.optimizer, params=strategy.dp.census_params())
+    stage = strategy.model
+    return {"coords": strategy.mesh.coords, "census": c.to_dict(),
+            "local_elements": sum(p.numel() for p in strategy.model.parameters()),
+            "blocks": len(getattr(stage, "block_ids", range(mcfg.n_layers)))}
+
+
+def train_and_census(rank, world_size, runs, census_cfgs, host_cfgs, host_root):
+    """The trainer runs (model_parallel_rank_fns.train_many), each census, then the host reads per
+    step of each ``host_cfgs`` run (rank_fns.host_reads_on_rank), in one launch."""
+    import os
+
+    import model_parallel_rank_fns as mp
+    import rank_fns
+
+    return {"runs": mp.train_many(rank, world_size, runs), "census": [census(rank, world_size, c) for c in census_cfgs],
+            "host_reads": [rank_fns.host_reads_on_rank(rank, world_size, c, os.path.join(host_root, str(i)))
+                           for i, c in enumerate(host_cfgs)]}
