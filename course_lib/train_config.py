@@ -250,16 +250,25 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
                               f"data parallelism uses every rank started); leave it 0")
         return
     keys = " and ".join(f"parallel.{k} = {par[k]}" for k in ("tp", "pp") if par[k] > 1)
-    if t["strategy"] != "ddp":
+    # FSDP2 over dp on a DTensor-TP model (course_lib.parallel.fsdp_tp_strategy); not on pipeline stages.
+    fsdp_tp = t["strategy"] == "fsdp" and pp == 1
+    if t["strategy"] == "fsdp" and pp > 1:
+        raise ConfigError(f"train.strategy = 'fsdp' with parallel.pp = {pp} is not supported (FSDP2 on pipeline "
+                          f"stages is not built): fsdp composes with parallel.tp (pp = 1); for pp > 1 use "
+                          f"train.strategy = 'ddp'")
+    if t["strategy"] != "ddp" and not fsdp_tp:
         raise ConfigError(f"{keys} composes with train.strategy = 'ddp' only (the data-parallel dimension; "
                           f"its gradients are averaged by the model-parallel strategy itself); got "
                           f"train.strategy = {t['strategy']!r}")
     if t["compile"] and sched == "interleaved" and pp > 1:
         raise ConfigError("train.compile = true does not apply to parallel.pp_schedule = 'interleaved': torch's "
                           "schedule calls its stage modules itself; set train.compile = false or use '1f1b'")
-    if cfg["checkpoint"]["format"] == "sharded":
+    if cfg["checkpoint"]["format"] == "sharded" and not fsdp_tp:
         raise ConfigError(f"checkpoint.format = 'sharded' does not fit {keys}: the shards are saved in the "
                           f"dense layout (full checkpoints); use 'auto' or 'full'")
+    if cfg["checkpoint"]["format"] == "full" and fsdp_tp:
+        raise ConfigError(f"checkpoint.format = 'full' does not fit train.strategy = 'fsdp' with {keys}: its "
+                          f"DTensor shards save through DCP only; use 'auto' or 'sharded'")
     if tp > 1:
         for name, value in (("model.n_heads", mcfg.n_heads), ("model.n_kv_heads", mcfg.kv_heads),
                             ("model.vocab_size", mcfg.vocab_size), ("the MLP width (model.d_ff)", mcfg.ffn_dim)):

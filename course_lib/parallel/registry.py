@@ -30,6 +30,9 @@ STRATEGIES: dict[str, tuple[str, str, str]] = {  # name -> (module, class, one-l
 #: * parallel.cp > 1``; ``train.strategy`` then names its data-parallel dimension (only "ddp").
 MODEL_PARALLEL = ("course_lib.parallel.model_parallel_strategy", "ModelParallel",
                   "tensor (parallel.tp) x pipeline (parallel.pp) parallel, data parallel over the rest")
+#: Chosen for ``train.strategy = "fsdp"`` with model parallelism (tp > 1, pp = 1: train_config).
+FSDP_MODEL_PARALLEL = ("course_lib.parallel.fsdp_tp_strategy", "FSDPTensorParallel",
+                       "FSDP2 over dp on a DTensor tensor-parallel (parallel.tp) model, one device mesh")
 
 
 def strategy_names() -> tuple[str, ...]:
@@ -45,6 +48,6 @@ def make_strategy(name: str, info: Any, device: Any, cfg: dict | None = None):
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {name!r}")
     module, cls, _ = STRATEGIES[name]
     par = (cfg or {}).get("parallel", {})
-    if par.get("tp", 1) * par.get("pp", 1) * par.get("cp", 1) > 1:  # train_config allows only "ddp" here
-        module, cls, _ = MODEL_PARALLEL
+    if par.get("tp", 1) * par.get("pp", 1) * par.get("cp", 1) > 1:  # train_config: "ddp" or "fsdp" here
+        module, cls, _ = FSDP_MODEL_PARALLEL if name == "fsdp" else MODEL_PARALLEL
     return getattr(importlib.import_module(module), cls)(info, device, cfg)
