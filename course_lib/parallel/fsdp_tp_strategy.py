@@ -21,10 +21,12 @@ tp + tp_i``), so global rank r has the same (dp, cp, tp) coordinates here as in 
 TP peers read the same batch: :attr:`dp_rank` / :attr:`dp_size` are the data-parallel coordinates
 only. The loss is computed vocab-parallel (``loss_parallel``: the logits are never gathered).
 
-Gradient norms need no hook: the stabilizer's ``_foreach_norm`` on a 2-D DTensor gradient gives a
-norm that is ``Partial`` over every dimension the gradient is sharded on and ``Replicate`` where it
-is replicated, and ``full_tensor()`` completes it over exactly those - so every logical parameter
-counts once (a TP-replicated norm weight is not counted tp times). One host read per step, as ever.
+Gradient norms (:meth:`reduce_grad_sq`): the stabilizer hands over the squared norms of this rank's
+local gradient shards, and ONE all-reduce over the world completes them all: a tensor sharded
+along a mesh dimension contributes from every rank of it, one replicated along a dimension (a norm
+weight over tp) only from coordinate 0 there, so every logical parameter counts once. (Left to
+DTensor, ``full_tensor()`` on each norm would cost one to two all-reduces per tensor.) One host read
+per step, as ever.
 
 Checkpoints are sharded (DCP): the state dict has the dense model's names (neither
 ``parallelize_module`` nor ``fully_shard`` renames anything), and DCP reshards DTensors on load, so
@@ -125,8 +127,22 @@ class FSDPTensorParallel(FSDP2):
         fully_shard(model, **options)
         self.model = self.module = model
         self.optimizer = make_optimizer(model)
+        self._count = None
+        self.reduce_grad_sq = self._reduce_grad_sq
 
     # ------------------------------------------------------------------ one step
+    def _reduce_grad_sq(self, sq: torch.Tensor) -> torch.Tensor:
+        """Per-tensor squared norms of this rank's local gradient shards -> whole-tensor squares
+        (equal on every rank), one all-reduce over the world (the mesh spans it: pp = 1)."""
+        import torch.distributed as dist
+
+        if self._count is None or self._count.numel() != sq.numel():
+            self._count = torch.tensor([_counts_here(p, self.coords) for p in self.model.parameters() if p.grad is not None],
+                                       dtype=sq.dtype, device=sq.device)
+        whole = sq * self._count
+        dist.all_reduce(whole)
+        return whole
+
     def forward_backward(self, batches, *, autocast, on_loss, backward) -> torch.Tensor:
         """The usual micro-batch loop, forward and backward inside ``loss_parallel`` (cross-entropy
         on the vocab-sharded logits). Returns this rank's mean loss as a plain tensor (TP peers
@@ -137,3 +153,22 @@ class FSDPTensorParallel(FSDP2):
         with loss_parallel():
             local = super().forward_backward(batches, autocast=autocast, on_loss=on_loss, backward=backward)
         return local.to_local() if isinstance(local, DTensor) else local
+
+
+def _counts_here(param, coords: dict[str, int]) -> float:
+    """1.0 when this rank's shard of ``param`` is counted in the global norm. Along a mesh dimension
+    where the parameter is replicated - a ``Replicate`` placement, or a dimension its DTensor mesh
+    does not span (a norm weight TP left plain: FSDP2 made it a DTensor over dp only) - only
+    coordinate 0 counts (the copies elsewhere are the same numbers); along sharded (or partial)
+    dimensions every rank holds its own part. ``coords``: this rank's {"dp", "cp", "tp"}."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    spanned: set[str] = set()
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        for name, c, placement in zip(mesh.mesh_dim_names, mesh.get_coordinate(), param.placements):
+            dims = ("dp", "cp") if name == "dp_cp" else (name,)
+            if isinstance(placement, Replicate) and c != 0:
+                return 0.0
+            spanned.update(dims)
+    return float(all(coords[d] == 0 for d in ("dp", "cp", "tp") if d not in spanned))

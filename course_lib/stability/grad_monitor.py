@@ -97,8 +97,10 @@ class GradientMonitor:
             norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # fp32 so fp16 norms cannot overflow
             if not self._plain:
                 # FSDP2/DTensor gradients: the norm of a shard is partial; full_tensor() all-reduces
-                # on the device (a collective, not a host sync).
-                norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+                # on the device (a collective, not a host sync) - one or more per tensor. A strategy
+                # that passes reduce_sq completes the local norms itself, all tensors in one collective.
+                norms = [(n.to_local() if reduce_sq is not None else n.full_tensor())
+                         if hasattr(n, "full_tensor") else n for n in norms]
             device = norms[0].device
             head = [t.detach().float().reshape(()) for t in ([loss] if loss is not None else []) + extra]
             if not self._plain or any(t.device != device for t in head):
