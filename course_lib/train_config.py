@@ -13,8 +13,9 @@
               offload_param (read by the strategy named in train.strategy);
               dp, tp, pp, pp_schedule, virtual_stages, sequence_parallel, cp (model parallelism:
               tp * pp > 1 composes tensor and pipeline parallelism with train.strategy = "ddp" as
-              the data-parallel dimension; the world size must be dp * tp * pp * cp, checked when
-              the ranks start)
+              the data-parallel dimension, or tp > 1 (pp = 1) with "fsdp": FSDP2 over dp on the
+              DTensor-TP model; the world size must be dp * tp * pp * cp, checked when the ranks
+              start)
 
 Every unknown section or key, wrong type or out-of-range value is a ``ConfigError`` naming it
 (with a "did you mean" for typos), raised before any file is written or model is built.
@@ -258,8 +259,8 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
                           f"train.strategy = 'ddp'")
     if t["strategy"] != "ddp" and not fsdp_tp:
         raise ConfigError(f"{keys} composes with train.strategy = 'ddp' only (the data-parallel dimension; "
-                          f"its gradients are averaged by the model-parallel strategy itself); got "
-                          f"train.strategy = {t['strategy']!r}")
+                          f"its gradients are averaged by the model-parallel strategy itself), or 'fsdp' "
+                          f"(FSDP2 over dp) when parallel.pp = 1; got train.strategy = {t['strategy']!r}")
     if t["compile"] and sched == "interleaved" and pp > 1:
         raise ConfigError("train.compile = true does not apply to parallel.pp_schedule = 'interleaved': torch's "
                           "schedule calls its stage modules itself; set train.compile = false or use '1f1b'")

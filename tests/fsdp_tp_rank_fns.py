@@ -55,7 +55,24 @@ def _copy_on_rank0(src: str, dst: str, drop_newest: bool) -> None:
     dist.barrier()
 
 
-def fresh_then_loads(rank, world_size, fresh, short, host_cfg, host_dir, to_fsdp):
+def device_mesh_matches_kit_mesh(rank, world_size) -> dict:
+    """The torch DeviceMeshes the strategy builds (dp x tp, and dp x cp x tp with its flattened
+    dp_cp dim) hold, along each dim, the same global ranks as course_lib.parallel.mesh's groups."""
+    from course_lib.parallel.fsdp_tp_strategy import build_device_mesh
+    from course_lib.parallel.mesh import MeshLayout
+
+    out = {}
+    for layout in (MeshLayout(dp=2, tp=2), MeshLayout(dp=1, cp=2, tp=2)):
+        mesh = build_device_mesh("cpu", layout)
+        dims = ("dp", "cp", "tp", "dp_cp") if layout.cp > 1 else ("dp", "tp")
+        for dim in dims:
+            torch_ranks = mesh[dim].mesh.flatten().tolist()
+            kit = next(g for g in layout.group_ranks(dim) if rank in g)
+            out[(layout.shape, dim)] = (torch_ranks, kit)
+    return out
+
+
+def fresh_then_loads(rank, world_size, fresh, short, host_cfg, host_dir, to_fsdp, faulty=None):
     """Every 4-rank run of the test in one launch (starting ranks is the slow part):
 
     1. ``fresh = (cfg, out)``: fsdp x tp trains; its final state, coordinates and byte census;
@@ -65,6 +82,8 @@ def fresh_then_loads(rank, world_size, fresh, short, host_cfg, host_dir, to_fsdp
     5. the cross-layout chain, ``to_fsdp = (cfg_load, cfg_more, out)``: plain FSDP2 on 4 ranks
        loads the fsdp x tp checkpoint (``cfg_load``: max_steps = the saved step, trains nothing),
        then trains on from it and saves (``cfg_more``).
+    6. ``faulty = (cfg, out, faults)``: a run with injected faults (skip, roll-back);
+    7. :func:`device_mesh_matches_kit_mesh`.
     Returns a dict per rank (states on rank 0 only)."""
     import os
 
@@ -104,6 +123,11 @@ def fresh_then_loads(rank, world_size, fresh, short, host_cfg, host_dir, to_fsdp
                               "state": full_state(res.strategy)}
     res = train_mod.train(cfg_more, out4, resume=True)
     report["fsdp4_more"] = {"resumed_from": res.resumed_from, "steps": res.steps, "state": full_state(res.strategy)}
+    if faulty is not None:
+        c, o, faults = faulty
+        res = train_mod.train(c, o, faults=faults)
+        report["faulty"] = {"steps": res.steps, "rollbacks": res.rollbacks, "skipped": res.skipped_steps}
+    report["meshes"] = device_mesh_matches_kit_mesh(rank, world_size)
     return report
 
 

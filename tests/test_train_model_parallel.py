@@ -189,7 +189,7 @@ def test_world_size_is_checked_when_the_ranks_start(runs):
     ({"parallel__pp": 2, "parallel__virtual_stages": 2}, r"parallel.virtual_stages = 2 needs parallel.pp_schedule"),
     ({"parallel__sequence_parallel": True}, r"parallel.sequence_parallel = true needs parallel.tp > 1"),
     ({"parallel__tp": 2, "train__strategy": "zero1"}, r"parallel.tp = 2 composes with train.strategy = 'ddp' only"),
-    ({"parallel__pp": 2, "train__strategy": "fsdp"}, r"parallel.pp = 2 composes with train.strategy = 'ddp' only"),
+    ({"parallel__pp": 2, "train__strategy": "fsdp"}, r"train.strategy = 'fsdp' with parallel.pp = 2 is not supported"),
     ({"parallel__tp": 2}, r"parallel.tp = 2 composes with train.strategy = 'ddp' only.*'single'"),
     ({"parallel__cp": 2, "train__strategy": "ddp"}, r"parallel.cp = 2: context parallelism runs in"),
     ({"parallel__pp": 2, "train__strategy": "ddp", "parallel__pp_schedule": "interleaved", "train__compile": True},
