@@ -85,7 +85,9 @@ class GradientMonitor:
         read). It returns either the per-tensor vector (same length; the global norm is its sum),
         or a pair ``(per_tensor, total_sq)`` when ranks hold different tensors (ZeRO-2 keeps only
         the gradients a rank owns: per-tensor norms are already whole, only the total needs every
-        rank). DTensor gradients (FSDP2, TP) need no hook: their norms are completed here."""
+        rank). DTensor gradients (FSDP2, TP) need no hook: their norms are completed here; given a
+        ``reduce_sq`` anyway, it gets the norms of their *local* shards (fsdp x tp completes all
+        of them in one all-reduce)."""
         named = [(n, p.grad, layer) for n, p, layer in self._params(model) if p.grad is not None]
         if not named:
             raise ValueError("the model has no gradients; call after backward()")
