@@ -13,8 +13,9 @@
               offload_param (read by the strategy named in train.strategy);
               dp, tp, pp, pp_schedule, virtual_stages, pp_split, sequence_parallel, cp (model parallelism:
               tp * pp > 1 composes tensor and pipeline parallelism with train.strategy = "ddp" as
-              the data-parallel dimension; the world size must be dp * tp * pp * cp, checked when
-              the ranks start)
+              the data-parallel dimension, or tp > 1 (pp = 1) with "fsdp": FSDP2 over dp on the
+              DTensor-TP model; the world size must be dp * tp * pp * cp, checked when the ranks
+              start)
 
 Every unknown section or key, wrong type or out-of-range value is a ``ConfigError`` naming it
 (with a "did you mean" for typos), raised before any file is written or model is built.
@@ -263,12 +264,21 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
         return
     keys = " and ".join(f"parallel.{k} = {par[k]}" for k in ("tp", "pp") if par[k] > 1)
     _model_parallel_strategy_check(cfg)
+    # FSDP2 over dp on a DTensor-TP model (course_lib.parallel.fsdp_tp_strategy); not on pipeline stages.
+    fsdp_tp = t["strategy"] == "fsdp" and pp == 1
+    if t["strategy"] == "fsdp" and pp > 1:
+        raise ConfigError(f"train.strategy = 'fsdp' with parallel.pp = {pp} is not supported (FSDP2 on pipeline "
+                          f"stages is not built): fsdp composes with parallel.tp (pp = 1); for pp > 1 use "
+                          f"train.strategy = 'ddp', 'zero1' or 'zero2'")
     if t["compile"] and sched == "interleaved" and pp > 1:
         raise ConfigError("train.compile = true does not apply to parallel.pp_schedule = 'interleaved': torch's "
                           "schedule calls its stage modules itself; set train.compile = false or use '1f1b'")
-    if cfg["checkpoint"]["format"] == "sharded":
+    if cfg["checkpoint"]["format"] == "sharded" and not fsdp_tp:
         raise ConfigError(f"checkpoint.format = 'sharded' does not fit {keys}: the shards are saved in the "
                           f"dense layout (full checkpoints); use 'auto' or 'full'")
+    if cfg["checkpoint"]["format"] == "full" and fsdp_tp:
+        raise ConfigError(f"checkpoint.format = 'full' does not fit train.strategy = 'fsdp' with {keys}: its "
+                          f"DTensor shards save through DCP only; use 'auto' or 'sharded'")
     if tp > 1:
         for name, value in (("model.n_heads", mcfg.n_heads), ("model.n_kv_heads", mcfg.kv_heads),
                             ("model.vocab_size", mcfg.vocab_size), ("the MLP width (model.d_ff)", mcfg.ffn_dim)):
@@ -278,6 +288,11 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
         if mcfg.dropout:
             raise ConfigError(f"parallel.tp = {tp} needs model.dropout = 0 (got {mcfg.dropout}): dropout inside "
                               f"a tensor-parallel region needs a per-rank random stream, not built here")
+        if fsdp_tp and (mcfg.checkpointing != "none" or mcfg.offload_activations):
+            raise ConfigError(f"train.strategy = 'fsdp' with parallel.tp = {tp} runs the DTensor plan, which has "
+                              f"no recomputation yet: set model.checkpointing = 'none' and "
+                              f"model.offload_activations = false, or use train.strategy = 'zero2' (recomputation "
+                              f"composes with tp there)")
         if par["sequence_parallel"] and cfg["data"]["seq_len"] % tp:
             raise ConfigError(f"parallel.sequence_parallel needs data.seq_len ({cfg['data']['seq_len']}) "
                               f"divisible by parallel.tp ({tp})")

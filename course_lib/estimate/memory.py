@@ -124,7 +124,8 @@ class ModelStateBytes:
                 f"total {fmt(self.total)} per rank (ZeRO-{self.zero_stage}, dp={self.dp}, recipe {self.recipe})")
 
 
-def model_state_bytes(num_params, *, recipe="mixed-adam", zero_stage: int = 0, dp: int = 1) -> ModelStateBytes:
+def model_state_bytes(num_params, *, recipe="mixed-adam", zero_stage: int = 0, dp: int = 1,
+                      tp: int = 1, tp_replicated=0) -> ModelStateBytes:
     """Bytes of parameters, gradients and optimizer state held by **one rank**.
 
     Follows the ZeRO paper (Rajbhandari et al. 2020, Sec. 5 and Figure 1): with Psi parameters,
@@ -133,10 +134,23 @@ def model_state_bytes(num_params, *, recipe="mixed-adam", zero_stage: int = 0, d
     stage 3: (2 + 2 + K)Psi/Nd - here with the recipe's byte counts in place of 2, 2 and K.
     `num_params` is the parameter count the data-parallel group replicates (for tp/pp, pass the
     parameters on one rank, e.g. `ModelShape.params_on_busiest_rank`). Returns ModelStateBytes.
+
+    Or let the estimator do the tensor-parallel split: `tp` > 1 with `num_params` the whole model and
+    `tp_replicated` of those parameters held whole by every TP rank (norms, row-parallel biases,
+    and a position table the TP plan does not shard); each TP rank then holds
+    ``(num_params - tp_replicated) / tp + tp_replicated``, which ZeRO shards over `dp` as above
+    (FSDP x TP: every TP shard cut again over the dp ranks). `ModelStateBytes.num_params` is
+    that per-TP-rank count.
     """
     check_count("num_params", num_params)
     check_int("zero_stage", zero_stage, 0, 3)
     check_int("dp", dp, 1)
+    check_int("tp", tp, 1)
+    check_count("tp_replicated", tp_replicated)
+    if tp_replicated > num_params:
+        raise ValueError(f"tp_replicated ({tp_replicated}) cannot exceed num_params ({num_params})")
+    if tp > 1:
+        num_params = (num_params - tp_replicated) / tp + tp_replicated
     r = resolve_recipe(recipe)
     shard = 1.0 / dp
     return ModelStateBytes(

@@ -31,6 +31,9 @@ STRATEGIES: dict[str, tuple[str, str, str]] = {  # name -> (module, class, one-l
 #: :data:`MODEL_PARALLEL_DP`.
 MODEL_PARALLEL = ("course_lib.parallel.model_parallel_strategy", "ModelParallel",
                   "tensor (parallel.tp) x pipeline (parallel.pp) parallel, data parallel over the rest")
+#: Chosen for ``train.strategy = "fsdp"`` with model parallelism (tp > 1, pp = 1: train_config).
+FSDP_MODEL_PARALLEL = ("course_lib.parallel.fsdp_tp_strategy", "FSDPTensorParallel",
+                       "FSDP2 over dp on a DTensor tensor-parallel (parallel.tp) model, one device mesh")
 
 #: The ``train.strategy`` names that compose with tp/pp/cp > 1 (modes of
 #: :mod:`course_lib.parallel.model_parallel_dp`), name -> what the data-parallel dimension does.
@@ -38,6 +41,7 @@ MODEL_PARALLEL_DP: dict[str, str] = {
     "ddp": "replicated weights and optimizer, one flattened gradient all-reduce over the dp ranks",
     "zero1": "ZeRO-1 over the dp ranks: optimizer state sharded, gradients reduce-scattered",
     "zero2": "ZeRO-2 over the dp ranks: as zero1, and each rank keeps only its range of the gradients",
+    "fsdp": "torch FSDP2 over the dp ranks on a DTensor tensor-parallel model (one device mesh; pp = 1)",
 }
 
 
@@ -58,5 +62,5 @@ def make_strategy(name: str, info: Any, device: Any, cfg: dict | None = None):
         if name not in MODEL_PARALLEL_DP:  # train_config refuses it first, with the layouts
             raise ValueError(f"strategy {name!r} does not compose with parallel.tp/pp/cp > 1; use one of "
                              f"{', '.join(MODEL_PARALLEL_DP)}")
-        module, cls, _ = MODEL_PARALLEL
+        module, cls, _ = FSDP_MODEL_PARALLEL if name == "fsdp" else MODEL_PARALLEL
     return getattr(importlib.import_module(module), cls)(info, device, cfg)

@@ -161,6 +161,12 @@ class FaultInjector:
                     some = ", ".join(n for n, _ in named[:8])
                     raise ValueError(f"inf_grad: no parameter with a gradient named {name!r}; some names: {some}")
                 grad = by_name[name].grad
-                with torch.no_grad():  # index the first element of any shape, contiguous or not
-                    grad[(0,) * grad.dim()] = float("inf")
+                if hasattr(grad, "to_local"):
+                    # A DTensor (FSDP2, TP): item assignment on it does not reach the local shard
+                    # (measured, torch 2.13: the gradient stayed finite); write into every
+                    # non-empty local shard instead - still one gradient, now non-finite.
+                    grad = grad.to_local()
+                if grad.numel():
+                    with torch.no_grad():  # index the first element of any shape, contiguous or not
+                        grad[(0,) * grad.dim()] = float("inf")
             self.fired.append((step, str(fault)))

@@ -85,7 +85,9 @@ class GradientMonitor:
         read). It returns either the per-tensor vector (same length; the global norm is its sum),
         or a pair ``(per_tensor, total_sq)`` when ranks hold different tensors (ZeRO-2 keeps only
         the gradients a rank owns: per-tensor norms are already whole, only the total needs every
-        rank). DTensor gradients (FSDP2, TP) need no hook: their norms are completed here."""
+        rank). DTensor gradients (FSDP2, TP) need no hook: their norms are completed here; given a
+        ``reduce_sq`` anyway, it gets the norms of their *local* shards (fsdp x tp completes all
+        of them in one all-reduce)."""
         named = [(n, p.grad, layer) for n, p, layer in self._params(model) if p.grad is not None]
         if not named:
             raise ValueError("the model has no gradients; call after backward()")
@@ -97,8 +99,10 @@ class GradientMonitor:
             norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # fp32 so fp16 norms cannot overflow
             if not self._plain:
                 # FSDP2/DTensor gradients: the norm of a shard is partial; full_tensor() all-reduces
-                # on the device (a collective, not a host sync).
-                norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+                # on the device (a collective, not a host sync) - one or more per tensor. A strategy
+                # that passes reduce_sq completes the local norms itself, all tensors in one collective.
+                norms = [(n.to_local() if reduce_sq is not None else n.full_tensor())
+                         if hasattr(n, "full_tensor") else n for n in norms]
             device = norms[0].device
             head = [t.detach().float().reshape(()) for t in ([loss] if loss is not None else []) + extra]
             if not self._plain or any(t.device != device for t in head):

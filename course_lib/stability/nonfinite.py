@@ -151,8 +151,12 @@ class NonFiniteGuard:
             for _, g in named:
                 g = g.detach()
                 finite_abs = torch.nan_to_num(g.float().abs(), nan=0.0, posinf=0.0, neginf=0.0)
-                rows.append(torch.stack([torch.isnan(g).sum().float(), torch.isinf(g).sum().float(),
-                                         finite_abs.max() if g.numel() else finite_abs.new_zeros(())]))
+                stats = [torch.isnan(g).sum().float(), torch.isinf(g).sum().float(),
+                         finite_abs.max() if g.numel() else finite_abs.new_zeros(())]
+                # DTensor gradients (FSDP2, TP) live on different meshes (dp x tp, or dp only for a
+                # tensor TP left whole) and each reduction is partial over the shards: complete
+                # them one by one (collectives, on this rare path only; every rank is here alike).
+                rows.append(torch.stack([t.full_tensor() if hasattr(t, "full_tensor") else t for t in stats]))
             values = torch.stack([r.to(rows[0].device) for r in rows]).tolist()
         self.diagnostic_syncs += 1
         return {name: {"norm": _json_number(param_norms.get(name, math.nan)), "nan": int(v[0]),
