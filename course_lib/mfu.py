@@ -22,20 +22,28 @@ import torch
 # the course machines (smaller ones time thread start-up: 256 gave 2 GFLOP/s against 59 at 1024);
 # two sizes so one size's unlucky packing or cache behaviour does not decide the figure.
 CPU_PEAK_SIZES = (768, 1024)
+# bf16/fp16 matmuls on a CPU without native support are emulated at ~1 GFLOP/s (measured here): one
+# 1024 matmul takes 2 s, and six timings of it cost 30 s of start-up. Half-precision peaks are taken
+# at sizes whose timings stay well under a second; where such a peak is too low, the guard below
+# catches the MFU it would produce.
+CPU_PEAK_SIZES_HALF = (256, 512)
 CPU_PEAK_PASSES = 3
 
 
-def robust_cpu_peak_flops(dtype: torch.dtype = torch.float32, *, sizes: tuple[int, ...] = CPU_PEAK_SIZES,
+def robust_cpu_peak_flops(dtype: torch.dtype = torch.float32, *, sizes: tuple[int, ...] | None = None,
                           passes: int = CPU_PEAK_PASSES, min_seconds: float = 0.03) -> float:
     """This CPU's matmul peak in FLOP/s (per process, on torch's current thread count).
 
-    ``passes`` interleaved passes over ``sizes`` (each size timed once per pass, for at least
-    ``min_seconds`` seconds), and the best of all the timings: other processes only ever slow a
-    timing down, so the fastest is the closest to the chip's peak. About
-    ``passes * len(sizes) * min_seconds`` seconds plus one warm-up matmul per timing.
+    ``passes`` interleaved passes over ``sizes`` (default CPU_PEAK_SIZES for fp32,
+    CPU_PEAK_SIZES_HALF otherwise; each size timed once per pass, for at least ``min_seconds``
+    seconds), and the best of all the timings: other processes only ever slow a timing down, so
+    the fastest is the closest to the chip's peak. About ``passes * len(sizes) * min_seconds``
+    seconds plus one warm-up matmul per timing (0.7 s for fp32 on the course machine).
     """
     from course_lib.measure import cpu_matmul_peak_flops
 
+    if sizes is None:
+        sizes = CPU_PEAK_SIZES if dtype == torch.float32 else CPU_PEAK_SIZES_HALF
     best = 0.0
     for _ in range(passes):
         for n in sizes:
@@ -77,7 +85,8 @@ class MfuGuard:
 
     def _message(self, value: float) -> str:
         source = ("the configured train.peak_flops" if self.configured
-                  else "the peak measured at start-up (a busy machine makes it too low)")
+                  else "the peak measured at start-up (too low on a busy machine, or in a dtype this CPU "
+                  "emulates)")
         fix = ("raise train.peak_flops to this device's real peak" if self.configured
                else "set train.peak_flops (FLOP/s per device) to a peak measured on an idle machine, "
                     "e.g. lab 02's figure")
