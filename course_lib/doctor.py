@@ -176,6 +176,18 @@ def problems(report: dict) -> list[dict]:
     return found
 
 
+def _split_stamps(stamps: list[str]) -> tuple[str, list[str]]:
+    """Split each lab's machine stamp ("2 CPU cores, load 1.9, no GPU, torch X, date") into what
+    every timed lab shares (printed once) and what is its own (printed on its line, e.g. "load 1.9"):
+    thirteen full stamps on one line were unreadable. Untimed labs ("") have no parts."""
+    parts = [s.split(", ") if s else [] for s in stamps]
+    timed = [p for p in parts if p]
+    if not timed:
+        return "", ["" for _ in stamps]
+    common = [x for x in timed[0] if all(x in p for p in timed)]
+    return ", ".join(common), [", ".join(x for x in p if x not in common) for p in parts]
+
+
 def format_report(report: dict) -> str:
     """Human-readable report (sizes in GiB = 2**30 bytes)."""
     lines = [f"Python      {report['python']}  ({report['executable']})"]
@@ -211,13 +223,16 @@ def format_report(report: dict) -> str:
     if report.get("labs"):
         lines.append("")
         lines.append("labs")
-        machines = sorted({row["measured_on"] for row in report["labs"] if row.get("measured_on")})
-        for row in report["labs"]:
+        common, own = _split_stamps([row.get("measured_on", "") for row in report["labs"]])
+        for row, extra in zip(report["labs"], own):
             secs = row.get("full_size_seconds")
             took = (f"full size {secs / 60:4.1f} min" if secs is not None else "full size not timed yet")
-            lines.append(f"  {row['lab']:<32}{took:<26}{row['verdict']}")
+            took += f" ({extra})" if extra else ""
+            lines.append(f"  {row['lab']:<32}{took:<34}{row['verdict']}")
         lines.append("  (full-size times as recorded by `course labs run NN --in-place` or `--record-time`"
-                     + (f"; measured on {'; '.join(machines)})" if machines else ")"))
+                     + (f"; measured on {common}" if common else "")
+                     + ("; load: the 1-minute load average as the run ended, above the core count the lab "
+                        "shared the CPU)" if any("load " in e for e in own) else ")"))
     lines.append("")
     if report["problems"]:
         lines.append(f"{len(report['problems'])} problem(s):")

@@ -30,6 +30,7 @@ from course_lib import train_config
 from course_lib.train_config import ConfigError
 from course_lib.watch import control as watch_control
 from course_lib import profiling, utilization
+from course_lib.mfu import MfuGuard
 
 
 @dataclass
@@ -107,12 +108,10 @@ def _peak_flops(cfg: dict, device: torch.device) -> float:
             if key.split("-")[0] in name:
                 return acc.peak_flops(dtype)
         return 0.0  # unknown GPU: MFU is reported as n/a rather than guessed
-    from course_lib.measure import cpu_matmul_peak_flops
+    from course_lib.mfu import robust_cpu_peak_flops
 
     dtype = torch.bfloat16 if cfg["train"]["precision"] == "bf16" else torch.float32
-    # n=1024: smaller matmuls measure thread start-up, not the arithmetic peak (256 gave 2 GFLOP/s
-    # here against 59 at 1024).
-    return cpu_matmul_peak_flops(1024, dtype=dtype, repeats=3).flops_per_second
+    return robust_cpu_peak_flops(dtype)  # best of interleaved passes: a busy moment costs one timing
 
 
 def _stabilizer(cfg: dict, faults, out_dir: Path, rank: int, model):
@@ -239,7 +238,8 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     flops_per_token = palm_flops_per_token(model.num_params(), n_layers=mcfg.n_layers,
                                            n_heads=mcfg.n_heads, head_dim=mcfg.head_dim,
                                            seq_len=d["seq_len"])
-    peak = _peak_flops(cfg, device) * info.world_size
+    mfu_guard = MfuGuard(_peak_flops(cfg, device), info.world_size, configured=t["peak_flops"] > 0,
+                         warn=strategy.is_writer)  # never above 100%: an unreliable peak logs None
     bar = _progress(t, start, strategy.is_writer)
     skipped, rollbacks = 0, 0
     step, saved_at = start, start
@@ -298,7 +298,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             seconds, t_last = now - t_last, now
             tokens_per_s = tokens_per_step / seconds
             row = {**decision.log_row(), "step": step, "lr": lr, "tokens_per_s": tokens_per_s,
-                   "mfu": tokens_per_s * flops_per_token / peak if peak else None,
+                   "mfu": mfu_guard.mfu(tokens_per_s * flops_per_token),
                    "step_seconds": seconds}
             if scale is not None:
                 row["loss_scale"] = decision.extra[0]  # the scale this step's backward used
@@ -323,9 +323,10 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                 # Redrawn every log_every steps, with rates over that window (saves and slow steps
                 # included), not one step's.
                 window_tok_s = tokens_per_step * (step - bar_step) / max(now - bar_time, 1e-9)
+                window_mfu = mfu_guard.mfu(window_tok_s * flops_per_token)
                 bar.set_postfix(loss=f"{last_loss:.3f}" if last_loss is not None else "n/a",
                                 lr=f"{lr:.2e}", tok_s=f"{window_tok_s:,.0f}",
-                                mfu=f"{window_tok_s * flops_per_token / peak:.1%}" if peak else "n/a",
+                                mfu="n/a" if window_mfu is None else f"{window_mfu:.1%}",
                                 refresh=False)
                 bar.update(step - bar.n)
                 bar_step, bar_time = step, now

@@ -265,6 +265,7 @@ plt.show()
 
 # %% tags=["points:3"]
 ### BEGIN HIDDEN TESTS
+# test: other bucket sizes, micro-batches and unused parameters, on 2 ranks
 hidden = [("plain, 0.0005 MB", False, 0.0005, 1), ("tricky, 0.01 MB, 4 micro", True, 0.01, 4),
           ("tricky, None, 2 micro", True, None, 2), ("tricky, 0.001 MB", True, 0.001, 1)]
 hidden_rows = exercise_runs.check_bucketed_ddp(BucketedDDP, 2, hidden, steps=3)

@@ -210,6 +210,7 @@ plt.show()
 
 # %% tags=["points:3"]
 ### BEGIN HIDDEN TESTS
+# test: SGD (momentum, a parameter group added mid-run) and AdamW under an lr schedule, on 3 ranks
 hidden = [("sgd momentum, group at step 1", "sgd", 0, False), ("adamw, lr schedule", "adamw", None, True),
           ("sgd, group at step 4", "sgd", 3, False)]
 hidden_rows = exercise_runs.check_sharded_optimizer(ShardedOptimizer, 3, hidden, steps=5)

@@ -308,6 +308,7 @@ plt.show()
 
 # %% tags=["points:3"]
 ### BEGIN HIDDEN TESTS
+# test: f, g and both layers on 4 ranks, and in tensor-parallel groups of 2
 hidden_ops = exercise_runs_tp_pp.check_conjugate_ops(copy_to_tp, reduce_from_tp, 4, [(7,), (2, 5, 4)])
 check(len(hidden_ops) == 2, "hidden: f and g on 4 ranks")
 hidden = [("column, no bias, 2-D", "column", (12, 8), False, (5,)),

@@ -58,7 +58,7 @@ if SMOKE:
 #   Around each backward: `recv_grad` just before (unless last), `send_grad` just after (unless
 #   first); write this in `backward_actions`.
 # * **Warm-up**: the forwards that can run before the first gradient could possibly come back
-#   from the last stage, `pp - stage - 1` of them (or all `m`, if there are fewer).
+#   from the last stage (never more than `m`). How many is that for the last stage? For the first?
 # * **Steady state**: then alternate one forward (the next micro-batch) and one backward (the
 #   oldest micro-batch still waiting for one) until every forward has run.
 # * **Cool-down**: the backwards still missing, oldest first.
@@ -87,7 +87,7 @@ def backward_actions(pp, stage, i):
 
 def one_f_one_b(pp, micro_batches, stage):
     """The 1F1B order of `stage` (0-based) in a pipeline of `pp` stages and `micro_batches` micro-batches."""
-    ### BEGIN SOLUTION warm-up forwards (min(pp - stage - 1, m)), then forward/backward pairs, then the remaining backwards
+    ### BEGIN SOLUTION warm-up forwards (as many as fit before the first gradient can come back to this stage), then forward/backward pairs, then the remaining backwards
     m = micro_batches
     warmup = min(pp - stage - 1, m)
     actions = []

@@ -75,6 +75,7 @@ print({k: round(v, 2) for k, v in c.time.items()})
 #    sequence.
 
 # %%
+LAYOUT_7B = LAYOUT_70B = LAYOUT_8K = None  # your three layouts replace these
 ### BEGIN SOLUTION three dicts with tp, pp, dp, (cp,) zero_stage, recompute, micro_batch and why
 LAYOUT_7B = dict(tp=1, pp=1, dp=8, zero_stage=3, recompute="none", micro_batch=1,
                  why="model states (16 B/param) do not fit replicated: shard everything over the 8 GPUs "
@@ -89,8 +90,9 @@ LAYOUT_8K = dict(tp=1, pp=1, dp=4, cp=2, zero_stage=3, recompute="none", micro_b
 
 # %% tags=["points:3"]
 rows = []
-for name, layout in (("7b-one-node", LAYOUT_7B), ("70b-8-nodes", LAYOUT_70B), ("7b-8k-context", LAYOUT_8K)):
-    row = check_layout(JOBS[name], layout, name=name)
+for name, var, layout in (("7b-one-node", "LAYOUT_7B", LAYOUT_7B), ("70b-8-nodes", "LAYOUT_70B", LAYOUT_70B),
+                          ("7b-8k-context", "LAYOUT_8K", LAYOUT_8K)):
+    row = check_layout(JOBS[name], layout, name=f"{var} ({name})")
     rows.append(row)
     print(f"{name:14} {row['label']:42} {row['memory_gib']:6.1f} GiB  {row['step_s']:6.1f} s  "
           f"({row['vs_best']:+.1%} vs best)  - {layout['why']}")

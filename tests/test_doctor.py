@@ -95,3 +95,19 @@ def test_record_time_keeps_outputs_and_refuses_stale_labs(tmp_path):
     lab.write_text(notebooks.dumps(after))
     with pytest.raises(ValueError, match="older code"):
         notebooks.record_time(lab, 1.0)
+
+
+def test_each_lab_line_carries_its_own_load_and_the_shared_stamp_is_printed_once():
+    stamps = {"00_a": "2 CPU cores, load 3.9, no GPU, torch 2.13.0+cpu, 2026-11-23",
+              "01_b": "2 CPU cores, load 0.8, no GPU, torch 2.13.0+cpu, 2026-11-24",
+              "02_c": ""}
+    report = {"python": "3", "executable": "py", "versions": {}, "kernel": {"registered": False},
+              "problems": [], "labs": [{"lab": lab, "verdict": "runs fully here", "full_size_seconds": 60.0 if s else None,
+                                        "measured_on": s} for lab, s in stamps.items()]}
+    lines = doctor.format_report(report).splitlines()
+    by_lab = {lab: next(ln for ln in lines if lab in ln) for lab in stamps}
+    assert "(load 3.9, 2026-11-23)" in by_lab["00_a"] and "(load 0.8, 2026-11-24)" in by_lab["01_b"]
+    assert "load" not in by_lab["02_c"] and "not timed yet" in by_lab["02_c"]
+    footer = next(ln for ln in lines if "measured on" in ln)
+    assert "measured on 2 CPU cores, no GPU, torch 2.13.0+cpu;" in footer
+    assert footer.count("CPU cores") == 1 and "3.9" not in footer  # once, not one stamp per lab

@@ -261,3 +261,80 @@ def test_checkpoints_verdict_reads_the_disk_like_a_restarted_run(tmp_path):
     assert "not a checkpoint file" in checkpoints_verdict(folder("link", [4], link=5))
     assert "at most one extra" in checkpoints_verdict(folder("many", [3, 4, 5, 6]), max_count=3)
     assert checkpoints_verdict(tmp_path / "missing") == "no checkpoint (step_*.pt) on disk"
+
+
+# --------------------------------------------------------------------------------------------
+# reports: unreadable submissions are named on the console and in the summary; one status word
+# --------------------------------------------------------------------------------------------
+
+def _graded_by_hand(tmp_path):
+    """Two students graded without a kernel: bob's file is fine, the others' cannot be read."""
+    from course_lib.grading.reference import TestResult
+
+    ex = assemble.load_exercise(EX01)
+    notes = {}
+    for student, text in (("empty", ""), ("badjson", "{not json"), ("python", "import torch\nprint(1)\n")):
+        path = tmp_path / f"{student}.ipynb"
+        path.write_text(text)
+        cells, notes[student] = assemble.read_submission(path)
+        assert cells == [] and "could not be read" in notes[student], (student, notes[student])
+    zero = [TestResult(t, 0, "failed", "NotImplementedError: fill in", 0.1) for t in ex.tests]
+    bob = [TestResult(t, t.points if i else 0, "passed" if i else "failed", "" if i else "CheckFailed: no", 0.1)
+           for i, t in enumerate(ex.tests)]
+    graded = [grade.Graded("bob", bob, 1.0)] + [grade.Graded(s, zero, 0.2, n) for s, n in notes.items()]
+    return ex, graded
+
+
+def test_unreadable_submissions_are_named_on_the_console_and_in_the_summary(tmp_path):
+    from course_lib.grading import report
+
+    ex, graded = _graded_by_hand(tmp_path)
+    lines = report.console_lines(graded)
+    assert "UNREADABLE" not in lines[0] and lines[0].startswith("bob")
+    for line, g in zip(lines[1:], graded[1:]):
+        assert line.startswith(g.student) and f"0 / {ex.max_points}" in line
+        assert "UNREADABLE" in line and "could not be read" in line and f"feedback/{g.student}.md" in line
+    out = tmp_path / "out"
+    out.mkdir()
+    report.write_reports(out, ex, graded)
+    summary = (out / "summary.md").read_text()
+    assert "Unreadable submissions (3)" in summary
+    for g in graded[1:]:
+        assert f"- {g.student}: the notebook could not be read" in summary
+    assert "| bob |" in summary and "unreadable" not in summary.split("| bob |")[1].split("\n")[0]
+    assert "Unreadable submission: the notebook could not be read" in (out / "feedback" / "empty.md").read_text()
+
+
+def test_feedback_and_grades_csv_use_the_same_status_word(tmp_path):
+    import csv
+
+    from course_lib.grading import report
+
+    ex, graded = _graded_by_hand(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    report.write_reports(out, ex, graded)
+    csv_words = {(r["student"], r["test"]): r["status"] for r in csv.DictReader((out / "grades.csv").open())}
+    assert set(csv_words.values()) == {"passed", "failed"}
+    md = (out / "feedback" / "bob.md").read_text()
+    table = [ln.split(" | ") for ln in md.splitlines() if ln.startswith("| cell-")]
+    assert table and all(row[2] == csv_words[("bob", row[0].lstrip("| "))] for row in table)
+    assert "a check failed" not in md and "- **failed**:" in md and "- **passed**:" in md
+
+
+def test_hidden_tests_are_labelled_for_what_they_test():
+    ex = assemble.load_exercise(ROOT / "solutions" / "09_zero1_optimizer.py")
+    hidden = [t.title for t in ex.tests if t.hidden]
+    assert hidden == ["SGD (momentum, a parameter group added mid-run) and AdamW under an lr schedule, on 3 ranks"]
+    # without its own "# test:" line a test keeps the heading above it
+    assert [t.title for t in ex.tests if not t.hidden][0].startswith("Part 2")
+
+
+def test_grade_help_names_the_cache_folder_the_code_uses(capsys):
+    from course_lib.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["grade", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert str(grade.default_cache_dir()).endswith("course-kit/grading")
+    assert "~/.cache/course-kit/grading" in text

@@ -269,3 +269,20 @@ def test_sbatch_usr1_checkpoints_the_training_step_then_requeues(tmp_path):
     steps = [int(p.name.split("_")[-1]) for p in (train / "checkpoints").glob("step_*")]
     assert len(steps) == 1 and 3 <= steps[0] < 1000, steps      # save_every = 0: only the signal saved
     assert "stopped by SIGTERM after step" in text
+
+
+def test_cpu_jobs_do_not_restart_by_default_and_the_script_says_why(tmp_path, capsys):
+    assert Cluster().max_restarts == 0 and Cluster(gpus_per_node=8).max_restarts == 3
+    assert Cluster(max_restarts=2).max_restarts == 2  # asked for: kept
+    args = parse(["--config", CONFIG, "--nproc-per-node", "2", "--out", str(tmp_path / "l"), "--dry-run"])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    script = text.split("===== launch_torchrun.sh =====")[1].split("=====")[0]
+    cmd = next(ln for ln in script.splitlines() if ln.startswith("torchrun"))
+    assert cmd.split()[cmd.split().index("--max-restarts") + 1] == "0"
+    why = " ".join(ln.lstrip("# ") for ln in script.splitlines() if ln.startswith("#"))
+    assert "--max-restarts 0" in why and "hung in 2 of 5 tries" in why and "--resume auto" in why
+    sbatch = sbatch_script(CONFIG, [], Cluster(nodes=2))
+    assert "--max-restarts 0" in sbatch and "hung in 2 of 5 tries" in sbatch
+    gpu = sbatch_script(CONFIG, [], Cluster(nodes=2, gpus_per_node=4))
+    assert "hung in 2 of 5" not in gpu and "--max-restarts 3" in gpu

@@ -28,6 +28,9 @@ from course_lib import notebooks
 from course_lib.grading.probes import PROBES
 
 POINTS_TAG = re.compile(r"^points:(\d+)$")
+# A test cell may name itself: "# test: <title>" (first such line). Hidden tests need it most, because
+# the heading above them describes the visible part before them, not what they test.
+TEST_TITLE = re.compile(r"^\s*# test: (.+?)\s*$", re.M)
 PROBE_TAG = re.compile(r"^probe:([a-z0-9-]+)$")  # a test the grader runs itself (course_lib.grading.probes)
 MAX_SUBMISSION_BYTES = 20 * 2**20  # a bigger .ipynb is not read (bytes)
 SMOKE_CELL = ("injected-smoke", "SMOKE = True  # injected by the grader: smoke-test sizes")
@@ -100,7 +103,9 @@ def load_exercise(source: Path) -> Exercise:
             unknown = [n for n in probe_names if n not in PROBES]
             if unknown:
                 raise GradingSourceError(f"{source.name}: {cell.id}: unknown probe(s) {unknown}; known: {sorted(PROBES)}")
-            tests.append(TestCell(cell.id, points[0], "### BEGIN HIDDEN TESTS" in cell.source, title, probe_names))
+            own = TEST_TITLE.search(cell.source)
+            tests.append(TestCell(cell.id, points[0], "### BEGIN HIDDEN TESTS" in cell.source,
+                                  own.group(1) if own else title, probe_names))
     if not tests:
         raise GradingSourceError(f"{source.name}: no cell is tagged points:N, so nothing is graded")
     return Exercise(source.stem[:2], source.stem, nb.cells, frozenset(answers), tests, parameters_id)

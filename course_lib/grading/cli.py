@@ -18,7 +18,8 @@ def add_grading_parsers(sub) -> None:
     p.add_argument("--memory-gb", type=float, default=6.0,
                    help="address-space limit of each kernel, GiB (default 6; torch reserves ~2 GiB virtual)")
     p.add_argument("--jobs", type=int, default=2, help="submissions graded at once (default 2)")
-    p.add_argument("--cache", default=None, help="folder for cached reference runs (default ~/.cache/course-kit)")
+    p.add_argument("--cache", default=None, help="folder for cached reference runs (default $XDG_CACHE_HOME/course-kit/grading, "
+                        "i.e. ~/.cache/course-kit/grading)")
     p.add_argument("--no-sandbox", action="store_true",
                    help="do not use namespaces even where available (trusted submissions only)")
     p.set_defaults(func=cmd_grade)
@@ -32,7 +33,7 @@ def add_grading_parsers(sub) -> None:
 
 def cmd_grade(args: argparse.Namespace) -> int:
     from course_lib.cli import find_root
-    from course_lib.grading import assemble, grade, reference, sandbox
+    from course_lib.grading import assemble, grade, reference, report, sandbox
 
     try:
         graded = grade.grade(Path(args.submissions), args.exercise, Path(args.out), root=find_root(),
@@ -46,8 +47,8 @@ def cmd_grade(args: argparse.Namespace) -> int:
     if not sandbox.sandbox_available() or args.no_sandbox:
         print("note: kernels ran WITHOUT namespaces (no network/process/file isolation); see the README's "
               "grading section", file=sys.stderr)
-    for g in graded:
-        print(f"{g.student:<24} {g.points:>4} / {sum(r.test.points for r in g.results)}  ({g.seconds:.1f} s)")
+    for line in report.console_lines(graded):
+        print(line)
     print(f"reports in {args.out}")
     return 0
 

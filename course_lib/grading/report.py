@@ -6,9 +6,29 @@ import html
 from collections import Counter
 from pathlib import Path
 
-STATUS_WORDS = {"passed": "passed", "failed": "a check failed", "wrong": "a checked value is wrong",
-                "timeout": "ran past the time limit", "crashed": "the kernel died",
-                "not-run": "not run (an earlier cell crashed or timed out)"}
+# The status column says the same word in grades.csv and in the feedback (one vocabulary for the
+# instructor's spreadsheet and the student's page); the feedback explains each word it uses below
+# its table.
+STATUS_MEANING = {"passed": "the test cell ran and every check and compared value agreed",
+                  "failed": "a check in the test cell failed (or the cell raised an error)",
+                  "wrong": "the checks passed in the kernel, but a checked value differs from the reference",
+                  "timeout": "the cell ran past the time limit",
+                  "crashed": "the kernel died",
+                  "not-run": "not run: an earlier cell crashed or timed out"}
+
+
+def unreadable_line(g) -> str:
+    """The console's / summary's sentence for a submission that could not be read ("" if it was)."""
+    return f"UNREADABLE: {g.note}; every test scored 0 (see feedback/{g.student}.md)" if g.note else ""
+
+
+def console_lines(graded: list) -> list[str]:
+    """One line per student for the terminal: points, seconds, and why when the file was unreadable."""
+    lines = []
+    for g in graded:
+        line = f"{g.student:<24} {g.points:>4} / {sum(r.test.points for r in g.results)}  ({g.seconds:.1f} s)"
+        lines.append(line + (f"  {unreadable_line(g)}" if g.note else ""))
+    return lines
 
 
 def write_reports(out: Path, exercise, graded: list) -> list[Path]:
@@ -56,24 +76,28 @@ def feedback(exercise, g) -> tuple[str, str]:
     Messages come from the check that failed; a hidden test's code is never shown."""
     head = f"# {exercise.name}: {g.student}\n\nScore: **{g.points} / {exercise.max_points}**\n"
     if g.note:
-        head += f"\nNote: {g.note}.\n"
+        head += f"\nUnreadable submission: {g.note}, so every test scored 0. Submit the .ipynb file itself.\n"
     rows = ["| test | points | status | message |", "| --- | --- | --- | --- |"]
     for r in g.results:
         msg = r.message.replace("|", "\\|").replace("\n", " ")
-        rows.append(f"| {r.test.label} | {r.points} / {r.test.points} | {STATUS_WORDS.get(r.status, r.status)} "
-                    f"| {msg} |")
-    md = head + "\n" + "\n".join(rows) + "\n"
+        rows.append(f"| {r.test.label} | {r.points} / {r.test.points} | {r.status} | {msg} |")
+    used = list(dict.fromkeys(r.status for r in g.results))
+    legend = [(word, STATUS_MEANING.get(word, word)) for word in used]
+    md = (head + "\n" + "\n".join(rows) + "\n\n"
+          + "\n".join(f"- **{word}**: {meaning}" for word, meaning in legend) + "\n")
     cells = "".join(
         f"<tr class='{html.escape(r.status)}'><td>{html.escape(r.test.label)}</td><td>{r.points} / {r.test.points}"
-        f"</td><td>{html.escape(STATUS_WORDS.get(r.status, r.status))}</td><td>{html.escape(r.message)}</td></tr>"
+        f"</td><td>{html.escape(r.status)}</td><td>{html.escape(r.message)}</td></tr>"
         for r in g.results)
+    legend_html = "".join(f"<li><b>{html.escape(w)}</b>: {html.escape(m)}</li>" for w, m in legend)
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(exercise.name)}: "
             f"{html.escape(g.student)}</title><style>td,th{{border:1px solid #ccc;padding:4px}}"
             f".passed{{background:#e6ffe6}}</style></head><body><h1>{html.escape(exercise.name)}: "
             f"{html.escape(g.student)}</h1><p>Score: <b>{g.points} / {exercise.max_points}</b></p>"
-            + (f"<p>Note: {html.escape(g.note)}.</p>" if g.note else "")
+            + (f"<p>Unreadable submission: {html.escape(g.note)}, so every test scored 0. Submit the .ipynb "
+               "file itself.</p>" if g.note else "")
             + f"<table><tr><th>test</th><th>points</th><th>status</th><th>message</th></tr>{cells}</table>"
-            "</body></html>\n")
+            f"<ul>{legend_html}</ul></body></html>\n")
     return md, page
 
 
@@ -87,8 +111,10 @@ def _write_summary(out: Path, exercise, graded: list) -> list[Path]:
     scores = [g.points for g in graded]
     failed = Counter(r.test.label for g in graded for r in g.results if r.status != "passed")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    # the exercise's name goes in the figure's title: in one axis' title a long name was clipped
+    fig.suptitle(exercise.name)
     ax1.hist(scores, bins=range(0, exercise.max_points + 2), edgecolor="black", align="left")
-    ax1.set(title=f"{exercise.name}: scores ({len(graded)} submissions)", xlabel="points", ylabel="students")
+    ax1.set(title=f"scores ({len(graded)} submissions)", xlabel="points", ylabel="students")
     top = failed.most_common(8)
     ax2.barh([label for label, _ in top][::-1] or ["(none)"], [n for _, n in top][::-1] or [0])
     ax2.set(title="most-failed tests", xlabel="submissions failing")
@@ -103,10 +129,14 @@ def _write_summary(out: Path, exercise, graded: list) -> list[Path]:
     fig.savefig(png, dpi=90)
     plt.close(fig)
     mean = sum(scores) / len(scores) if scores else 0.0
+    unreadable = [g for g in graded if g.note]
     lines = [f"# {exercise.name}: class summary", "",
              f"{len(graded)} submissions, mean {mean:.1f} / {exercise.max_points}, "
              f"full marks: {sum(s == exercise.max_points for s in scores)}", "", "![scores](summary.png)", "",
-             "| student | points |", "| --- | --- |", *[f"| {g.student} | {g.points} |" for g in graded], "",
+             *([f"**Unreadable submissions ({len(unreadable)})**, scored 0:", "",
+                *[f"- {g.student}: {g.note}" for g in unreadable], ""] if unreadable else []),
+             "| student | points | note |", "| --- | --- | --- |",
+             *[f"| {g.student} | {g.points} | {'unreadable: ' + g.note if g.note else ''} |" for g in graded], "",
              "## Most-failed tests", "", "| test | failing submissions |", "| --- | --- |",
              *[f"| {label} | {n} |" for label, n in failed.most_common()]]
     return [png, _write(out / "summary.md", "\n".join(lines) + "\n")]

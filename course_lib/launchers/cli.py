@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from course_lib.launchers import commands as C
-from course_lib.launchers.cluster import Cluster
+from course_lib.launchers.cluster import Cluster, restart_comment
 from course_lib.launchers.nccl_env import nccl_exports
 from course_lib.launchers.slurm import sbatch_script
 
@@ -45,7 +45,9 @@ def add_launch_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--partition", help="SLURM partition (default: the cluster's)")
     p.add_argument("--master-addr", default="127.0.0.1", help="rendezvous host outside SLURM")
     p.add_argument("--master-port", type=int, default=29500, help="rendezvous TCP port (1024-65535)")
-    p.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts after a failure")
+    p.add_argument("--max-restarts", type=int, default=None,
+                   help="torchrun restarts after a failure (default 3 on GPUs, 0 on CPU: restarting a "
+                        "multi-rank gloo job can hang, rerun the script instead)")
     p.add_argument("--train-out", help="the trainer's --out (default runs/<config name>-launch)")
     p.add_argument("--out", default="runs/launch", help="folder for the scripts (default runs/launch)")
     p.add_argument("--dry-run", action="store_true", help="print the scripts, write and run nothing")
@@ -115,7 +117,8 @@ def build_files(args: argparse.Namespace) -> dict[str, str]:
         acc = 'NODE_RANK="${NODE_RANK:?set NODE_RANK to this node (0 .. nodes-1)}"\n' + acc
     files = {
         "launch_torchrun.sh": _script(f"torchrun: {cluster.nodes} node(s) x {cluster.nproc_per_node} rank(s)"
-                                      + ("; run on every node" if cluster.nodes > 1 else ""), torchrun, nccl),
+                                      + ("; run on every node" if cluster.nodes > 1 else ""), torchrun,
+                                      "\n".join(x for x in (restart_comment(cluster), nccl) if x)),
         "hostfile": node_note + C.hostfile_text(hosts, cluster.nproc_per_node),
         "launch_deepspeed.sh": _script("deepspeed launcher; the trainer writes its ds_config.json to "
                                        f"{out}/ds_config.json (a copy is in {args.out}/ds_config.json)", ds, nccl),

@@ -15,6 +15,14 @@ _HOST_PORT = re.compile(r"^[A-Za-z0-9_.${}:-]+:(\d+|\$\{?[A-Za-z_][A-Za-z0-9_]*\
 _WORD = re.compile(r"^[A-Za-z0-9_.${}-]+$")  # safe inside a shell word and a SLURM option
 
 
+GPU_DEFAULT_RESTARTS = 3
+# Why CPU jobs default to no torchrun restarts (measured here; the README's launch section says it too).
+CPU_RESTART_NOTE = ("on CPU (gloo), torchrun --max-restarts restarting a 2-rank job after a worker died hung in 2 "
+                    "of 5 tries on the course machine (the new ranks reconnect to the previous attempt's ports), "
+                    "so CPU jobs are not restarted: rerun this script, --resume auto continues from the newest "
+                    "checkpoint")
+
+
 @dataclass(frozen=True)
 class Cluster:
     """What the scheduler gives the job.
@@ -31,6 +39,8 @@ class Cluster:
     * ``rdzv_endpoint``: "HOST:PORT" for rendezvous; None = ``master_addr:master_port``.
     * ``rdzv_id``: the job id every node's agent must share.
     * ``max_restarts``: how many times torchrun restarts the whole worker group after a failure.
+      ``None`` = 3 on GPUs, 0 on a CPU cluster: restarting a multi-rank gloo job hung in 2 of 5
+      tries on the course machine (``CPU_RESTART_NOTE``), so CPU jobs are rerun instead.
     """
 
     nodes: int = 1
@@ -44,7 +54,7 @@ class Cluster:
     rdzv_backend: str = "c10d"
     rdzv_endpoint: str | None = None
     rdzv_id: str = "course-job"
-    max_restarts: int = 3
+    max_restarts: int | None = None
 
     def __post_init__(self) -> None:
         check_int("nodes", self.nodes, 1, 4096)
@@ -55,6 +65,8 @@ class Cluster:
                   self.gpus_per_node or 256, "gpus_per_node" if self.gpus_per_node else None)
         check_int("cpus_per_task", self.cpus_per_task, 1, 1024)
         check_int("master_port", self.master_port, 1024, 65535)
+        if self.max_restarts is None:  # see CPU_RESTART_NOTE
+            object.__setattr__(self, "max_restarts", GPU_DEFAULT_RESTARTS if self.gpus_per_node else 0)
         check_int("max_restarts", self.max_restarts, 0, 100)
         check_choice("rdzv_backend", self.rdzv_backend, ("c10d", "static"))
         if not _TIME.match(str(self.time_limit)):
@@ -89,3 +101,19 @@ class Cluster:
     @property
     def on_gpus(self) -> bool:
         return self.gpus_per_node > 0
+
+
+def restart_comment(cluster: Cluster) -> str:
+    """Shell comment lines saying why a CPU job's torchrun does not restart, or warning that it will
+    ("" on GPUs, where restarts are the default)."""
+    import textwrap
+
+    if cluster.on_gpus:
+        return ""
+    if cluster.max_restarts == 0:
+        text = f"--max-restarts 0: {CPU_RESTART_NOTE}."
+    else:
+        text = (f"--max-restarts {cluster.max_restarts} was asked for on CPU; note: "
+                + CPU_RESTART_NOTE.replace("so CPU jobs are not restarted: ", "if it hangs, stop it and ") + ".")
+    return textwrap.fill(text, 98, initial_indent="# ", subsequent_indent="# ")
+

@@ -30,7 +30,7 @@ from __future__ import annotations
 import shlex
 from typing import Sequence
 
-from course_lib.launchers.cluster import Cluster
+from course_lib.launchers.cluster import Cluster, restart_comment
 from course_lib.launchers.commands import shell_join, torchrun_multi_node
 from course_lib.launchers.nccl_env import nccl_exports
 from course_lib.validate import check_int
@@ -84,7 +84,7 @@ export TORCHRUN RDZV_PORT
 # scontrol's output: `head -n 1` may exit first, scontrol then dies of SIGPIPE and pipefail fails the job.
 HEAD_NODE="$("$SCONTROL" show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
 export HEAD_NODE
-# Each rank's share of the task's cores (torchrun would otherwise set 1).
+{restart_comment(cluster) + chr(10) if not cluster.on_gpus else ""}# Each rank's share of the task's cores (torchrun would otherwise set 1).
 export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{threads}}}"
 mkdir -p {shlex.quote(out)}
 {nccl}

@@ -471,8 +471,8 @@ def check_schedule_fn(fn, pp: int, micro_batches: int) -> dict:
     if sim["deadlock"]:
         raise CheckFailed(
             f"pp={pp}, m={m}: your order deadlocks: {sim['deadlock']}. A stage may only wait for data "
-            "whose producer comes earlier in its neighbour's list: after pp - stage - 1 warm-up "
-            "forwards, alternate one forward and one backward.")
+            "whose producer comes earlier in its neighbour's list: count the forwards a stage can run "
+            "before the first gradient can reach it, then alternate one forward and one backward.")
     for s in range(pp):
         bound = min(m, pp - s)
         if sim["peak_in_flight"][s] > bound:
@@ -485,12 +485,13 @@ def check_schedule_fn(fn, pp: int, micro_batches: int) -> dict:
     for s, (got, want) in enumerate(zip(lists, ref_lists)):
         if got != want:
             k = next(k for k, (a, b) in enumerate(zip(got + [None], want + [None])) if a != b)
+            # What is wrong and how far off, not 1F1B's own list (that is the answer).
             raise CheckFailed(
-                f"pp={pp}, m={m}, stage {s}: item {k} is {got[k] if k < len(got) else None!r}, 1F1B has "
-                f"{want[k]!r} there. Your order is deadlock-free and within memory but takes "
-                f"{sim['makespan']:g} time units (forward 1, backward 2) where 1F1B takes {ideal:g}: "
-                f"warm up with min(pp - stage - 1, m) = {min(pp - s - 1, m)} forwards, then one forward "
-                "and one backward (oldest micro-batch first), then the remaining backwards.")
+                f"pp={pp}, m={m}, stage {s}: your order leaves 1F1B's at item {k} "
+                f"({got[k] if k < len(got) else 'the end of the list'!r}). It is deadlock-free and within "
+                f"memory but takes {sim['makespan']:g} time units (forward 1, backward 2) where 1F1B takes "
+                f"{ideal:g} ({sim['makespan'] / ideal - 1:+.0%}): is the warm-up as long as it can be, and "
+                "does each forward after it pair with the oldest waiting backward?")
     return {"pp": pp, "micro_batches": m, "makespan": sim["makespan"], "ideal": (m + pp - 1) * 3.0,
             "peak_in_flight": sim["peak_in_flight"], "events": sim["events"],
             "lists": [[list(a) for a in actions] for actions in lists]}

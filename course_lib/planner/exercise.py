@@ -42,6 +42,8 @@ def scenario(name: str) -> JobSpec:
 
 def problems(spec: JobSpec, choice: dict) -> list[str]:
     """Every rule ``choice`` breaks for ``spec``, one sentence each (empty when it is a legal layout)."""
+    if choice is None:
+        return [f"no layout yet: write a dict with keys {', '.join(_KEYS)} (optional cp) and why"]
     if not isinstance(choice, dict):
         return [f"a layout is a dict with keys {', '.join(_KEYS)}; got {type(choice).__name__}"]
     missing = [k for k in _KEYS if k not in choice]
@@ -119,6 +121,15 @@ def _memory_hint(c: Candidate) -> str:
     return f"the {top} are {share:.0%} of it - {fix}"
 
 
+def _costliest_term(c: Candidate, top: Candidate) -> str:
+    """What costs ``c`` most against the best, in terms of ``c``'s own layout only (why_lost's tie
+    breaker would compare with the best's micro-batch or ZeRO stage, i.e. name the answer)."""
+    text = why_lost(c, top)
+    if text.startswith("within 0.5%"):
+        return "about as fast as the best; a smaller or simpler layout may still win"
+    return "the term that costs it most: " + text.split(": ", 1)[1]
+
+
 def review(spec: JobSpec, choice: dict) -> dict:
     """Everything a learner should know about ``choice``: rules broken, memory, step time vs best."""
     rules = problems(spec, choice)
@@ -130,14 +141,16 @@ def review(spec: JobSpec, choice: dict) -> dict:
         return row
     c = evaluate(spec, to_layout(spec, choice))
     top = best(spec)
+    # The best layout's label stays out of the row and the verdict: the exercise asks the learner
+    # to find it, so the judge says what is wrong and how far off, never what the answer is.
     row.update(fits=c.fits, memory_gib=c.memory_total / GIB, step_s=c.step_s, best_step_s=top.step_s,
-               vs_best=c.step_s / top.step_s - 1, label=c.layout.label(), best_label=top.layout.label())
+               vs_best=c.step_s / top.step_s - 1, label=c.layout.label())
     if not c.fits:
         row["verdict"] = (f"does not fit: {c.memory_total / GIB:.1f} GiB > {spec.usable_bytes / GIB:.1f} GiB usable; "
                           + _memory_hint(c))
     elif c.step_s > top.step_s * 1.005:
-        row["verdict"] = (f"fits ({c.memory_total / GIB:.1f} GiB), modelled step {c.step_s:.1f} s vs the planner's "
-                          f"{top.step_s:.1f} s ({top.layout.label()}): {why_lost(c, top)}")
+        row["verdict"] = (f"fits ({c.memory_total / GIB:.1f} GiB), modelled step {c.step_s:.1f} s vs the best "
+                          f"layout's {top.step_s:.1f} s ({row['vs_best']:+.1%}): {_costliest_term(c, top)}")
     else:
         row["verdict"] = f"fits ({c.memory_total / GIB:.1f} GiB) and is as fast as the planner's best"
     return row

@@ -77,8 +77,8 @@ def _launch(fn, world_size: int, what: str, timeout: float, *args,
     except RankFailedError as exc:
         if exc.exc_type == "NotImplementedError":
             raise NotImplementedError(
-                f"{what} still raises NotImplementedError (rank {exc.rank}): fill in every "
-                "'YOUR CODE HERE', run that cell, then this check") from None
+                f"{what}: a 'YOUR CODE HERE' still raises NotImplementedError (rank {exc.rank}): "
+                "fill in every one, run those cells, then this check") from None
         tail = "\n".join(exc.remote_traceback.strip().splitlines()[-6:])
         raise CheckFailed(f"{what} raised an exception on {world_size} ranks (rank {exc.rank}); "
                           f"the end of its traceback:\n{tail}") from None

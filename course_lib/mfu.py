@@ -1,0 +1,94 @@
+"""MFU for the trainer: a robust measured CPU peak, and a guard that never reports MFU above 100%.
+
+MFU divides the model FLOP/s a run achieved by a peak. On a GPU the peak is a datasheet number;
+on a CPU the kit measures it (``measure.cpu_matmul_peak_flops``). A peak measured while another
+process holds the cores is too low, and every MFU divided by it is too high: lab 14 printed
+343% and the bf16 README example 608%. Two defences live here:
+
+- ``robust_cpu_peak_flops`` times several sizes in interleaved passes and keeps the best timing
+  of all: a busy moment then costs one pass of one size, not the figure.
+- ``MfuGuard`` turns achieved FLOP/s into MFU and, the first time a step would exceed 100%,
+  declares the peak unreliable: that row and every later one log MFU as ``None`` and one warning
+  names the fix (``train.peak_flops``). A ceiling the run beat is not a ceiling, so the values
+  under 100% it would still produce are not trusted either.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+# Sizes the trainer's CPU peak is measured at. 1024 and up are where the arithmetic peak shows on
+# the course machines (smaller ones time thread start-up: 256 gave 2 GFLOP/s against 59 at 1024);
+# two sizes so one size's unlucky packing or cache behaviour does not decide the figure.
+CPU_PEAK_SIZES = (768, 1024)
+# bf16/fp16 matmuls on a CPU without native support are emulated at ~1 GFLOP/s (measured here): one
+# 1024 matmul takes 2 s, and six timings of it cost 30 s of start-up. Half-precision peaks are taken
+# at sizes whose timings stay well under a second; where such a peak is too low, the guard below
+# catches the MFU it would produce.
+CPU_PEAK_SIZES_HALF = (256, 512)
+CPU_PEAK_PASSES = 3
+
+
+def robust_cpu_peak_flops(dtype: torch.dtype = torch.float32, *, sizes: tuple[int, ...] | None = None,
+                          passes: int = CPU_PEAK_PASSES, min_seconds: float = 0.03) -> float:
+    """This CPU's matmul peak in FLOP/s (per process, on torch's current thread count).
+
+    ``passes`` interleaved passes over ``sizes`` (default CPU_PEAK_SIZES for fp32,
+    CPU_PEAK_SIZES_HALF otherwise; each size timed once per pass, for at least ``min_seconds``
+    seconds), and the best of all the timings: other processes only ever slow a timing down, so
+    the fastest is the closest to the chip's peak. About ``passes * len(sizes) * min_seconds``
+    seconds plus one warm-up matmul per timing (0.7 s for fp32 on the course machine).
+    """
+    from course_lib.measure import cpu_matmul_peak_flops
+
+    if sizes is None:
+        sizes = CPU_PEAK_SIZES if dtype == torch.float32 else CPU_PEAK_SIZES_HALF
+    best = 0.0
+    for _ in range(passes):
+        for n in sizes:
+            best = max(best, cpu_matmul_peak_flops(n, dtype=dtype, repeats=1,
+                                                   min_seconds=min_seconds).flops_per_second)
+    return best
+
+
+class MfuGuard:
+    """MFU (a fraction) from achieved FLOP/s (all ranks together) against ``peak_per_device``
+    (FLOP/s) times ``devices``.
+
+    ``peak_per_device`` 0 means unknown: every MFU is ``None``. ``configured`` says whether the peak
+    came from ``train.peak_flops`` (the warning then says to raise it) or was looked up/measured
+    (the warning says to set it). ``warn`` False keeps non-writer ranks quiet.
+    """
+
+    def __init__(self, peak_per_device: float, devices: int = 1, *, configured: bool, warn: bool = True):
+        self.peak_per_device = float(peak_per_device)
+        self.peak_flops = self.peak_per_device * devices  # FLOP/s, all devices together
+        self.configured = configured
+        self.warn = warn
+        self.unreliable = False
+
+    def mfu(self, achieved_flops: float) -> float | None:
+        """``achieved_flops / peak_flops``, or ``None`` when the peak is unknown or unreliable.
+
+        The first value above 1.0 marks the peak unreliable (one ``RuntimeWarning``); from then on
+        every call returns ``None``."""
+        if not self.peak_flops or self.unreliable:
+            return None
+        value = achieved_flops / self.peak_flops
+        if value <= 1.0:
+            return value
+        self.unreliable = True
+        if self.warn:
+            warnings.warn(self._message(value), RuntimeWarning, stacklevel=2)
+        return None
+
+    def _message(self, value: float) -> str:
+        source = ("the configured train.peak_flops" if self.configured
+                  else "the peak measured at start-up (too low on a busy machine, or in a dtype this CPU "
+                  "emulates)")
+        fix = ("raise train.peak_flops to this device's real peak" if self.configured
+               else "set train.peak_flops (FLOP/s per device) to a peak measured on an idle machine, "
+                    "e.g. lab 02's figure")
+        return (f"MFU would be {value:.0%}, above 100%: {source} of {self.peak_per_device:.3g} FLOP/s per "
+                f"device is unreliable, so MFU is logged as absent (null) from here on; {fix}.")

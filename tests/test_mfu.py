@@ -1,0 +1,65 @@
+"""MFU never above 100%: a peak the run beats is declared unreliable, MFU is logged as absent and
+one warning names ``train.peak_flops``."""
+import json
+import warnings
+
+import pytest
+
+from course_lib import train_config
+from course_lib.metrics import read_rows
+from course_lib.mfu import MfuGuard, robust_cpu_peak_flops
+from course_lib.train import train
+from pathlib import Path
+
+TINY = Path(__file__).resolve().parent.parent / "labs" / "configs" / "tiny-cpu.toml"
+
+
+def test_guard_passes_fractions_and_drops_everything_after_the_first_value_above_one():
+    guard = MfuGuard(100.0, 2, configured=False)
+    assert guard.mfu(50.0) == pytest.approx(0.25)  # 50 / (100 x 2 devices)
+    with pytest.warns(RuntimeWarning, match=r"MFU would be 150%.*train\.peak_flops") as caught:
+        assert guard.mfu(300.0) is None
+    assert len(caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning only, and later values are not trusted either
+        assert guard.mfu(300.0) is None
+        assert guard.mfu(10.0) is None
+    assert MfuGuard(0.0, configured=False).mfu(1e9) is None  # unknown peak: n/a, no warning
+
+
+def test_quiet_guard_on_non_writer_ranks():
+    guard = MfuGuard(1.0, configured=True, warn=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert guard.mfu(5.0) is None
+
+
+def test_robust_peak_is_a_positive_flop_rate():
+    peak = robust_cpu_peak_flops(sizes=(64, 128), passes=2, min_seconds=0.005)
+    assert 1e6 < peak < 1e15  # FLOP/s: from a slow emulator to beyond any CPU
+
+
+def test_training_with_a_too_small_peak_logs_no_mfu_above_one_and_warns(tmp_path):
+    # 1 FLOP/s per device: any real step beats it, so the first row already exceeds 100%.
+    cfg = train_config.load(TINY, ["train.progress=false", "train.max_steps=4", "schedule.warmup_steps=1",
+                                   "train.peak_flops=1.0"])
+    with pytest.warns(RuntimeWarning) as caught:
+        train(cfg, tmp_path)
+    mfu_warnings = [w for w in caught if "MFU would be" in str(w.message)]
+    assert len(mfu_warnings) == 1, [str(w.message) for w in caught]
+    assert "configured train.peak_flops" in str(mfu_warnings[0].message)
+    rows = read_rows(tmp_path / "metrics.jsonl")
+    assert len(rows) == 4 and all("mfu" in r for r in rows)
+    assert all(r["mfu"] is None for r in rows), [r["mfu"] for r in rows]
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert all(json.loads(line).get("mfu") is None for line in text.splitlines())
+
+
+def test_training_with_a_generous_peak_logs_mfu_fractions(tmp_path):
+    cfg = train_config.load(TINY, ["train.progress=false", "train.max_steps=3", "schedule.warmup_steps=1",
+                                   "train.peak_flops=1e15"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="MFU would be")
+        train(cfg, tmp_path)
+    rows = read_rows(tmp_path / "metrics.jsonl")
+    assert all(r["mfu"] is not None and 0 < r["mfu"] < 1 for r in rows)
