@@ -112,8 +112,10 @@ for name, p in plans.items():
 # %%
 TERMS = [("compute", "compute"), ("recompute", "of which recompute"), ("tp", "TP"), ("cp", "CP"),
          ("pp", "PP sends"), ("bubble", "bubble"), ("dp_exposed", "DP/ZeRO exposed")]
-MEM = [("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"), ("activations", "activations"),
-       ("transient", "transient")]
+# What is alive at the step's peak (the start of a backward): weights, optimizer state, the gradients
+# summed over the earlier micro-batches, the saved activations and the output layer's transients.
+MEM = [("params", "params"), ("optimizer", "optimizer"), ("accumulated_grads", "gradients summed so far"),
+       ("activations", "activations"), ("transient", "transient")]
 p70 = plans["70b-8-nodes"]
 z3 = min((c for c in p70.ranked if c.layout.tp == c.layout.pp == c.layout.cp == 1), key=lambda c: c.step_s)
 shown = p70.runners_up(TOP) + [z3]
@@ -141,12 +143,19 @@ ax2.legend(fontsize=7)
 plt.tight_layout()
 plt.show()
 check(z3.step_s > p70.best.step_s, "ZeRO-3 over InfiniBand should be slower than the best for 70B")
+stacks = [sum(c.memory[key] for key, _ in MEM) for c in shown]
+check(all(abs(t - c.memory_total) <= 1e-6 * c.memory_total or c.memory["peak_at"] != "backward start"
+          for t, c in zip(stacks, shown)), "each bar should stack exactly the planner's peak per GPU")
+check(all(c.memory_total <= p70.spec.usable_bytes for c in shown),
+      "every layout the planner ranks must fit under the usable memory (the dashed line)")
 
 # %% [markdown]
 # **What you should see:** compute is the same for every layout (the same FLOPs on the same GPUs),
 # so the ranking is decided by the thin slices on top; the last bar (ZeRO-3 on all 64 GPUs) carries
-# a tall slice of exposed data-parallel traffic or the recomputation it needs to fit. The bars on the
-# right stay under the dashed line: that is what "fits" means.
+# a tall slice of exposed data-parallel traffic or the recomputation it needs to fit. On the right,
+# each bar stacks what is alive at the step's peak, including the gradients that accumulation keeps
+# from one micro-batch to the next, and every bar stays under the dashed line: that is what "fits"
+# means (the cell checks both).
 #
 # ## 3. What moves the choice
 #
