@@ -12,9 +12,10 @@
     [parallel] bucket_mb, reshard_after_forward, cpu_offload, zero_stage, offload_optimizer,
               offload_param (read by the strategy named in train.strategy);
               dp, tp, pp, pp_schedule, virtual_stages, sequence_parallel, cp (model parallelism:
-              tp * pp > 1 composes tensor and pipeline parallelism with train.strategy = "ddp" as
-              the data-parallel dimension; the world size must be dp * tp * pp * cp, checked when
-              the ranks start)
+              tp * pp * cp > 1 composes tensor, pipeline and context parallelism with
+              train.strategy = "ddp" as the data-parallel dimension; cp runs ring attention over
+              zig-zag sequence chunks, with dp and tp, not with pp; the world size must be
+              dp * tp * pp * cp, checked when the ranks start)
 
 Every unknown section or key, wrong type or out-of-range value is a ``ConfigError`` naming it
 (with a "did you mean" for typos), raised before any file is written or model is built.
@@ -116,7 +117,7 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "pp_schedule": (str, "1f1b", ("1f1b", "gpipe", "interleaved")),  # micro-batches = train.grad_accum
         "virtual_stages": (int, 1, (1, None)),     # stages per pipeline rank; > 1 needs "interleaved"
         "sequence_parallel": (bool, False, None),  # tp > 1: norms/residual split along the sequence
-        "cp": (int, 1, (1, None)),                 # context parallel: only 1 here (ring attention has its own module)
+        "cp": (int, 1, (1, None)),                 # context parallel: ring attention, each rank 2 of 2*cp sequence pieces
     },
     "profile": {  # torch.profiler around chosen steps (course_lib.profiling; --profile); files in OUT/profile/
         "enabled": (bool, False, None),
@@ -232,9 +233,6 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
     The world size (dp * tp * pp * cp) is checked when the ranks start (course_lib.train)."""
     par, t = cfg["parallel"], cfg["train"]
     tp, pp, v, sched = par["tp"], par["pp"], par["virtual_stages"], par["pp_schedule"]
-    if par["cp"] > 1:
-        raise ConfigError(f"parallel.cp = {par['cp']}: context parallelism runs in course_lib.parallel."
-                          f"context_parallel only (ring attention), not in the trainer; set parallel.cp = 1")
     if par["sequence_parallel"] and tp == 1:
         raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1 (it splits the sequence "
                           "over the tensor-parallel ranks); got parallel.tp = 1")
@@ -249,7 +247,7 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
             raise ConfigError(f"parallel.dp = {par['dp']} is read with parallel.tp or parallel.pp > 1 only (plain "
                               f"data parallelism uses every rank started); leave it 0")
         return
-    keys = " and ".join(f"parallel.{k} = {par[k]}" for k in ("tp", "pp") if par[k] > 1)
+    keys = " and ".join(f"parallel.{k} = {par[k]}" for k in ("tp", "pp", "cp") if par[k] > 1)
     if t["strategy"] != "ddp":
         raise ConfigError(f"{keys} composes with train.strategy = 'ddp' only (the data-parallel dimension; "
                           f"its gradients are averaged by the model-parallel strategy itself); got "
@@ -260,6 +258,8 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
     if cfg["checkpoint"]["format"] == "sharded":
         raise ConfigError(f"checkpoint.format = 'sharded' does not fit {keys}: the shards are saved in the "
                           f"dense layout (full checkpoints); use 'auto' or 'full'")
+    if par["cp"] > 1:
+        _context_parallel_checks(cfg, mcfg)
     if tp > 1:
         for name, value in (("model.n_heads", mcfg.n_heads), ("model.n_kv_heads", mcfg.kv_heads),
                             ("model.vocab_size", mcfg.vocab_size), ("the MLP width (model.d_ff)", mcfg.ffn_dim)):
@@ -295,6 +295,37 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
             raise ConfigError(f"train.grad_accum ({m}) must be a multiple of max(1, grad_accum // parallel.pp) = "
                               f"{rounds} for parallel.pp_schedule = 'interleaved': any value <= {2 * pp - 1} "
                               f"or a multiple of {pp}")
+
+
+def _context_parallel_checks(cfg: dict, mcfg) -> None:
+    """parallel.cp > 1 (course_lib.parallel.context_parallel.in_trainer): what the ring supports."""
+    par, t = cfg["parallel"], cfg["train"]
+    cp, seq = par["cp"], cfg["data"]["seq_len"]
+    what = f"parallel.cp = {cp}"
+    if par["pp"] > 1:
+        raise ConfigError(f"{what} with parallel.pp = {par['pp']} is not built (context parallelism runs with "
+                          f"parallel.tp and data parallelism); set parallel.pp = 1 or parallel.cp = 1")
+    split = 2 * cp * (par["tp"] if par["sequence_parallel"] else 1)
+    if seq % split:
+        why = (f"2 * cp * tp = {split}: zig-zag gives each cp rank 2 of 2 * cp equal pieces, and sequence "
+               f"parallelism splits those over tp" if par["sequence_parallel"]
+               else f"2 * cp = {split}: zig-zag gives each cp rank 2 of 2 * cp equal pieces")
+        raise ConfigError(f"{what} needs data.seq_len ({seq}) divisible by {why}")
+    if mcfg.dropout:
+        raise ConfigError(f"{what} needs model.dropout = 0 (got {mcfg.dropout}): ring attention has no "
+                          f"attention dropout")
+    if mcfg.attention_window is not None:
+        raise ConfigError(f"{what} runs full causal attention only; model.attention_window = "
+                          f"{mcfg.attention_window} is not supported by the ring (set it to none/omit it)")
+    if mcfg.checkpointing != "none" or mcfg.offload_activations:
+        raise ConfigError(f"{what} supports model.checkpointing = 'none' and model.offload_activations = false "
+                          f"only (recomputation around the ring is not tested); got model.checkpointing = "
+                          f"{mcfg.checkpointing!r}, model.offload_activations = {mcfg.offload_activations}")
+    if t["compile"]:
+        raise ConfigError(f"train.compile = true does not apply to {what}: ring attention's point-to-point "
+                          f"transfers run in Python between the compiled parts; set train.compile = false")
+    # model.position: "learned" reads the table at each token's true position, "rope" the rotation
+    # rows at them, "none" needs nothing: all three run.
 
 
 def vocab_size_of(cfg: dict) -> int:

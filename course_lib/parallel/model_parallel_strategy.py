@@ -1,8 +1,8 @@
-"""Tensor and pipeline parallelism composed with data parallelism, behind the strategy interface.
+"""Tensor, pipeline and context parallelism composed with data parallelism, behind the strategy interface.
 
 Chosen by :func:`~course_lib.parallel.registry.make_strategy` (so by the trainer) when
-``parallel.tp * parallel.pp > 1``, with ``train.strategy = "ddp"`` naming the data-parallel
-dimension; ``dp = world_size / (tp * pp)`` (or ``parallel.dp``, which must then fit exactly). The ranks form a
+``parallel.tp * parallel.pp * parallel.cp > 1``, with ``train.strategy = "ddp"`` naming the data-parallel
+dimension; ``dp = world_size / (tp * pp * cp)`` (or ``parallel.dp``, which must then fit exactly). The ranks form a
 :mod:`~course_lib.parallel.mesh` (tp innermost, pp outermost) and each rank holds:
 
 * **TP** (``parallel.tp``): :func:`~course_lib.parallel.tensor_parallel.tp_tinygpt` on its tp
@@ -14,12 +14,17 @@ dimension; ``dp = world_size / (tp * pp)`` (or ``parallel.dp``, which must then 
   our runner (:mod:`.model_parallel_stage`), "interleaved" by torch's
   ``ScheduleInterleaved1F1B`` over ``parallel.virtual_stages`` stages per rank
   (:mod:`.pipeline.torch_pipelining`; tp = 1 and fp32 only);
-* **DP**: after the last micro-batch the gradients are averaged over the dp group, one
+* **CP** (``parallel.cp``, with dp and tp; not with pp): the same weights as its cp peers, and
+  of every sequence of the micro-batch its zig-zag chunk (pieces r and 2cp-1-r of 2cp): ring
+  attention over the cp group inside every attention module, the true positions of its tokens for
+  the position table / RoPE rows (:mod:`.context_parallel.in_trainer`);
+* **DP**: after the last micro-batch the gradients are averaged over the ranks that hold the same
+  weights, the dp x cp group (``mesh.groups["dp_cp"]``; the dp group when cp = 1), one
   all-reduce of all of them flattened.
 
-TP and PP peers read the *same* batch: :attr:`dp_rank`/:attr:`dp_size` are the data-parallel
+TP, PP and CP peers read the *same* batch: :attr:`dp_rank`/:attr:`dp_size` are the data-parallel
 coordinates only, so the global batch is ``micro_batch * grad_accum * dp`` sequences a step, as
-for plain DDP on ``dp`` ranks.
+for plain DDP on ``dp`` ranks (cp ranks split its tokens, not its sequences).
 
 Every rank builds the whole dense model with the trainer's seed and cuts its part out of it: the
 shards start bit-equal to one process, which is what the tests compare against. The price is the
@@ -73,9 +78,9 @@ class ModelParallel(Distributed):
         par = self.cfg["parallel"]
         self.tp, self.pp, self.cp = par["tp"], par["pp"], par["cp"]
         self.sequence_parallel, self.schedule = par["sequence_parallel"], par["pp_schedule"]
-        if self.cp > 1:  # train_config refuses it first; a direct caller gets the same words
-            raise _config_error("parallel.cp > 1 runs in course_lib.parallel.context_parallel only, not in the "
-                                "trainer; set parallel.cp = 1")
+        if self.cp > 1 and self.pp > 1:  # train_config refuses it first; a direct caller gets the same words
+            raise _config_error(f"parallel.cp = {self.cp} with parallel.pp = {self.pp} is not built: context "
+                                f"parallelism runs with parallel.tp and data parallelism; set parallel.pp = 1")
         self.virtual_stages = par["virtual_stages"]
         try:
             layout = mesh_layout(info.world_size, tp=self.tp, pp=self.pp, cp=self.cp, dp=par["dp"])
@@ -86,9 +91,11 @@ class ModelParallel(Distributed):
             raise _config_error(f"the mesh passed ({mesh.layout}) does not match [parallel] ({layout})")
         self.mesh = mesh if mesh is not None else build_mesh(layout)  # collective: every rank, every group
         c = self.mesh.coords
-        self.pp_rank, self.tp_rank = c["pp"], c["tp"]
+        self.pp_rank, self.tp_rank, self.cp_rank = c["pp"], c["tp"], c["cp"]
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp - 1
         self.tp_group, self.dp_group, self.mp_group = (self.mesh.groups[d] for d in ("tp", "dp", "mp"))
+        # The ranks holding the same weights (dp x cp): gradients are averaged over them.
+        self.grad_group, self.grad_size = self.mesh.groups["dp_cp"], self.mesh.layout.dp * self.cp
         self._policy = None
         self._mask = None
 
@@ -140,6 +147,10 @@ class ModelParallel(Distributed):
 
                 local = build_stage(model, self.pp_rank, self.pp)
         self.model = self.module = local
+        if self.cp > 1:  # ring attention in every attention module; forward takes the full batch
+            from course_lib.parallel.context_parallel.in_trainer import apply_context_parallel
+
+            self.module = apply_context_parallel(local, self.mesh.groups["cp"], self.cp, self.cp_rank)
         self.layout.bind(local)
         self.optimizer = type(base)(self.layout.local_groups(named_groups), **constructor_kwargs(base))
         self.reduce_grad_sq = self._reduce_grad_sq
@@ -188,12 +199,12 @@ class ModelParallel(Distributed):
             from course_lib.parallel.tensor_parallel.blocks import sync_sequence_parallel_grads
 
             sync_sequence_parallel_grads(self.model, self.tp_group)
-        if self.dp_size > 1:
+        if self.grad_size > 1:  # dp x cp: cp peers hold the same weights, saw other tokens
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             # One collective for every gradient (per-call latency dominates small tensors on gloo).
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.dp_size
+            dist.all_reduce(flat, group=self.grad_group)
+            flat /= self.grad_size
             torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
         if self.pp > 1 and self.model.tied:
             # After the dp mean, so both copies add the same two (dp-averaged) parts.
@@ -206,11 +217,12 @@ class ModelParallel(Distributed):
 
     def global_mean(self, value: torch.Tensor) -> torch.Tensor:
         """The loss over the dp replicas, equal on every rank: only the last stage computed it
-        (and every tp rank of it the same number), so one rank per replica contributes."""
+        (and every tp rank of it the same number), so one rank per replica contributes - under
+        context parallelism one per (replica, cp rank), each its share (in_trainer.loss_share)."""
         owner = self.is_last and self.tp_rank == 0
         out = value.detach().float().clone() if owner else torch.zeros((), device=self.device)
         dist.all_reduce(out)  # over the world: every rank gets the sum over the replicas
-        return out / self.dp_size
+        return out / self.grad_size
 
     def _reduce_grad_sq(self, sq: torch.Tensor):
         """Per-tensor squared norms of this rank's gradients -> (whole-tensor squares, global total).
@@ -218,13 +230,14 @@ class ModelParallel(Distributed):
         A TP shard's square sums over the tp group into the whole tensor's; a replicated tensor's
         is already whole. The total counts each logical parameter once: shards on every tp rank,
         replicas on tp rank 0 only, the tied LM head copy of the last stage not at all (the first
-        stage counts the matrix), every stage once - summed over the model-parallel group (all
-        ranks of one dp replica: after the dp mean the replicas hold the same gradients)."""
+        stage counts the matrix), every stage once, cp rank 0 only - summed over the model-parallel
+        group (all ranks of one dp replica: after the dp mean the replicas hold the same gradients)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self._mask is None or self._mask[0] != len(params):
             tied = self.model.tied_param if self.pp > 1 and self.model.tied and self.is_last else None
             sharded = [1.0 if hasattr(p, "tp_partition_dim") else 0.0 for p in params]
-            count = [0.0 if p is tied else (1.0 if s or self.tp_rank == 0 else 0.0) for p, s in zip(params, sharded)]
+            count = [0.0 if p is tied or self.cp_rank else (1.0 if s or self.tp_rank == 0 else 0.0)
+                     for p, s in zip(params, sharded)]  # cp peers hold the same gradients: cp rank 0 counts
             self._mask = (len(params), torch.tensor(sharded, device=sq.device), torch.tensor(count, device=sq.device))
         _, sharded, count = self._mask
         total = (sq * count).sum()
