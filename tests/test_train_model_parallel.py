@@ -191,7 +191,6 @@ def test_world_size_is_checked_when_the_ranks_start(runs):
     ({"parallel__tp": 2, "train__strategy": "zero1"}, r"parallel.tp = 2 composes with train.strategy = 'ddp' only"),
     ({"parallel__pp": 2, "train__strategy": "fsdp"}, r"parallel.pp = 2 composes with train.strategy = 'ddp' only"),
     ({"parallel__tp": 2}, r"parallel.tp = 2 composes with train.strategy = 'ddp' only.*'single'"),
-    ({"parallel__cp": 2, "train__strategy": "ddp"}, r"parallel.cp = 2: context parallelism runs in"),
     ({"parallel__pp": 2, "train__strategy": "ddp", "parallel__pp_schedule": "interleaved", "train__compile": True},
      r"train.compile = true does not apply to parallel.pp_schedule = 'interleaved'"),
     ({"parallel__pp": 2, "train__strategy": "ddp", "checkpoint__format": "sharded"}, r"checkpoint.format = 'sharded'"),
