@@ -2,11 +2,26 @@
 from __future__ import annotations
 
 
-def train_then_count_reads(rank, world_size, runs, reads_cfg, reads_dir):
-    """Every fresh run (model_parallel_rank_fns.train_many), then the host reads per optimizer
-    step of ``reads_cfg`` on this rank, in one launch (starting 4 ranks is the slow part)."""
+def host_reads(rank, world_size, cfg, out_dir, steps):
+    """Host reads per optimizer step made by course_lib on this rank (runs of ``steps`` and
+    ``2 * steps`` steps; see tests/host_reads.py)."""
+    import os
+
+    import course_lib.train as train_mod
+    from host_reads import reads_per_step
+
+    train_mod._peak_flops = lambda cfg, device: 1e12  # set-up only; keeps the count to the loop
+
+    def run(n):
+        train_mod.train({**cfg, "train": {**cfg["train"], "max_steps": n}}, os.path.join(out_dir, f"r{n}"))
+
+    return reads_per_step(run, steps=steps)
+
+
+def train_then_count_reads(rank, world_size, runs, reads_cfg, reads_dir, reads_steps):
+    """Every fresh run (model_parallel_rank_fns.train_many), then :func:`host_reads` of
+    ``reads_cfg``, in one launch (starting 4 ranks is the slow part)."""
     import model_parallel_rank_fns as fns
-    import rank_fns
 
     return {"runs": fns.train_many(rank, world_size, runs),
-            "reads": rank_fns.host_reads_on_rank(rank, world_size, reads_cfg, reads_dir)}
+            "reads": host_reads(rank, world_size, reads_cfg, reads_dir, reads_steps)}

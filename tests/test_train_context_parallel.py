@@ -81,7 +81,7 @@ def runs(tmp_path_factory):
     jobs = [(layout_cfg(n), str(root / n / "full"), False) for n in LAYOUTS]
     reads_cfg = layout_cfg("tp2-cp2")
     reads_cfg["checkpoint"]["save_every"] = 0  # saves gather to the writer: counted in their own tests
-    first = run_ranks(fns.train_then_count_reads, 4, jobs, reads_cfg, str(root / "reads"), timeout=600)
+    first = run_ranks(fns.train_then_count_reads, 4, jobs, reads_cfg, str(root / "reads"), 4, timeout=600)
     for n in LAYOUTS:  # drop the newest checkpoint: the resume starts from the one before
         shutil.copytree(root / n / "full", root / n / "cut")
         shutil.rmtree(sorted((root / n / "cut" / "checkpoints").glob("step_*"))[-1])
