@@ -316,11 +316,9 @@ def _context_parallel_checks(cfg: dict, mcfg) -> None:
                           f"attention dropout")
     if mcfg.attention_window is not None:
         raise ConfigError(f"{what} runs full causal attention only; model.attention_window = "
-                          f"{mcfg.attention_window} is not supported by the ring (set it to none/omit it)")
-    if mcfg.checkpointing != "none" or mcfg.offload_activations:
-        raise ConfigError(f"{what} supports model.checkpointing = 'none' and model.offload_activations = false "
-                          f"only (recomputation around the ring is not tested); got model.checkpointing = "
-                          f"{mcfg.checkpointing!r}, model.offload_activations = {mcfg.offload_activations}")
+                          f"{mcfg.attention_window} is not supported by the ring (leave model.attention_window out)")
+    if mcfg.offload_activations:  # recomputation (full / selective) re-runs the ring in backward: it works
+        raise ConfigError(f"{what} supports model.offload_activations = false only (not tested with the ring)")
     if t["compile"]:
         raise ConfigError(f"train.compile = true does not apply to {what}: ring attention's point-to-point "
                           f"transfers run in Python between the compiled parts; set train.compile = false")

@@ -4,7 +4,8 @@ Every layout runs on 4 gloo ranks (fp32) on the same global batch as one process
 reads the sequences of its data-parallel replica and each cp rank keeps 2 of 2 * cp pieces of
 each. Per-step losses and gradient norms equal one process's within 1e-4 relative (cp2 x dp2 and
 tp2 x cp2 on the GPT-2-style tiny model, learned positions, 30 steps; cp4 and tp2 x cp2 with
-sequence parallelism on llama-tiny - RoPE, grouped-query heads - over 8), the final weights too,
+sequence parallelism on llama-tiny - RoPE, grouped-query heads; cp4 with selective recomputation,
+so the ring runs again in backward - over 8), the final weights too,
 and every layout resumes bit-exact from a mid-run checkpoint written in the dense layout. The host
 reads per step stay at one (the stabilizer's verdict).
 
@@ -34,6 +35,7 @@ MB, ACCUM = 8, 2  # the reference: 8 sequences per micro-batch, 2 micro-batches 
 LAYOUTS = {
     "cp2-dp2": (30, {"cp": 2}, MB // 2, "tiny"),
     "tp2-cp2": (30, {"tp": 2, "cp": 2}, MB, "tiny"),
+    # + model.checkpointing = "selective": the ring runs again inside the recomputed attention core
     "cp4-rope": (8, {"cp": 4}, MB, "llama-tiny"),
     "tp2-cp2-sp-rope": (8, {"tp": 2, "cp": 2, "sequence_parallel": True}, MB, "llama-tiny"),
 }
@@ -56,6 +58,8 @@ def cfg(**sets):
 def layout_cfg(name):
     steps, par, mb, preset = LAYOUTS[name]
     sets = {f"parallel__{k}": v for k, v in par.items()}
+    if name == "cp4-rope":
+        sets["model__checkpointing"] = "selective"
     return cfg(train__max_steps=steps, train__micro_batch=mb, train__strategy="ddp", model__preset=preset,
                checkpoint__save_every=every(steps), **sets)
 
@@ -125,6 +129,17 @@ def test_resume_is_bit_exact(runs, name):
     assert cut == full, f"{name}: losses after the resume differ"
 
 
+@pytest.mark.filterwarnings("ignore:resuming with a different schedule")
+def test_checkpoint_loads_in_one_process(runs, tmp_path):
+    """The cp2 x dp2 checkpoint is the dense layout: one process loads exactly the gathered weights."""
+    out = tmp_path / "single"
+    shutil.copytree(runs["root"] / "cp2-dp2" / "full", out)
+    loaded = train(cfg(train__max_steps=30, train__micro_batch=MB), out, resume=True)
+    assert loaded.resumed_from == 30 and loaded.steps == 30
+    for k, v in loaded.model.state_dict().items():
+        assert torch.equal(v, runs["first"]["cp2-dp2"]["weights"][k]), f"{k} differs in one process"
+
+
 def test_cp_ranks_sit_between_dp_and_tp(runs):
     assert [r["tp2-cp2"]["coords"] for r in runs["coords"]] == [
         {"pp": 0, "dp": 0, "cp": c, "tp": t} for c in (0, 1) for t in (0, 1)]
@@ -187,8 +202,8 @@ def test_loss_shares_mean_to_the_whole_micro_batch_mean():
     ({"parallel__cp": 2, "train__strategy": "ddp", "model__dropout": 0.1}, r"parallel.cp = 2 needs model.dropout = 0"),
     ({"parallel__cp": 2, "train__strategy": "ddp", "model__attention_window": 8},
      r"model.attention_window = 8 is not supported by the ring"),
-    ({"parallel__cp": 2, "train__strategy": "ddp", "model__checkpointing": "selective"},
-     r"parallel.cp = 2 supports model.checkpointing = 'none'"),
+    ({"parallel__cp": 2, "train__strategy": "ddp", "model__offload_activations": True},
+     r"parallel.cp = 2 supports model.offload_activations = false only"),
     ({"parallel__cp": 2, "train__strategy": "ddp", "train__compile": True},
      r"train.compile = true does not apply to parallel.cp = 2"),
     ({"parallel__cp": 2, "train__strategy": "ddp", "checkpoint__format": "sharded"}, r"checkpoint.format = 'sharded'"),

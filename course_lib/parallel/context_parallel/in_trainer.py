@@ -27,8 +27,13 @@ plain data parallelism over dp x cp replicas would: nothing else changes for the
 (all-reduce here; FSDP / ZeRO over the same group). The token counts are read from the full targets
 every cp rank holds: no communication, no host read.
 
+Recomputation (``model.checkpointing`` full / selective) works unchanged: the recomputed core
+runs the ring forward again in backward (every cp rank recomputes in the same order, so the
+transfers pair up), which adds one forward ring pass of traffic per recomputed layer.
+
 Not handled here (the trainer's config refuses them with cp > 1): sliding-window attention (the
-ring scores whole blocks under the causal mask only), attention dropout, pipeline stages.
+ring scores whole blocks under the causal mask only), attention dropout, pipeline stages,
+activation offload and ``train.compile`` (not tried with the ring).
 """
 from __future__ import annotations
 
