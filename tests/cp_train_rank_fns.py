@@ -18,10 +18,27 @@ def host_reads(rank, world_size, cfg, out_dir, steps):
     return reads_per_step(run, steps=steps)
 
 
-def train_then_count_reads(rank, world_size, runs, reads_cfg, reads_dir, reads_steps):
+def ring_bytes(rank, world_size, cfg, out_dir):
+    """Bytes this rank's ring attention sent (``bytes_sent_forward`` / ``_backward``) over a run of
+    ``cfg``, counted by ring_attention itself through ContextParallelCore.stats."""
+    from course_lib.parallel.context_parallel import in_trainer
+    from course_lib.train import train
+
+    stats = {}
+    in_trainer.ContextParallelCore.stats = stats  # every core of this process adds to it
+    try:
+        train(cfg, out_dir)
+    finally:
+        in_trainer.ContextParallelCore.stats = None
+    return stats
+
+
+def train_then_count_reads(rank, world_size, runs, reads_cfg, reads_dir, reads_steps, bytes_cfg, bytes_dir):
     """Every fresh run (model_parallel_rank_fns.train_many), then :func:`host_reads` of
-    ``reads_cfg``, in one launch (starting 4 ranks is the slow part)."""
+    ``reads_cfg`` and :func:`ring_bytes` of ``bytes_cfg``, in one launch (starting 4 ranks is the
+    slow part)."""
     import model_parallel_rank_fns as fns
 
     return {"runs": fns.train_many(rank, world_size, runs),
-            "reads": host_reads(rank, world_size, reads_cfg, reads_dir, reads_steps)}
+            "reads": host_reads(rank, world_size, reads_cfg, reads_dir, reads_steps),
+            "bytes": ring_bytes(rank, world_size, bytes_cfg, bytes_dir)}

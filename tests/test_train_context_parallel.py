@@ -7,7 +7,8 @@ tp2 x cp2 on the GPT-2-style tiny model, learned positions, 30 steps; cp4 and tp
 sequence parallelism on llama-tiny - RoPE, grouped-query heads; cp4 with selective recomputation,
 so the ring runs again in backward - over 8), the final weights too,
 and every layout resumes bit-exact from a mid-run checkpoint written in the dense layout. The host
-reads per step stay at one (the stabilizer's verdict).
+reads per step stay at one (the stabilizer's verdict), and the bytes each rank's ring sends equal
+the estimator's.
 
 Two launches of 4 ranks in all: the fresh runs plus the host-read count, then every resume.
 """
@@ -85,7 +86,10 @@ def runs(tmp_path_factory):
     jobs = [(layout_cfg(n), str(root / n / "full"), False) for n in LAYOUTS]
     reads_cfg = layout_cfg("tp2-cp2")
     reads_cfg["checkpoint"]["save_every"] = 0  # saves gather to the writer: counted in their own tests
-    first = run_ranks(fns.train_then_count_reads, 4, jobs, reads_cfg, str(root / "reads"), 4, timeout=600)
+    bytes_cfg = cfg(train__max_steps=1, train__micro_batch=MB, train__strategy="ddp", parallel__cp=4,
+                    schedule__warmup_steps=0)
+    first = run_ranks(fns.train_then_count_reads, 4, jobs, reads_cfg, str(root / "reads"), 4, bytes_cfg,
+                      str(root / "bytes"), timeout=600)
     for n in LAYOUTS:  # drop the newest checkpoint: the resume starts from the one before
         shutil.copytree(root / n / "full", root / n / "cut")
         shutil.rmtree(sorted((root / n / "cut" / "checkpoints").glob("step_*"))[-1])
@@ -93,6 +97,7 @@ def runs(tmp_path_factory):
                        timeout=600)
     return {"root": root, "single": single, "first": dict(zip(LAYOUTS, first[0]["runs"])),
             "second": dict(zip(LAYOUTS, second[0])), "reads": [r["reads"] for r in first],
+            "bytes": [r["bytes"] for r in first], "bytes_cfg": bytes_cfg,
             "coords": [dict(zip(LAYOUTS, r["runs"])) for r in first]}
 
 
@@ -152,6 +157,22 @@ def test_tokens_per_second_count_the_global_batch_once(runs):
     seq_len * dp tokens, not times cp."""
     for row in rows(runs["root"] / "cp2-dp2" / "full"):
         assert row["tokens_per_s"] * row["step_seconds"] == pytest.approx(4 * ACCUM * 64 * 2, rel=1e-9)
+
+
+def test_ring_bytes_per_rank_equal_the_estimator(runs):
+    """cp4, one step of 2 micro-batches: every rank's ring sends exactly what
+    course_lib.estimate.comm.cp_comm_bytes_per_layer says, per layer and micro-batch."""
+    from course_lib.estimate.comm import cp_comm_bytes_per_layer
+
+    mcfg = train_config.build_model_config(runs["bytes_cfg"])
+    est = cp_comm_bytes_per_layer(seq_len=64, micro_batch=MB, n_kv_heads=mcfg.n_heads, head_dim=mcfg.head_dim,
+                                  cp=4, bytes_per_element=4, layout="zigzag")
+    calls = mcfg.n_layers * ACCUM
+    for got in runs["bytes"]:
+        assert got["bytes_sent_forward"] == calls * est.forward_bytes > 0, got
+        assert got["bytes_sent_backward"] == calls * est.backward_bytes, got
+    print(f"cp4 ring: {runs['bytes'][0]['bytes_sent_forward']} B forward + "
+          f"{runs['bytes'][0]['bytes_sent_backward']} B backward per rank per step = estimator")
 
 
 def test_one_host_read_per_step_under_cp(runs):

@@ -83,7 +83,12 @@ class ContextParallelCore:
     Returns ``[B, H, T/N, D]``: causal attention over the whole sequence of the cp group.
 
     Grouped-query k/v heads are expanded before the ring (each rank sends H/Hkv times the bytes a
-    ring of the Hkv heads would; simple, and what the lab's ring_attention takes)."""
+    ring of the Hkv heads would; simple, and what the lab's ring_attention takes).
+
+    ``stats``: None, or a dict :func:`.ring_attention` adds this rank's bytes sent (forward /
+    backward) and score-block sizes to, summed over every call (a lab sets it to measure)."""
+
+    stats: dict | None = None
 
     def __init__(self, group, use_rope: bool):
         self.group, self.use_rope = group, use_rope
@@ -94,7 +99,7 @@ class ContextParallelCore:
         rep = q.shape[1] // k.shape[1]
         if rep > 1:  # query head h reads k/v head h // rep, as in the dense core
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return ring_attention(q, k, v, group=self.group, causal=True, layout=LAYOUT)
+        return ring_attention(q, k, v, group=self.group, causal=True, layout=LAYOUT, stats=self.stats)
 
     def __deepcopy__(self, memo):  # a process group cannot be copied; the core holds no state
         return self
