@@ -198,6 +198,11 @@ class TinyGPT(nn.Module):
       He-normal (fan_in, ReLU gain), xavier is Glorot-uniform, small is N(0, sqrt(2/(5C))).
     """
 
+    #: None: a sequence of T tokens sits at positions 0..T-1. Context parallelism
+    #: (course_lib.parallel.context_parallel.in_trainer) sets this rank's true positions, int64 [T],
+    #: which the learned table and the RoPE rows are read at.
+    position_ids: torch.Tensor | None = None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if not isinstance(cfg, ModelConfig):
@@ -306,11 +311,15 @@ class TinyGPT(nn.Module):
         )
         with offload:
             x = self._bound(self.tok_emb(idx))
+            pos = self.position_ids  # None: tokens 0..T-1 (context parallelism sets its own)
+            if pos is not None and pos.shape[0] != T:
+                raise ValueError(f"position_ids holds {pos.shape[0]} positions for a sequence of {T} tokens")
             if self.pos_emb is not None:
-                x = x + self.pos_emb(torch.arange(T, device=idx.device))
+                x = x + self.pos_emb(torch.arange(T, device=idx.device) if pos is None else pos)
             x = self.drop(x)
-            cos = self.rope_cos[:T] if self.rope_cos is not None else None
-            sin = self.rope_sin[:T] if self.rope_sin is not None else None
+            cos = sin = None
+            if self.rope_cos is not None:
+                cos, sin = (self.rope_cos[:T], self.rope_sin[:T]) if pos is None else (self.rope_cos[pos], self.rope_sin[pos])
             grad = torch.is_grad_enabled()
             for i, block in enumerate(self.blocks):
                 if grad and self._checkpoint_block(i):

@@ -83,6 +83,10 @@ class Attention(nn.Module):
     shapes in forward, so a sharded module with fewer local heads works unchanged.
     """
 
+    #: None: the dense ``core`` below. Context parallelism sets a callable with the same signature
+    #: (ring attention over the cp group; course_lib.parallel.context_parallel.in_trainer).
+    cp_core = None
+
     def __init__(self, cfg) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
@@ -131,10 +135,11 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, D).transpose(1, 2)  # [B, H, T, D]
         k = self.k_proj(x).view(B, T, -1, D).transpose(1, 2)  # [B, Hkv, T, D]
         v = self.v_proj(x).view(B, T, -1, D).transpose(1, 2)
+        core = self.core if self.cp_core is None else self.cp_core
         if self.recompute_core and torch.is_grad_enabled():
-            y = checkpoint(self.core, q, k, v, cos, sin, use_reentrant=False)
+            y = checkpoint(core, q, k, v, cos, sin, use_reentrant=False)
         else:
-            y = self.core(q, k, v, cos, sin)
+            y = core(q, k, v, cos, sin)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return F.dropout(self.out_proj(y), self.dropout, self.training)
 

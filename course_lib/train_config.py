@@ -12,10 +12,11 @@
     [parallel] bucket_mb, reshard_after_forward, cpu_offload, zero_stage, offload_optimizer,
               offload_param (read by the strategy named in train.strategy);
               dp, tp, pp, pp_schedule, virtual_stages, pp_split, sequence_parallel, cp (model parallelism:
-              tp * pp > 1 composes tensor and pipeline parallelism with train.strategy = "ddp" as
-              the data-parallel dimension, or tp > 1 (pp = 1) with "fsdp": FSDP2 over dp on the
-              DTensor-TP model; the world size must be dp * tp * pp * cp, checked when the ranks
-              start)
+              tp * pp * cp > 1 composes tensor, pipeline and context parallelism with train.strategy =
+              "ddp", "zero1" or "zero2" as the data-parallel dimension, or tp/cp (pp = 1) with "fsdp":
+              FSDP2 over dp x cp on the DTensor-TP model; cp runs ring attention over zig-zag sequence
+              chunks, with dp and tp, not with pp; the world size must be dp * tp * pp * cp, checked
+              when the ranks start)
 
 Every unknown section or key, wrong type or out-of-range value is a ``ConfigError`` naming it
 (with a "did you mean" for typos), raised before any file is written or model is built.
@@ -120,7 +121,7 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         # pp * virtual_stages ints (course_lib.estimate.stage_split)
         "pp_split": (list, "even", ("even", "balanced")),
         "sequence_parallel": (bool, False, None),  # tp > 1: norms/residual split along the sequence
-        "cp": (int, 1, (1, None)),                 # context parallel: only 1 here (ring attention has its own module)
+        "cp": (int, 1, (1, None)),                 # context parallel: ring attention, each rank 2 of 2*cp sequence pieces
     },
     "profile": {  # torch.profiler around chosen steps (course_lib.profiling; --profile); files in OUT/profile/
         "enabled": (bool, False, None),
@@ -242,11 +243,6 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
     The world size (dp * tp * pp * cp) is checked when the ranks start (course_lib.train)."""
     par, t = cfg["parallel"], cfg["train"]
     tp, pp, v, sched = par["tp"], par["pp"], par["virtual_stages"], par["pp_schedule"]
-    if par["cp"] > 1:
-        _model_parallel_strategy_check(cfg)  # before the cp refusal: deepspeed x cp names its layouts
-    if par["cp"] > 1:
-        raise ConfigError(f"parallel.cp = {par['cp']}: context parallelism runs in course_lib.parallel."
-                          f"context_parallel only (ring attention), not in the trainer; set parallel.cp = 1")
     if par["sequence_parallel"] and tp == 1:
         raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1 (it splits the sequence "
                           "over the tensor-parallel ranks); got parallel.tp = 1")
@@ -262,7 +258,7 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
             raise ConfigError(f"parallel.dp = {par['dp']} is read with parallel.tp or parallel.pp > 1 only (plain "
                               f"data parallelism uses every rank started); leave it 0")
         return
-    keys = " and ".join(f"parallel.{k} = {par[k]}" for k in ("tp", "pp") if par[k] > 1)
+    keys = " and ".join(f"parallel.{k} = {par[k]}" for k in ("tp", "pp", "cp") if par[k] > 1)
     _model_parallel_strategy_check(cfg)
     # FSDP2 over dp on a DTensor-TP model (course_lib.parallel.fsdp_tp_strategy); not on pipeline stages.
     fsdp_tp = t["strategy"] == "fsdp" and pp == 1
@@ -279,6 +275,8 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
     if cfg["checkpoint"]["format"] == "full" and fsdp_tp:
         raise ConfigError(f"checkpoint.format = 'full' does not fit train.strategy = 'fsdp' with {keys}: its "
                           f"DTensor shards save through DCP only; use 'auto' or 'sharded'")
+    if par["cp"] > 1:
+        _context_parallel_checks(cfg, mcfg)
     if tp > 1:
         for name, value in (("model.n_heads", mcfg.n_heads), ("model.n_kv_heads", mcfg.kv_heads),
                             ("model.vocab_size", mcfg.vocab_size), ("the MLP width (model.d_ff)", mcfg.ffn_dim)):
@@ -350,6 +348,35 @@ def _model_parallel_strategy_check(cfg: dict) -> None:
     raise ConfigError(f"{keys} does not compose with train.strategy = {name!r}: {why}. With tensor/pipeline/"
                       f"context parallelism, train.strategy names the data-parallel dimension: one of "
                       f"{composing}")
+
+
+def _context_parallel_checks(cfg: dict, mcfg) -> None:
+    """parallel.cp > 1 (course_lib.parallel.context_parallel.in_trainer): what the ring supports."""
+    par, t = cfg["parallel"], cfg["train"]
+    cp, seq = par["cp"], cfg["data"]["seq_len"]
+    what = f"parallel.cp = {cp}"
+    if par["pp"] > 1:
+        raise ConfigError(f"{what} with parallel.pp = {par['pp']} is not built (context parallelism runs with "
+                          f"parallel.tp and data parallelism); set parallel.pp = 1 or parallel.cp = 1")
+    split = 2 * cp * (par["tp"] if par["sequence_parallel"] else 1)
+    if seq % split:
+        why = (f"2 * cp * tp = {split}: zig-zag gives each cp rank 2 of 2 * cp equal pieces, and sequence "
+               f"parallelism splits those over tp" if par["sequence_parallel"]
+               else f"2 * cp = {split}: zig-zag gives each cp rank 2 of 2 * cp equal pieces")
+        raise ConfigError(f"{what} needs data.seq_len ({seq}) divisible by {why}")
+    if mcfg.dropout:
+        raise ConfigError(f"{what} needs model.dropout = 0 (got {mcfg.dropout}): ring attention has no "
+                          f"attention dropout")
+    if mcfg.attention_window is not None:
+        raise ConfigError(f"{what} runs full causal attention only; model.attention_window = "
+                          f"{mcfg.attention_window} is not supported by the ring (leave model.attention_window out)")
+    if mcfg.offload_activations:  # recomputation (full / selective) re-runs the ring in backward: it works
+        raise ConfigError(f"{what} supports model.offload_activations = false only (not tested with the ring)")
+    if t["compile"]:
+        raise ConfigError(f"train.compile = true does not apply to {what}: ring attention's point-to-point "
+                          f"transfers run in Python between the compiled parts; set train.compile = false")
+    # model.position: "learned" reads the table at each token's true position, "rope" the rotation
+    # rows at them, "none" needs nothing: all three run.
 
 
 def vocab_size_of(cfg: dict) -> int:

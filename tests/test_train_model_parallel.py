@@ -191,7 +191,6 @@ def test_world_size_is_checked_when_the_ranks_start(runs):
     ({"parallel__tp": 2, "train__strategy": "deepspeed"}, r"parallel.tp = 2 does not compose with train.strategy = 'deepspeed'"),
     ({"parallel__tp": 2}, r"parallel.tp = 2 does not compose with train.strategy = 'single'.*one of 'ddp', 'zero1', 'zero2', 'fsdp'"),
     ({"parallel__pp": 2, "train__strategy": "fsdp"}, r"train.strategy = 'fsdp' with parallel.pp = 2 is not supported"),
-    ({"parallel__cp": 2, "train__strategy": "ddp"}, r"parallel.cp = 2: context parallelism runs in"),
     ({"parallel__pp": 2, "train__strategy": "ddp", "parallel__pp_schedule": "interleaved", "train__compile": True},
      r"train.compile = true does not apply to parallel.pp_schedule = 'interleaved'"),
     ({"parallel__pp": 2, "train__strategy": "ddp", "checkpoint__format": "sharded"}, r"checkpoint.format = 'sharded'"),

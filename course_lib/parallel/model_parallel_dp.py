@@ -103,7 +103,9 @@ class ReplicatedDP(DataParallelMode):
         params = [p for p in s.model.parameters() if p.grad is not None]
         if self._mask is None or self._mask[0] != len(params):
             sharded = torch.tensor([1.0 if hasattr(p, "tp_partition_dim") else 0.0 for p in params], device=sq.device)
-            self._mask = (len(params), sharded, self._count_mask(params, sq.device))
+            # cp peers hold the same gradients after the dp_cp mean: cp rank 0 counts them
+            count = self._count_mask(params, sq.device) * (0.0 if s.cp_rank else 1.0)
+            self._mask = (len(params), sharded, count)
         _, sharded, count = self._mask
         total = (sq * count).sum()
         dist.all_reduce(total, group=s.mp_group)

@@ -1,8 +1,8 @@
-"""Tensor and pipeline parallelism composed with data parallelism, behind the strategy interface.
+"""Tensor, pipeline and context parallelism composed with data parallelism, behind the strategy interface.
 
 Chosen by :func:`~course_lib.parallel.registry.make_strategy` (so by the trainer) when
-``parallel.tp * parallel.pp > 1``, with ``train.strategy = "ddp"`` naming the data-parallel
-dimension; ``dp = world_size / (tp * pp)`` (or ``parallel.dp``, which must then fit exactly). The ranks form a
+``parallel.tp * parallel.pp * parallel.cp > 1``, with ``train.strategy = "ddp"`` naming the data-parallel
+dimension; ``dp = world_size / (tp * pp * cp)`` (or ``parallel.dp``, which must then fit exactly). The ranks form a
 :mod:`~course_lib.parallel.mesh` (tp innermost, pp outermost) and each rank holds:
 
 * **TP** (``parallel.tp``): :func:`~course_lib.parallel.tensor_parallel.tp_tinygpt` on its tp
@@ -16,15 +16,19 @@ dimension; ``dp = world_size / (tp * pp)`` (or ``parallel.dp``, which must then 
   (:mod:`.model_parallel_interleaved`: dense or TP stages, under the trainer's autocast and fp16
   loss scaling). ``parallel.pp_split`` chooses the blocks per stage
   (:func:`course_lib.estimate.stage_split.split_for_config`: even, balanced or explicit);
+* **CP** (``parallel.cp``, with dp and tp; not with pp): the same weights as its cp peers, and
+  of every sequence of the micro-batch its zig-zag chunk (pieces r and 2cp-1-r of 2cp): ring
+  attention over the cp group inside every attention module, the true positions of its tokens for
+  the position table / RoPE rows (:mod:`.context_parallel.in_trainer`);
 * **DP** (``train.strategy``: "ddp", "zero1", "zero2"): :mod:`.model_parallel_dp` - after the
   last micro-batch the gradients are averaged over the ranks holding the same weights (the mesh's
   ``dp_cp`` group): "ddp" all-reduces them, flattened; "zero1"/"zero2" reduce-scatter them into
   equal flat ranges, step the optimizer on this rank's range only and all-gather the updated
   weights (ZeRO-2 keeps only its range of gradient).
 
-TP and PP peers read the *same* batch: :attr:`dp_rank`/:attr:`dp_size` are the data-parallel
+TP, PP and CP peers read the *same* batch: :attr:`dp_rank`/:attr:`dp_size` are the data-parallel
 coordinates only, so the global batch is ``micro_batch * grad_accum * dp`` sequences a step, as
-for plain DDP on ``dp`` ranks.
+for plain DDP on ``dp`` ranks (cp ranks split its tokens, not its sequences).
 
 Every rank builds the whole dense model with the trainer's seed and cuts its part out of it: the
 shards start bit-equal to one process, which is what the tests compare against. The price is the
@@ -78,9 +82,9 @@ class ModelParallel(Distributed):
         par = self.cfg["parallel"]
         self.tp, self.pp, self.cp = par["tp"], par["pp"], par["cp"]
         self.sequence_parallel, self.schedule = par["sequence_parallel"], par["pp_schedule"]
-        if self.cp > 1:  # train_config refuses it first; a direct caller gets the same words
-            raise _config_error("parallel.cp > 1 runs in course_lib.parallel.context_parallel only, not in the "
-                                "trainer; set parallel.cp = 1")
+        if self.cp > 1 and self.pp > 1:  # train_config refuses it first; a direct caller gets the same words
+            raise _config_error(f"parallel.cp = {self.cp} with parallel.pp = {self.pp} is not built: context "
+                                f"parallelism runs with parallel.tp and data parallelism; set parallel.pp = 1")
         self.virtual_stages = par["virtual_stages"]
         try:
             layout = mesh_layout(info.world_size, tp=self.tp, pp=self.pp, cp=self.cp, dp=par["dp"])
@@ -91,9 +95,11 @@ class ModelParallel(Distributed):
             raise _config_error(f"the mesh passed ({mesh.layout}) does not match [parallel] ({layout})")
         self.mesh = mesh if mesh is not None else build_mesh(layout)  # collective: every rank, every group
         c = self.mesh.coords
-        self.pp_rank, self.tp_rank = c["pp"], c["tp"]
+        self.pp_rank, self.tp_rank, self.cp_rank = c["pp"], c["tp"], c["cp"]
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp - 1
         self.tp_group, self.dp_group, self.mp_group = (self.mesh.groups[d] for d in ("tp", "dp", "mp"))
+        # The ranks holding the same weights (dp x cp): gradients are averaged over them.
+        self.grad_group, self.grad_size = self.mesh.groups["dp_cp"], self.mesh.layout.dp * self.cp
         self._policy = None
         self.dp_mode_name = self.cfg["train"]["strategy"]
         self.name = f"{self.dp_mode_name}+tp/pp"
@@ -150,6 +156,10 @@ class ModelParallel(Distributed):
 
                 local = build_stage(model, self.pp_rank, self.pp, self.split)
         self.model = self.module = local
+        if self.cp > 1:  # ring attention in every attention module; forward takes the full batch
+            from course_lib.parallel.context_parallel.in_trainer import apply_context_parallel
+
+            self.module = apply_context_parallel(local, self.mesh.groups["cp"], self.cp, self.cp_rank)
         self.layout.bind(local)
         from course_lib.parallel.model_parallel_dp import make_dp_mode
 
@@ -236,11 +246,12 @@ class ModelParallel(Distributed):
 
     def global_mean(self, value: torch.Tensor) -> torch.Tensor:
         """The loss over the dp replicas, equal on every rank: only the last stage computed it
-        (and every tp rank of it the same number), so one rank per replica contributes."""
+        (and every tp rank of it the same number), so one rank per replica contributes - under
+        context parallelism one per (replica, cp rank), each its share (in_trainer.loss_share)."""
         owner = self.is_last and self.tp_rank == 0
         out = value.detach().float().clone() if owner else torch.zeros((), device=self.device)
         dist.all_reduce(out)  # over the world: every rank gets the sum over the replicas
-        return out / self.dp_size
+        return out / self.grad_size
 
     # ------------------------------------------------------------------ checkpoints
     def full_weights(self) -> dict[str, torch.Tensor]:

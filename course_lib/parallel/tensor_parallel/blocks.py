@@ -98,7 +98,10 @@ class TPMLP(nn.Module):
 class TPAttention(nn.Module):
     """Causal self-attention on this rank's heads: column-parallel q/k/v, row-parallel out.
     Input/output ``[B, T, C]`` replicated (``[B, T/N, C]`` with sequence parallelism); RoPE tables
-    ``cos, sin`` are ``[T, D]`` for the whole sequence, as for the dense block."""
+    ``cos, sin`` are ``[T, D]`` for the whole sequence, as for the dense block. ``cp_core``: as
+    the dense block's (context parallelism swaps in ring attention over these local heads)."""
+
+    cp_core = None
 
     def __init__(self, q_proj, k_proj, v_proj, out_proj, head_dim: int, window, use_rope: bool,
                  group, sequence_parallel: bool):
@@ -145,10 +148,11 @@ class TPAttention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, D).transpose(1, 2)  # [B, H/N, T, D]
         k = self.k_proj(x).view(B, T, -1, D).transpose(1, 2)  # [B, Hkv/N, T, D]
         v = self.v_proj(x).view(B, T, -1, D).transpose(1, 2)
+        core = self.core if self.cp_core is None else self.cp_core  # cp: ring attention on local heads
         if self.recompute_core and torch.is_grad_enabled():
-            y = checkpoint(self.core, q, k, v, cos, sin, use_reentrant=False)
+            y = checkpoint(core, q, k, v, cos, sin, use_reentrant=False)
         else:
-            y = self.core(q, k, v, cos, sin)
+            y = core(q, k, v, cos, sin)
         y = y.transpose(1, 2).reshape(B, T, -1)  # [B, T, C/N]
         return self.out_proj(y)  # row-parallel: g (or reduce-scatter) inside
 

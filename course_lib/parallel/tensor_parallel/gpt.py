@@ -52,6 +52,7 @@ class TPTinyGPT(nn.Module):
     data are checked at start-up, and the check costs a host read per micro-batch)."""
 
     check_targets = True
+    position_ids = None  # as TinyGPT.position_ids: this rank's token positions under context parallelism
 
     def __init__(self, model, group=None, sequence_parallel: bool = False):
         super().__init__()
@@ -131,11 +132,16 @@ class TPTinyGPT(nn.Module):
 
     def _forward(self, idx, targets, T):
         x = self._bound(self.tok_emb(idx))  # [B, T, C], or this rank's [B, T/N, C] under SP
+        pos = self.position_ids  # None: 0..T-1; context parallelism: this rank's true positions [T]
+        if pos is not None and pos.shape[0] != T:
+            raise ValueError(f"position_ids holds {pos.shape[0]} positions for a sequence of {T} tokens")
         if self.pos_emb is not None:
             start = self.rank * (T // self.tp) if self.sequence_parallel else 0
-            x = x + self.pos_emb(torch.arange(start, start + x.shape[1], device=idx.device))
-        cos = self.rope_cos[:T] if self.rope_cos is not None else None  # attention sees all T tokens
-        sin = self.rope_sin[:T] if self.rope_sin is not None else None
+            x = x + self.pos_emb(torch.arange(start, start + x.shape[1], device=idx.device) if pos is None
+                                 else pos[start:start + x.shape[1]])
+        cos = sin = None  # attention sees all T tokens
+        if self.rope_cos is not None:
+            cos, sin = (self.rope_cos[:T], self.rope_sin[:T]) if pos is None else (self.rope_cos[pos], self.rope_sin[pos])
         for i in range(len(self.blocks)):
             x = self.run_block(i, x, cos, sin)
         logits = self.lm_head(self.norm_f(x))  # [B, T, vocab/N]

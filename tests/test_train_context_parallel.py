@@ -1,0 +1,241 @@
+"""Context parallelism in the trainer (``parallel.cp > 1``): ring attention over zig-zag chunks.
+
+Every layout runs on 4 gloo ranks (fp32) on the same global batch as one process: a cp group
+reads the sequences of its data-parallel replica and each cp rank keeps 2 of 2 * cp pieces of
+each. Per-step losses and gradient norms equal one process's within 1e-4 relative (cp2 x dp2 and
+tp2 x cp2 on the GPT-2-style tiny model, learned positions, 30 steps; cp4 and tp2 x cp2 with
+sequence parallelism on llama-tiny - RoPE, grouped-query heads; cp4 with selective recomputation,
+so the ring runs again in backward - over 8), the final weights too,
+and every layout resumes bit-exact from a mid-run checkpoint written in the dense layout. The host
+reads per step stay at one (the stabilizer's verdict), and the bytes each rank's ring sends equal
+the estimator's.
+
+Two launches of 4 ranks in all: the fresh runs plus the host-read count, then every resume.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import cp_train_rank_fns as fns
+import model_parallel_rank_fns as mp_fns
+from course_lib import train_config
+from course_lib.parallel import run_ranks
+from course_lib.parallel.context_parallel.in_trainer import local_chunk, loss_share, zigzag_positions
+from course_lib.parallel.context_parallel.layout import merge_sequence
+from course_lib.train import train
+
+TINY = Path(__file__).resolve().parents[1] / "labs" / "configs" / "tiny-cpu.toml"
+MB, ACCUM = 8, 2  # the reference: 8 sequences per micro-batch, 2 micro-batches per step
+
+# name -> (steps, [parallel] settings, micro_batch per data-parallel replica, model preset)
+LAYOUTS = {
+    "cp2-dp2": (30, {"cp": 2}, MB // 2, "tiny"),
+    "tp2-cp2": (30, {"tp": 2, "cp": 2}, MB, "tiny"),
+    # + model.checkpointing = "selective": the ring runs again inside the recomputed attention core
+    "cp4-rope": (8, {"cp": 4}, MB, "llama-tiny"),
+    "tp2-cp2-sp-rope": (8, {"tp": 2, "cp": 2, "sequence_parallel": True}, MB, "llama-tiny"),
+}
+REFERENCES = sorted({(steps, preset) for steps, _, _, preset in LAYOUTS.values()})
+
+
+def every(steps):
+    """Checkpoint interval: the resume starts from the one before the last."""
+    return 10 if steps == 30 else 4
+
+
+def cfg(**sets):
+    overrides = ["train.progress=false", "schedule.warmup_steps=3", "train.peak_flops=1e12",
+                 f"train.grad_accum={ACCUM}", "checkpoint.async_save=false"]
+    overrides += [f"{k.replace('__', '.')}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
+                  for k, v in sets.items()]
+    return train_config.load(TINY, overrides)
+
+
+def layout_cfg(name):
+    steps, par, mb, preset = LAYOUTS[name]
+    sets = {f"parallel__{k}": v for k, v in par.items()}
+    if name == "cp4-rope":
+        sets["model__checkpointing"] = "selective"
+    return cfg(train__max_steps=steps, train__micro_batch=mb, train__strategy="ddp", model__preset=preset,
+               checkpoint__save_every=every(steps), **sets)
+
+
+def reference(steps, preset):
+    return f"single-{steps}-{preset}"
+
+
+def rows(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def max_rel(a, b):
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("context_parallel")
+    single = {key: train(cfg(train__max_steps=key[0], train__micro_batch=MB, model__preset=key[1]),
+                         root / reference(*key)) for key in REFERENCES}
+    jobs = [(layout_cfg(n), str(root / n / "full"), False) for n in LAYOUTS]
+    reads_cfg = layout_cfg("tp2-cp2")
+    reads_cfg["checkpoint"]["save_every"] = 0  # saves gather to the writer: counted in their own tests
+    bytes_cfg = cfg(train__max_steps=1, train__micro_batch=MB, train__strategy="ddp", parallel__cp=4,
+                    schedule__warmup_steps=0)
+    first = run_ranks(fns.train_then_count_reads, 4, jobs, reads_cfg, str(root / "reads"), 4, bytes_cfg,
+                      str(root / "bytes"), timeout=600)
+    for n in LAYOUTS:  # drop the newest checkpoint: the resume starts from the one before
+        shutil.copytree(root / n / "full", root / n / "cut")
+        shutil.rmtree(sorted((root / n / "cut" / "checkpoints").glob("step_*"))[-1])
+    second = run_ranks(mp_fns.train_many, 4, [(layout_cfg(n), str(root / n / "cut"), True) for n in LAYOUTS],
+                       timeout=600)
+    return {"root": root, "single": single, "first": dict(zip(LAYOUTS, first[0]["runs"])),
+            "second": dict(zip(LAYOUTS, second[0])), "reads": [r["reads"] for r in first],
+            "bytes": [r["bytes"] for r in first], "bytes_cfg": bytes_cfg,
+            "coords": [dict(zip(LAYOUTS, r["runs"])) for r in first]}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_one_process(runs, name):
+    steps, _, _, preset = LAYOUTS[name]
+    root, single = runs["root"], runs["single"][steps, preset]
+    got, ref = rows(root / name / "full"), rows(root / reference(steps, preset))
+    rel = max_rel([r["loss"] for r in got], [r["loss"] for r in ref])
+    print(f"{name}: per-step loss max relative diff {rel:.2e}")
+    assert rel <= 1e-4, f"{name}: per-step losses differ from one process by up to {rel:.2e} (relative)"
+    # cp peers hold the same gradients: the stabilizer's norm counts them once (cp rank 0)
+    rel_g = max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
+    assert rel_g <= 1e-4, f"{name}: gradient norms differ from one process by up to {rel_g:.2e}"
+    assert [r["clipped"] for r in got] == [r["clipped"] for r in ref]
+    want = {k: v.float() for k, v in single.model.state_dict().items()}
+    weights = runs["first"][name]["weights"]
+    assert set(weights) == set(want), f"{name}: gathered weights have other names than the dense model"
+    diff = torch.cat([(weights[k] - want[k]).reshape(-1) for k in want]).norm()
+    rel_w = (diff / torch.cat([want[k].reshape(-1) for k in want]).norm()).item()
+    assert rel_w <= 1e-4, f"{name}: final weights differ from one process by {rel_w:.2e} (relative L2)"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_resume_is_bit_exact(runs, name):
+    steps = LAYOUTS[name][0]
+    start = steps - every(steps)
+    first, second = runs["first"][name], runs["second"][name]
+    assert second["resumed_from"] == start and second["steps"] == steps
+    for k, v in first["weights"].items():
+        assert torch.equal(second["weights"][k], v), f"{name}: {k} differs after the resume"
+    root = runs["root"]
+    cut, full = ([r["loss"] for r in rows(root / name / d)][start:] for d in ("cut", "full"))
+    assert cut == full, f"{name}: losses after the resume differ"
+
+
+@pytest.mark.filterwarnings("ignore:resuming with a different schedule")
+def test_checkpoint_loads_in_one_process(runs, tmp_path):
+    """The cp2 x dp2 checkpoint is the dense layout: one process loads exactly the gathered weights."""
+    out = tmp_path / "single"
+    shutil.copytree(runs["root"] / "cp2-dp2" / "full", out)
+    loaded = train(cfg(train__max_steps=30, train__micro_batch=MB), out, resume=True)
+    assert loaded.resumed_from == 30 and loaded.steps == 30
+    for k, v in loaded.model.state_dict().items():
+        assert torch.equal(v, runs["first"]["cp2-dp2"]["weights"][k]), f"{k} differs in one process"
+
+
+def test_cp_ranks_sit_between_dp_and_tp(runs):
+    assert [r["tp2-cp2"]["coords"] for r in runs["coords"]] == [
+        {"pp": 0, "dp": 0, "cp": c, "tp": t} for c in (0, 1) for t in (0, 1)]
+    assert [(r["cp2-dp2"]["coords"]["dp"], r["cp2-dp2"]["coords"]["cp"]) for r in runs["coords"]] == [
+        (0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_tokens_per_second_count_the_global_batch_once(runs):
+    """cp peers split the tokens of the same sequences: a step is micro_batch * grad_accum *
+    seq_len * dp tokens, not times cp."""
+    for row in rows(runs["root"] / "cp2-dp2" / "full"):
+        assert row["tokens_per_s"] * row["step_seconds"] == pytest.approx(4 * ACCUM * 64 * 2, rel=1e-9)
+
+
+def test_ring_bytes_per_rank_equal_the_estimator(runs):
+    """cp4, one step of 2 micro-batches: every rank's ring sends exactly what
+    course_lib.estimate.comm.cp_comm_bytes_per_layer says, per layer and micro-batch."""
+    from course_lib.estimate.comm import cp_comm_bytes_per_layer
+
+    mcfg = train_config.build_model_config(runs["bytes_cfg"])
+    est = cp_comm_bytes_per_layer(seq_len=64, micro_batch=MB, n_kv_heads=mcfg.n_heads, head_dim=mcfg.head_dim,
+                                  cp=4, bytes_per_element=4, layout="zigzag")
+    calls = mcfg.n_layers * ACCUM
+    for got in runs["bytes"]:
+        assert got["bytes_sent_forward"] == calls * est.forward_bytes > 0, got
+        assert got["bytes_sent_backward"] == calls * est.backward_bytes, got
+    print(f"cp4 ring: {runs['bytes'][0]['bytes_sent_forward']} B forward + "
+          f"{runs['bytes'][0]['bytes_sent_backward']} B backward per rank per step = estimator")
+
+
+def test_one_host_read_per_step_under_cp(runs):
+    assert runs["reads"] == [1.0] * 4, runs["reads"]
+
+
+# ---------------------------------------------------------------- no ranks
+def test_zigzag_positions_and_chunks_cover_the_sequence_once():
+    x = torch.arange(3 * 16).reshape(3, 16)
+    for cp in (1, 2, 4):
+        pos = [zigzag_positions(16, cp, r) for r in range(cp)]
+        assert sorted(torch.cat(pos).tolist()) == list(range(16))
+        chunks = [local_chunk(x, cp, r) for r in range(cp)]
+        for r in range(cp):
+            assert torch.equal(chunks[r], x[:, pos[r]])  # the tokens a rank keeps sit at its positions
+        assert torch.equal(merge_sequence(chunks, layout="zigzag", dim=1), x)
+    assert zigzag_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]  # pieces 0 and 3 of 4
+    with pytest.raises(ValueError, match="not divisible by 2 \\* cp = 8"):
+        zigzag_positions(12, 4, 0)
+
+
+def test_loss_shares_mean_to_the_whole_micro_batch_mean():
+    """Chunks with unequal scored-token counts: each rank's share, meaned over the cp ranks, is the
+    mean over every scored token (a plain mean of the chunk means would not be)."""
+    torch.manual_seed(0)
+    cp, per_token = 2, torch.rand(2, 8)
+    targets = torch.randint(0, 5, (2, 8))
+    targets[:, :3] = -100  # rank 0 (pieces 0, 3) keeps 1 of 4 scored tokens per row, rank 1 3 of 4
+    want = per_token[targets != -100].mean()
+    shares, means = [], []
+    for r in range(cp):
+        lt, lp = local_chunk(targets, cp, r), local_chunk(per_token, cp, r)
+        means.append(lp[lt != -100].mean())
+        shares.append(loss_share(means[-1], lt, targets, cp))
+    assert torch.allclose(torch.stack(shares).mean(), want)
+    assert not torch.allclose(torch.stack(means).mean(), want)
+    none = torch.full((2, 4), -100)
+    assert loss_share(torch.tensor(float("nan")), none, targets, cp) == 0  # no scored token: 0, not NaN
+
+
+@pytest.mark.parametrize("sets, match", [
+    ({"parallel__cp": 2, "train__strategy": "zero1"}, r"parallel.cp = 2 composes with train.strategy = 'ddp' only"),
+    ({"parallel__cp": 2, "parallel__pp": 2, "train__strategy": "ddp"},
+     r"parallel.cp = 2 with parallel.pp = 2 is not built"),
+    ({"parallel__cp": 3, "train__strategy": "ddp"}, r"parallel.cp = 3 needs data.seq_len \(64\) divisible by 2 \* cp = 6"),
+    ({"parallel__cp": 2, "parallel__tp": 2, "parallel__sequence_parallel": True, "train__strategy": "ddp",
+      "data__seq_len": 36}, r"divisible by 2 \* cp \* tp = 8"),
+    ({"parallel__cp": 2, "train__strategy": "ddp", "model__dropout": 0.1}, r"parallel.cp = 2 needs model.dropout = 0"),
+    ({"parallel__cp": 2, "train__strategy": "ddp", "model__attention_window": 8},
+     r"model.attention_window = 8 is not supported by the ring"),
+    ({"parallel__cp": 2, "train__strategy": "ddp", "model__offload_activations": True},
+     r"parallel.cp = 2 supports model.offload_activations = false only"),
+    ({"parallel__cp": 2, "train__strategy": "ddp", "train__compile": True},
+     r"train.compile = true does not apply to parallel.cp = 2"),
+    ({"parallel__cp": 2, "train__strategy": "ddp", "checkpoint__format": "sharded"}, r"checkpoint.format = 'sharded'"),
+])
+def test_bad_combinations_are_refused_before_any_file(tmp_path, sets, match):
+    with pytest.raises(train_config.ConfigError, match=match):
+        train(cfg(**sets), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("position", ["learned", "rope", "none"])
+def test_every_position_kind_validates(position):
+    c = cfg(parallel__cp=2, train__strategy="ddp", model__position=position)
+    assert c["parallel"]["cp"] == 2
