@@ -275,8 +275,17 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
     if cfg["checkpoint"]["format"] == "full" and fsdp_tp:
         raise ConfigError(f"checkpoint.format = 'full' does not fit train.strategy = 'fsdp' with {keys}: its "
                           f"DTensor shards save through DCP only; use 'auto' or 'sharded'")
+    if fsdp_tp and (mcfg.checkpointing != "none" or mcfg.offload_activations):
+        raise ConfigError(f"train.strategy = 'fsdp' with {keys} runs the DTensor plan, which has no "
+                          f"recomputation yet: set model.checkpointing = 'none' and model.offload_activations = "
+                          f"false, or use train.strategy = 'zero2' (recomputation composes with tp and cp there)")
     if par["cp"] > 1:
         _context_parallel_checks(cfg, mcfg)
+        if fsdp_tp and par["sequence_parallel"]:
+            raise ConfigError(f"train.strategy = 'fsdp' with parallel.cp = {par['cp']} runs without "
+                              f"parallel.sequence_parallel (the DTensor plan's sequence split is not wired to "
+                              f"the ring's chunks); set parallel.sequence_parallel = false, or use 'ddp'/'zero1'/"
+                              f"'zero2', where cp, tp and sequence parallelism compose")
     if tp > 1:
         for name, value in (("model.n_heads", mcfg.n_heads), ("model.n_kv_heads", mcfg.kv_heads),
                             ("model.vocab_size", mcfg.vocab_size), ("the MLP width (model.d_ff)", mcfg.ffn_dim)):
@@ -286,11 +295,6 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
         if mcfg.dropout:
             raise ConfigError(f"parallel.tp = {tp} needs model.dropout = 0 (got {mcfg.dropout}): dropout inside "
                               f"a tensor-parallel region needs a per-rank random stream, not built here")
-        if fsdp_tp and (mcfg.checkpointing != "none" or mcfg.offload_activations):
-            raise ConfigError(f"train.strategy = 'fsdp' with parallel.tp = {tp} runs the DTensor plan, which has "
-                              f"no recomputation yet: set model.checkpointing = 'none' and "
-                              f"model.offload_activations = false, or use train.strategy = 'zero2' (recomputation "
-                              f"composes with tp there)")
         if par["sequence_parallel"] and cfg["data"]["seq_len"] % tp:
             raise ConfigError(f"parallel.sequence_parallel needs data.seq_len ({cfg['data']['seq_len']}) "
                               f"divisible by parallel.tp ({tp})")

@@ -14,7 +14,9 @@
 #    a little more memory;
 # 5. **stage imbalance**: the output layer makes the last stage slow; a balanced split fixes it;
 # 6. **3D parallelism** (tp x pp x dp) in the trainer, the device mesh drawn;
-# 7. **context parallelism**: ring attention for long sequences, and the 7B / 8K-context numbers.
+# 7. **sharded data parallelism** under TP and CP (FSDP and ZeRO from the trainer), memory per
+#    rank next to the estimator;
+# 8. **context parallelism**: ring attention for long sequences, and the 7B / 8K-context numbers.
 #
 # Ranks are processes on this machine talking over loopback with **gloo** (on GPUs the same code
 # uses NCCL). A tiny model computes in well under a millisecond, so timed steps add a
@@ -33,8 +35,8 @@ FWD_S = 0.24  # simulated forward seconds of one stage for the whole global batc
 TORCH_FWD_S = 0.48  # section 4: the same for torch's schedules (their per-op overhead is larger)
 REPEATS = 2  # timed steps per configuration; the least disturbed one is kept
 TRAIN_STEPS = 5  # AdamW steps whose losses are compared with one process
-TRAINER_STEPS = 20  # section 6: trainer steps per layout
-CP_SEQ = 512  # section 7: tokens of the ring-attention test sequence
+TRAINER_STEPS = 20  # sections 6-7: trainer steps per layout
+CP_SEQ = 512  # section 8: tokens of the ring-attention test sequence
 
 # %%
 import json
@@ -604,7 +606,75 @@ check([c["tp"] for c in first] == [0, 1, 0, 1] and [c["pp"] for c in first] == [
 # link twice per layer), pp until the model state fits (with m >= 4 pp micro-batches to keep the
 # bubble small), dp for the rest (`course plan` does this arithmetic).
 #
-# ## 7. Context parallelism: long sequences
+# ## 7. Sharding the data-parallel dimension: FSDP and ZeRO under TP and CP
+#
+# Section 6 replicated every weight and optimizer state across the dp ranks. Real jobs shard that
+# dimension too: **FSDP2** (`train.strategy = "fsdp"`, ZeRO-3: weights, gradients and Adam state)
+# over dp on a DTensor tensor-parallel model, the way torchtitan composes them, or **ZeRO-1/2**
+# (`"zero1"`, `"zero2"`: Adam state, and with ZeRO-2 the gradients) on the from-scratch TP model.
+# Context parallelism (`parallel.cp`, section 8) adds ranks that hold the *same* weights and read
+# other tokens of the same sequences, so the sharding spans dp x cp: the mesh's `dp_cp` group.
+# Two layouts on our 4 ranks, each against one process on the same global batch:
+#
+# * **2-D**: fsdp x tp, dp 2 x tp 2: every weight cut twice, by TP into column/row halves, then by
+#   FSDP into halves of those;
+# * **3-D**: zero2 x cp 2 x tp 2 (dp 1): TP halves, each sequence split between the two cp ranks
+#   (ring attention), and ZeRO-2 shards Adam state and gradients across the cp peers.
+
+# %% tags=["nbval-check-output"]
+layout_cp = mesh_layout(4, tp=2, cp=2)
+print(layout_cp.draw(layout_cp.describe(n_layers=tiny.n_layers, n_heads=tiny.n_heads, vocab_size=tiny.vocab_size)))
+print(f"\ndp_cp groups (ranks holding the same weights, ZeRO shards over them): {layout_cp.group_ranks('dp_cp')}")
+
+# %%
+from course_lib.estimate import model_state_bytes  # noqa: E402
+from course_lib.measure import tinygpt_shape  # noqa: E402
+
+SHARDED = {"fsdp x tp (dp2 x tp2)": ("fsdp", 3, 2, ["train.strategy=fsdp", "parallel.tp=2", f"train.micro_batch={MB // 2}"]),
+           "zero2 x cp2 x tp2": ("zero2", 2, 2, ["train.strategy=zero2", "parallel.tp=2", "parallel.cp=2",
+                                                  f"train.micro_batch={MB}"])}
+if SMOKE:
+    SHARDED = dict(list(SHARDED.items())[1:])
+jobs_sh = [(trainer_cfg(*sets), str(RUNS / f"sharded{i}")) for i, (_, _, _, sets) in enumerate(SHARDED.values())]
+res_sh = run_ranks(lab_runs.sharded_layouts, 4, jobs_sh, threads_per_rank=1, show_output=False, timeout=900)
+shape = tinygpt_shape(tiny, seq_len=tiny.block_size)
+print(f"{'layout':<24}{'rank':>5} {'(pp,dp,cp,tp)':>14} {'params':>9} {'grads':>9} {'Adam':>9} {'total':>9} "
+      f"{'estimate':>9}   bytes per rank")
+mem_sh = {}
+for i, (name, (strategy, stage, shard, _)) in enumerate(SHARDED.items()):
+    n_rank = shape.params_on_rank(tp=2)  # the TP shard of the model every rank of this layout holds
+    est = model_state_bytes(n_rank, recipe="fp32-adam", zero_stage=stage, dp=shard)
+    for r in range(4):
+        c, m = res_sh[r][i]["coords"], res_sh[r][i]["census"]
+        mem_sh[name, r] = (m["total"], est.total)
+        print(f"{name:<24}{r:>5} {str((c['pp'], c['dp'], c['cp'], c['tp'])):>14} {m['params']:>9,} {m['grads']:>9,} "
+              f"{m['optimizer_moments']:>9,} {m['total']:>9,} {est.total:>9,.0f}")
+dense_bytes = 16 * shape.num_params()
+print(f"\none process holds {dense_bytes:,.0f} bytes of model state (16 B per parameter, fp32 AdamW)")
+
+# %%
+rel_sh = {}
+for i, name in enumerate(SHARDED):
+    got = losses_of(jobs_sh[i][1])
+    rel_sh[name] = max(abs(a - b) / b for a, b in zip(got, single_losses))
+    print(f"{name:<24} max relative loss difference over {TRAINER_STEPS} steps vs one process: {rel_sh[name]:.1e}")
+for name, rel in rel_sh.items():
+    check(rel <= 1e-4, f"{name}: the losses differ from one process by up to {rel:.1e}; the sharded optimizer and "
+          "the ring must compute the global-batch step exactly (look at the dp x cp mean)")
+for (name, r), (got, want) in mem_sh.items():
+    check(got == want, f"{name} rank {r}: {got:,} bytes of model state measured, the estimator says {want:,.0f}")
+check(all(got < dense_bytes / 2 for got, _ in mem_sh.values()),
+      "every rank should hold less than half of one process's model state in these layouts")
+
+# %% [markdown]
+# **What you should see:** both layouts on the one-process curve (relative differences around
+# 1e-7), and every rank's measured bytes equal to `model_state_bytes` for the parameters it holds:
+# TP halves the parameters each rank owns, then FSDP halves everything again (weights, gradients
+# and Adam state: ZeRO stage 3 over dp 2), while ZeRO-2 across the two cp peers halves only the
+# gradients and Adam state and keeps the TP half of the weights whole. The same arithmetic, on
+# a 70B model over 1,024 GPUs, is what makes the model fit at all (`course plan`, lab 13).
+#
+# ## 8. Context parallelism: long sequences
 #
 # At 8K tokens and beyond the activations of *one sequence* may not fit one GPU: they grow with
 # the sequence length (and an attention that stores its scores, with its square). **Context

@@ -72,7 +72,7 @@ def device_mesh_matches_kit_mesh(rank, world_size) -> dict:
     return out
 
 
-def fresh_then_loads(rank, world_size, fresh, short, host_cfg, host_dir, to_fsdp, faulty=None):
+def fresh_then_loads(rank, world_size, fresh, short, host_cfg, host_dir, to_fsdp, faulty=None, cp_run=None):
     """Every 4-rank run of the test in one launch (starting ranks is the slow part):
 
     1. ``fresh = (cfg, out)``: fsdp x tp trains; its final state, coordinates and byte census;
@@ -83,7 +83,9 @@ def fresh_then_loads(rank, world_size, fresh, short, host_cfg, host_dir, to_fsdp
        loads the fsdp x tp checkpoint (``cfg_load``: max_steps = the saved step, trains nothing),
        then trains on from it and saves (``cfg_more``).
     6. ``faulty = (cfg, out, faults)``: a run with injected faults (skip, roll-back);
-    7. :func:`device_mesh_matches_kit_mesh`.
+    7. :func:`device_mesh_matches_kit_mesh`;
+    8. ``cp_run = (cfg, out, host_cfg, host_dir)``: fsdp x cp trains, resumes from the checkpoint before
+       its last (bit-exact), and its host reads per step are counted.
     Returns a dict per rank (states on rank 0 only)."""
     import os
 
@@ -128,6 +130,21 @@ def fresh_then_loads(rank, world_size, fresh, short, host_cfg, host_dir, to_fsdp
         res = train_mod.train(c, o, faults=faults)
         report["faulty"] = {"steps": res.steps, "rollbacks": res.rollbacks, "skipped": res.skipped_steps}
     report["meshes"] = device_mesh_matches_kit_mesh(rank, world_size)
+    if cp_run is not None:
+        c, o, hc, hd = cp_run
+        res = train_mod.train(c, o)
+        fresh_cp = {"coords": res.strategy.coords, "strategy": type(res.strategy).__name__,
+                    "state": full_state(res.strategy)}
+        _copy_on_rank0(o, o + "-cut", drop_newest=True)
+        res = train_mod.train(c, o + "-cut", resume=True)
+        train_mod._peak_flops = lambda cfg, device: 1e12
+
+        def run_cp(steps):
+            train_mod.train({**hc, "train": {**hc["train"], "max_steps": steps}}, os.path.join(hd, f"r{steps}"))
+
+        report["cp"] = {"fresh": fresh_cp, "resumed_from": res.resumed_from, "steps": res.steps,
+                        "resumed": full_state(res.strategy), "host_reads_per_step": reads_per_step(run_cp, steps=3)}
+        train_mod._peak_flops = peak
     return report
 
 

@@ -32,6 +32,13 @@ Checkpoints are sharded (DCP): the state dict has the dense model's names (neith
 ``parallelize_module`` nor ``fully_shard`` renames anything), and DCP reshards DTensors on load, so
 a checkpoint of this layout loads into plain FSDP2 on another world size, or into one process.
 
+**Context parallelism** (``parallel.cp > 1``, with or without tp):
+:func:`~course_lib.parallel.context_parallel.in_trainer.apply_context_parallel` swaps ring attention
+(zig-zag chunks) into every attention module and wraps the model so each rank computes its share of
+the micro-batch's loss; cp peers hold the same weights, so FSDP2's reduce-scatter over the flattened
+dp x cp dimension averages their gradients like more data-parallel replicas (the loss share makes
+that mean the micro-batch mean), and the world mean of the loss is the global loss.
+
 ``parallel.pp > 1`` with fsdp is refused by ``train_config`` (FSDP2 on our pipeline stages is not
 built); the world size must be dp x cp x tp, checked when the ranks start (``course_lib.train``).
 """
@@ -126,6 +133,11 @@ class FSDPTensorParallel(FSDP2):
             fully_shard(block, **options)
         fully_shard(model, **options)
         self.model = self.module = model
+        if self.cp > 1:  # ring attention over the cp ranks; FSDP2 already averages over dp x cp
+            from course_lib.parallel.context_parallel.in_trainer import apply_context_parallel
+
+            self.module = apply_context_parallel(model, self.device_mesh["cp"].get_group(), self.cp,
+                                                 self.coords["cp"])
         self.optimizer = make_optimizer(model)
         self._count = None
         self.reduce_grad_sq = self._reduce_grad_sq

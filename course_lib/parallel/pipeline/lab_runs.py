@@ -311,3 +311,34 @@ def ring_runs(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
                     "wire_bytes": wire.exact_bytes_per_rank(), "saved_bytes": counter.peak})
     dist.barrier()
     return out
+
+
+# ------------------------------------------------------------------------------ sharding under model parallelism
+def sharded_layouts(rank: int, world_size: int, runs: list[tuple]) -> list[dict]:
+    """Lab 11 section 7: trainer runs ``(cfg, out_dir)`` whose data-parallel dimension is sharded
+    (fsdp, zero1/zero2) under tp / cp. Per run: this rank's (pp, dp, cp, tp) coordinates, its
+    strategy's class, and its model-state bytes measured mid-step - after one more forward and
+    backward on a fixed batch, so the gradients exist as they do before an optimizer step
+    (:func:`~course_lib.parallel.memory_census.model_state_bytes_on_rank`: storages, each once)."""
+    from course_lib.parallel.memory_census import model_state_bytes_on_rank
+    from course_lib.precision import make_policy
+    from course_lib.train import train
+
+    out = []
+    for cfg, out_dir in runs:
+        result = train(cfg, out_dir)
+        strategy = result.strategy
+        g = torch.Generator().manual_seed(1)  # the same tokens on every rank (TP and cp peers agree)
+        vocab, T, mb = cfg["data"]["vocab_size"], cfg["data"]["seq_len"], cfg["train"]["micro_batch"]
+        batch = (torch.randint(0, vocab, (mb, T), generator=g), torch.randint(0, vocab, (mb, T), generator=g))
+        policy = make_policy("fp32", torch.device("cpu"))
+        strategy.forward_backward([batch], autocast=policy.autocast, on_loss=lambda x: x, backward=policy.backward)
+        params = strategy.dp.census_params() if hasattr(strategy, "dp") else list(strategy.model.parameters())
+        census = model_state_bytes_on_rank(None, strategy.optimizer, params=params).to_dict()
+        strategy.zero_grad()
+        mesh = getattr(strategy, "mesh", None)
+        coords = dict(mesh.coords) if mesh is not None else dict(strategy.coords)
+        out.append({"steps": result.steps, "coords": coords, "strategy": type(strategy).__name__,
+                    "census": census})
+    dist.barrier()
+    return out
