@@ -14,9 +14,7 @@ Two launches of 4 ranks in all: the fresh runs plus the host-read count, then ev
 """
 from __future__ import annotations
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +26,8 @@ from course_lib.parallel import run_ranks
 from course_lib.parallel.context_parallel.in_trainer import local_chunk, loss_share, zigzag_positions
 from course_lib.parallel.context_parallel.layout import merge_sequence
 from course_lib.train import train
+from layout_checks import assert_matches_one_process, assert_resumed_bit_exact, max_rel, rows, tiny_cfg
 
-TINY = Path(__file__).resolve().parents[1] / "labs" / "configs" / "tiny-cpu.toml"
 MB, ACCUM = 8, 2  # the reference: 8 sequences per micro-batch, 2 micro-batches per step
 
 # name -> (steps, [parallel] settings, micro_batch per data-parallel replica, model preset)
@@ -49,11 +47,7 @@ def every(steps):
 
 
 def cfg(**sets):
-    overrides = ["train.progress=false", "schedule.warmup_steps=3", "train.peak_flops=1e12",
-                 f"train.grad_accum={ACCUM}", "checkpoint.async_save=false"]
-    overrides += [f"{k.replace('__', '.')}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
-                  for k, v in sets.items()]
-    return train_config.load(TINY, overrides)
+    return tiny_cfg(ACCUM, **sets)
 
 
 def layout_cfg(name):
@@ -67,15 +61,6 @@ def layout_cfg(name):
 
 def reference(steps, preset):
     return f"single-{steps}-{preset}"
-
-
-def rows(out):
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
-def max_rel(a, b):
-    assert len(a) == len(b), (len(a), len(b))
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -106,32 +91,16 @@ def test_layout_matches_one_process(runs, name):
     steps, _, _, preset = LAYOUTS[name]
     root, single = runs["root"], runs["single"][steps, preset]
     got, ref = rows(root / name / "full"), rows(root / reference(steps, preset))
-    rel = max_rel([r["loss"] for r in got], [r["loss"] for r in ref])
-    print(f"{name}: per-step loss max relative diff {rel:.2e}")
-    assert rel <= 1e-4, f"{name}: per-step losses differ from one process by up to {rel:.2e} (relative)"
+    print(f"{name}: per-step loss max relative diff {max_rel([r['loss'] for r in got], [r['loss'] for r in ref]):.2e}")
     # cp peers hold the same gradients: the stabilizer's norm counts them once (cp rank 0)
-    rel_g = max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
-    assert rel_g <= 1e-4, f"{name}: gradient norms differ from one process by up to {rel_g:.2e}"
-    assert [r["clipped"] for r in got] == [r["clipped"] for r in ref]
-    want = {k: v.float() for k, v in single.model.state_dict().items()}
-    weights = runs["first"][name]["weights"]
-    assert set(weights) == set(want), f"{name}: gathered weights have other names than the dense model"
-    diff = torch.cat([(weights[k] - want[k]).reshape(-1) for k in want]).norm()
-    rel_w = (diff / torch.cat([want[k].reshape(-1) for k in want]).norm()).item()
-    assert rel_w <= 1e-4, f"{name}: final weights differ from one process by {rel_w:.2e} (relative L2)"
+    assert_matches_one_process(name, got, ref, runs["first"][name]["weights"], single.model)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_resume_is_bit_exact(runs, name):
     steps = LAYOUTS[name][0]
     start = steps - every(steps)
-    first, second = runs["first"][name], runs["second"][name]
-    assert second["resumed_from"] == start and second["steps"] == steps
-    for k, v in first["weights"].items():
-        assert torch.equal(second["weights"][k], v), f"{name}: {k} differs after the resume"
-    root = runs["root"]
-    cut, full = ([r["loss"] for r in rows(root / name / d)][start:] for d in ("cut", "full"))
-    assert cut == full, f"{name}: losses after the resume differ"
+    assert_resumed_bit_exact(name, runs["first"][name], runs["second"][name], start, steps, runs["root"] / name)
 
 
 @pytest.mark.filterwarnings("ignore:resuming with a different schedule")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +26,8 @@ from course_lib import train_config
 from course_lib.estimate.memory import model_state_bytes
 from course_lib.parallel import run_ranks
 from course_lib.train import train
+from layout_checks import assert_matches_one_process, max_rel, rows, tiny_cfg
 
-TINY = Path(__file__).resolve().parents[1] / "labs" / "configs" / "tiny-cpu.toml"
 MB, ACCUM, STEPS, EVERY, SHORT = 8, 2, 30, 10, 8
 FAULT_STEPS, FAULTS = 20, ["inf_grad@4", "grad_scale@18=10"]  # a skipped step, then a spike rolled back
 MORE = STEPS + 2  # plain FSDP2 trains on from the loaded step to here, then one process loads that
@@ -36,11 +35,7 @@ BF16_REL = 2e-3  # bf16: FSDP2 casts the weights (MixedPrecisionPolicy), one pro
 
 
 def cfg(**sets):
-    overrides = ["train.progress=false", "schedule.warmup_steps=3", "train.peak_flops=1e12",
-                 f"train.grad_accum={ACCUM}", "checkpoint.async_save=false"]
-    overrides += [f"{k.replace('__', '.')}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
-                  for k, v in sets.items()]
-    return train_config.load(TINY, overrides)
+    return tiny_cfg(ACCUM, **sets)
 
 
 def fsdp_tp(**sets):
@@ -51,15 +46,6 @@ def fsdp_cp(**sets):
     """fsdp x cp 2x2: each dp replica reads MB / 2 sequences, its two cp ranks a zig-zag half of
     every sequence each (ring attention), FSDP2 shards over the 4 ranks (dp x cp)."""
     return cfg(train__strategy="fsdp", parallel__cp=2, train__micro_batch=MB // 2, **sets)
-
-
-def rows(out):
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
-def max_rel(a, b):
-    assert len(a) == len(b), (len(a), len(b))
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -119,20 +105,11 @@ def test_losses_and_grad_norms_match_one_process(runs, name, steps):
     ref = rows(root / ("single" if name == "fsdp_tp" else "single-short"))
     got = rows(root / name)
     assert len(got) == steps
-    rel = max_rel([r["loss"] for r in got], [r["loss"] for r in ref])
-    assert rel <= 1e-4, f"{name}: per-step losses differ from one process by up to {rel:.2e} (relative)"
-    # One all-reduce of local shard squares: TP-replicated tensors counted once, sharded ones whole.
-    rel_g = max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
-    assert rel_g <= 1e-4, f"{name}: gradient norms differ from one process by up to {rel_g:.2e}"
-    assert [r["clipped"] for r in got] == [r["clipped"] for r in ref]
     single = runs["single"]["main" if name == "fsdp_tp" else "sp"]
-    want = {k: v.float() for k, v in single.model.state_dict().items()}
     four = runs["four"][0]
     weights = (four["fresh"] if name == "fsdp_tp" else four["short"][name])["model"]
-    assert set(weights) == set(want), f"{name}: the state dict has other names than the dense model"
-    diff = torch.cat([(weights[k] - want[k]).reshape(-1) for k in want]).norm()
-    rel_w = (diff / torch.cat([want[k].reshape(-1) for k in want]).norm()).item()
-    assert rel_w <= 1e-4, f"{name}: final weights differ from one process by {rel_w:.2e} (relative L2)"
+    # One all-reduce of local shard squares: TP-replicated tensors counted once, sharded ones whole.
+    assert_matches_one_process(name, got, ref, weights, single.model)
 
 
 def test_bf16_tracks_one_process(runs):
@@ -253,10 +230,7 @@ def test_fsdp_with_context_parallelism_matches_one_process_and_resumes(runs):
     assert cp["fresh"]["strategy"] == "FSDPTensorParallel"
     root = runs["root"]
     got, ref = rows(root / "fsdp_cp"), rows(root / "single")
-    rel = max_rel([r["loss"] for r in got], [r["loss"] for r in ref])
-    assert rel <= 1e-4, f"fsdp x cp: per-step losses differ from one process by up to {rel:.2e} (relative)"
-    rel_g = max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
-    assert rel_g <= 1e-4, f"fsdp x cp: gradient norms differ from one process by up to {rel_g:.2e}"
+    assert_matches_one_process("fsdp x cp", got, ref)  # losses, gradient norms and clipping decisions
     assert cp["resumed_from"] == STEPS - EVERY and cp["steps"] == STEPS
     assert_states_equal(cp["resumed"], cp["fresh"]["state"], "resumed fsdp x cp")
     assert [r["cp"]["host_reads_per_step"] for r in runs["four"]] == [1.0] * 4

@@ -14,9 +14,7 @@ world-size refusals), then every resume.
 """
 from __future__ import annotations
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,8 +24,8 @@ from course_lib import train_config
 from course_lib.parallel import run_ranks
 from course_lib.parallel.mesh import MeshLayout, mesh_layout
 from course_lib.train import train
+from layout_checks import assert_matches_one_process, assert_resumed_bit_exact, rows, tiny_cfg
 
-TINY = Path(__file__).resolve().parents[1] / "labs" / "configs" / "tiny-cpu.toml"
 MB, ACCUM = 8, 2  # the reference: 8 sequences per micro-batch, 2 micro-batches per step
 
 # name -> (steps, [parallel] settings, micro_batch per data-parallel replica, model.n_layers)
@@ -49,11 +47,7 @@ def every(steps):
 
 
 def cfg(**sets):
-    overrides = ["train.progress=false", "schedule.warmup_steps=3", "train.peak_flops=1e12",
-                 f"train.grad_accum={ACCUM}", "checkpoint.async_save=false"]
-    overrides += [f"{k.replace('__', '.')}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
-                  for k, v in sets.items()]
-    return train_config.load(TINY, overrides)
+    return tiny_cfg(ACCUM, **sets)
 
 
 def layout_cfg(name):
@@ -65,15 +59,6 @@ def layout_cfg(name):
 
 def reference(steps, layers):
     return f"single-{steps}-{layers}"
-
-
-def rows(out):
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
-def max_rel(a, b):
-    assert len(a) == len(b), (len(a), len(b))
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 REFUSED_AT_START = [  # the world size is known only when the ranks start: checked before any file
@@ -106,32 +91,16 @@ def test_layout_matches_one_process(runs, name):
     steps, _, _, layers = LAYOUTS[name]
     root, single = runs["root"], runs["single"][steps, layers]
     got, ref = rows(root / name / "full"), rows(root / reference(steps, layers))
-    rel = max_rel([r["loss"] for r in got], [r["loss"] for r in ref])
-    assert rel <= 1e-4, f"{name}: per-step losses differ from one process by up to {rel:.2e} (relative)"
     # The stabilizer's norm counts each logical parameter once (shards summed over tp, replicas
     # and the tied head copy once, every stage): it equals one process's, and so does clipping.
-    rel_g = max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
-    assert rel_g <= 1e-4, f"{name}: gradient norms differ from one process by up to {rel_g:.2e}"
-    assert [r["clipped"] for r in got] == [r["clipped"] for r in ref]
-    want = {k: v.float() for k, v in single.model.state_dict().items()}
-    weights = runs["first"][name]["weights"]
-    assert set(weights) == set(want), f"{name}: gathered weights have other names than the dense model"
-    diff = torch.cat([(weights[k] - want[k]).reshape(-1) for k in want]).norm()
-    rel_w = (diff / torch.cat([want[k].reshape(-1) for k in want]).norm()).item()
-    assert rel_w <= 1e-4, f"{name}: final weights differ from one process by {rel_w:.2e} (relative L2)"
+    assert_matches_one_process(name, got, ref, runs["first"][name]["weights"], single.model)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_resume_is_bit_exact(runs, name):
     steps = LAYOUTS[name][0]
     start = steps - every(steps)
-    first, second = runs["first"][name], runs["second"][name]
-    assert second["resumed_from"] == start and second["steps"] == steps
-    for k, v in first["weights"].items():
-        assert torch.equal(second["weights"][k], v), f"{name}: {k} differs after the resume"
-    root = runs["root"]
-    cut, full = ([r["loss"] for r in rows(root / name / d)][start:] for d in ("cut", "full"))
-    assert cut == full, f"{name}: losses after the resume differ"
+    assert_resumed_bit_exact(name, runs["first"][name], runs["second"][name], start, steps, runs["root"] / name)
 
 
 def test_rank_layout_is_tp_innermost(runs):

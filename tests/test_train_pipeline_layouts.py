@@ -25,12 +25,9 @@ function (course_lib.estimate.stage_split) and of the config refusals need no ra
 """
 from __future__ import annotations
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
-import torch
 
 import pipeline_layouts_rank_fns as fns
 from course_lib import train_config
@@ -39,8 +36,8 @@ from course_lib.estimate.stage_split import end_weights, split_for_config, split
 from course_lib.parallel import run_ranks
 from course_lib.parallel.mesh import mesh_layout
 from course_lib.train import train
+from layout_checks import assert_matches_one_process, assert_resumed_bit_exact, rows, tiny_cfg
 
-TINY = Path(__file__).resolve().parents[1] / "labs" / "configs" / "tiny-cpu.toml"
 MB, ACCUM = 8, 2  # the reference: 8 sequences per micro-batch, 2 micro-batches per step
 BF16_LOSS_RTOL, BF16_GRAD_NORM_RTOL = 1e-3, 5e-2
 
@@ -59,19 +56,8 @@ def every(steps):
     return 10 if steps == 30 else 4
 
 
-def _value(v):
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, bool):
-        return str(v).lower()
-    return str(v).replace(" ", "")  # a list such as [1,3], parsed as TOML like --set would
-
-
 def cfg(**sets):
-    overrides = ["train.progress=false", "schedule.warmup_steps=3", "train.peak_flops=1e12",
-                 f"train.grad_accum={ACCUM}", "checkpoint.async_save=false"]
-    overrides += [f"{k.replace('__', '.')}={_value(v)}" for k, v in sets.items()]
-    return train_config.load(TINY, overrides)
+    return tiny_cfg(ACCUM, **sets)  # lists such as [1, 3] written as TOML arrays, parsed like --set would
 
 
 def layout_cfg(name):
@@ -83,10 +69,6 @@ def layout_cfg(name):
 
 def reference(steps, layers, prec):
     return f"single-{steps}-{layers}-{prec}"
-
-
-def rows(out):
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
 def rel_diffs(a, b):
@@ -118,16 +100,8 @@ def runs(tmp_path_factory):
 def test_chosen_split_matches_one_process_fp32(runs, name):
     steps, _, _, layers, prec = LAYOUTS[name]
     got, ref = rows(runs["root"] / name / "full"), rows(runs["root"] / reference(steps, layers, prec))
-    rel = max(rel_diffs([r["loss"] for r in got], [r["loss"] for r in ref]))
-    assert rel <= 1e-4, f"{name}: per-step losses differ from one process by up to {rel:.2e} (relative)"
-    rel_g = max(rel_diffs([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref]))
-    assert rel_g <= 1e-4, f"{name}: gradient norms differ from one process by up to {rel_g:.2e}"
-    want = {k: v.float() for k, v in runs["single"][steps, layers, prec].model.state_dict().items()}
-    weights = runs["first"][0][name]["weights"]
-    assert set(weights) == set(want)
-    diff = torch.cat([(weights[k] - want[k]).reshape(-1) for k in want]).norm()
-    rel_w = (diff / torch.cat([want[k].reshape(-1) for k in want]).norm()).item()
-    assert rel_w <= 1e-4, f"{name}: final weights differ from one process by {rel_w:.2e} (relative L2)"
+    assert_matches_one_process(name, got, ref, runs["first"][0][name]["weights"],
+                               runs["single"][steps, layers, prec].model)
 
 
 def test_the_stages_hold_the_chosen_blocks(runs):
@@ -163,12 +137,8 @@ def test_interleaved_tp_bf16_keeps_one_host_read_per_step(runs):
 def test_resume_is_bit_exact(runs, name):
     steps = LAYOUTS[name][0]
     start = steps - every(steps)
-    first, second = runs["first"][0][name], runs["second"][0][name]
-    assert second["resumed_from"] == start and second["steps"] == steps
-    for k, v in first["weights"].items():
-        assert torch.equal(second["weights"][k], v), f"{name}: {k} differs after the resume"
-    cut, full = ([r["loss"] for r in rows(runs["root"] / name / d)][start:] for d in ("cut", "full"))
-    assert cut == full, f"{name}: losses after the resume differ"
+    assert_resumed_bit_exact(name, runs["first"][0][name], runs["second"][0][name], start, steps,
+                             runs["root"] / name)
 
 
 # ------------------------------------------------------------------ the split, pure

@@ -24,9 +24,7 @@ Two claims, on gloo CPU ranks in fp32:
 """
 from __future__ import annotations
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -38,10 +36,10 @@ from course_lib.measure import tinygpt_activation_kwargs
 from course_lib.parallel import run_ranks
 from course_lib.parallel.tensor_parallel import lab_runs
 from course_lib.train import train
+from layout_checks import assert_matches_one_process, assert_resumed_bit_exact, rows, tiny_cfg
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TINY = Path(__file__).resolve().parents[1] / "labs" / "configs" / "tiny-cpu.toml"
 MB, ACCUM = 8, 2  # the reference: 8 sequences per micro-batch, 2 micro-batches per step
 
 # name -> (steps, [parallel] settings, micro_batch per data-parallel replica, [model] settings)
@@ -64,12 +62,7 @@ def every(steps):
 
 
 def cfg(**sets):
-    def toml(v):
-        return json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v
-
-    overrides = ["train.progress=false", "schedule.warmup_steps=3", "train.peak_flops=1e12",
-                 f"train.grad_accum={ACCUM}", "checkpoint.async_save=false"]
-    return train_config.load(TINY, overrides + [f"{k.replace('__', '.')}={toml(v)}" for k, v in sets.items()])
+    return tiny_cfg(ACCUM, **sets)
 
 
 def layout_cfg(name):
@@ -77,15 +70,6 @@ def layout_cfg(name):
     sets = {f"parallel__{k}": v for k, v in par.items()} | {f"model__{k}": v for k, v in model.items()}
     return cfg(train__max_steps=steps, train__micro_batch=mb, train__strategy="ddp",
                checkpoint__save_every=every(steps), **sets)
-
-
-def rows(out):
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
-def max_rel(a, b):
-    assert len(a) == len(b), (len(a), len(b))
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -110,24 +94,14 @@ def test_recomputation_matches_one_process_without_it(runs, name):
     root = runs["root"]
     got, ref = rows(root / name / "full"), rows(root / f"single-{steps}-{model['n_layers']}")
     assert len(got) == steps
-    rel = max_rel([r["loss"] for r in got], [r["loss"] for r in ref])
-    assert rel <= 1e-4, f"{name}: per-step losses differ from one process by up to {rel:.2e} (relative)"
-    rel_g = max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
-    assert rel_g <= 1e-4, f"{name}: gradient norms differ from one process by up to {rel_g:.2e}"
+    assert_matches_one_process(name, got, ref)  # losses, gradient norms and clipping decisions
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_resume_is_bit_exact(runs, name):
-    import torch
-
     steps = LAYOUTS[name][0]
     start = steps - every(steps)
-    first, second = runs["first"][name], runs["second"][name]
-    assert second["resumed_from"] == start and second["steps"] == steps
-    for k, v in first["weights"].items():
-        assert torch.equal(second["weights"][k], v), f"{name}: {k} differs after the resume"
-    cut, full = ([r["loss"] for r in rows(runs["root"] / name / d)][start:] for d in ("cut", "full"))
-    assert cut == full, f"{name}: losses after the resume differ"
+    assert_resumed_bit_exact(name, runs["first"][name], runs["second"][name], start, steps, runs["root"] / name)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
