@@ -217,16 +217,23 @@ for path in paths:
     print(f"{path.name:<24} {path.stat().st_size:>7,} bytes")
 
 # %% [markdown]
-# The DeepSpeed config is built by the kit's own `build_ds_config` from the plan and passed
-# through DeepSpeed's parser (`DeepSpeedConfig`) before it is written. The batch identity
-# `train_batch_size = micro-batch x accumulation x data-parallel ranks` must hold; with tp and pp
-# DeepSpeed's data-parallel world is `dp`, not the 64 GPUs.
+# There is no `ds_config.json` and no `launch_deepspeed.sh` for the 70B plan: the kit's DeepSpeed
+# strategy runs data parallelism only, so a DeepSpeed script for tp 4 x pp 2 would be refused by
+# the trainer. `plan.md` says so. The 7B job's plan is pure data parallelism, so it gets one: the
+# config is built by the kit's own `build_ds_config` and passed through DeepSpeed's parser
+# (`DeepSpeedConfig`) before it is written. The batch identity `train_batch_size = micro-batch x
+# accumulation x data-parallel ranks` must hold for the ranks DeepSpeed will start.
 
 # %%
-ds = json.loads((plan_dir / "ds_config.json").read_text())
-print(json.dumps(ds, indent=2))
 best70 = plans["70b-8-nodes"].best.layout
-check(ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * best70.dp,
+check(not (plan_dir / "ds_config.json").exists() and not (plan_dir / "launch_deepspeed.sh").exists(),
+      "a tp/pp plan should write no DeepSpeed files: the kit's DeepSpeed strategy would refuse the layout")
+print([line for line in (plan_dir / "plan.md").read_text().splitlines() if "No DeepSpeed" in line][0])
+write_plan(plans["7b-one-node"], RUNS / "plan-7b")
+ds = json.loads((RUNS / "plan-7b" / "ds_config.json").read_text())
+print(json.dumps(ds, indent=2))
+best7 = plans["7b-one-node"].best.layout
+check(ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * best7.dp,
       "DeepSpeed's train_batch_size must be micro-batch x accumulation x dp")
 
 # %% [markdown]
@@ -235,22 +242,25 @@ check(ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradi
 # is exactly that.
 
 # %%
-write_plan(plans["7b-one-node"], RUNS / "plan-7b")
 print((RUNS / "plan-7b" / "fsdp_settings.json").read_text())
 
 # %% [markdown]
-# The trainer TOML carries the same layout for this kit's trainer. That trainer trains TinyGPT:
-# it is a teaching trainer, so what it cannot express (context parallelism, recomputation
-# together with tp) is a comment marked `plan:`, and the production setting is in `plan.md`. It
-# loads with the same validator the trainer uses:
+# The trainer TOML carries the same layout for this kit's trainer: tp, pp, cp, the ZeRO stage as
+# the data-parallel strategy under them (`zero1` here: Megatron's distributed optimizer), and the
+# planned recomputation. That trainer trains TinyGPT: it is a teaching trainer, not tuned for a
+# 70B model, but the layout is one it runs. It loads with the same validator the trainer uses:
 
 # %%
 toml_text = (plan_dir / "train.toml").read_text()
-print("\n".join(line for line in toml_text.splitlines() if line.startswith(("[", "tp", "pp", "dp", "cp",
+print("\n".join(line for line in toml_text.splitlines() if line.startswith(("[", "tp", "pp", "dp", "cp", "strategy",
                                                                           "zero", "micro", "grad", "save", "check"))))
 cfg = train_config.load(plan_dir / "train.toml")
 check(cfg["parallel"]["tp"] == best70.tp and cfg["parallel"]["pp"] == best70.pp,
       "the TOML should carry the plan's tp and pp")
+check(cfg["train"]["strategy"] == "zero1" and best70.zero_stage == 1,
+      "the 70B plan shards the optimizer (ZeRO-1): the TOML should run it as train.strategy = 'zero1'")
+check(not [line for line in toml_text.splitlines() if "# plan:" in line and not line.startswith("#")],
+      "every key the plan chose should be one the trainer runs, with no 'plan:' comment")
 print("\ntrain_config.load: OK")
 
 # %% [markdown]

@@ -11,6 +11,8 @@ import subprocess
 
 import pytest
 
+from course_lib.parallel.mesh import mesh_layout
+
 from course_lib import train_config
 from course_lib.estimate import (activation_bytes_first_stage, model_state_bytes, output_backward_transient_bytes,
                                  training_step_peak_bytes)
@@ -231,7 +233,10 @@ def written(tmp_path_factory):
 
 def test_files_written_and_other_files_kept(written):
     names = {p.name for p in written.iterdir()}
-    assert set(PLAN_FILES) <= names and "notes.txt" in names
+    # tp/pp: no DeepSpeed file - the kit's DeepSpeed strategy runs data parallelism only
+    assert set(PLAN_FILES) - {"ds_config.json", "launch_deepspeed.sh", "hostfile"} <= names and "notes.txt" in names
+    assert not names & {"ds_config.json", "launch_deepspeed.sh", "hostfile"}
+    assert "runs data parallelism only" in (written / "plan.md").read_text()
     assert (written / "notes.txt").read_text() == "mine"
     assert not [n for n in names if n.startswith(".")], "temporary files left behind"
 
@@ -241,21 +246,27 @@ def test_trainer_toml_loads_and_carries_the_layout(written):
     best = plan(**SCENARIO_2).best.layout
     par = cfg["parallel"]
     assert (par["tp"], par["pp"]) == (best.tp, best.pp)
-    assert par["dp"] * par["tp"] * par["pp"] == 64  # cp folded into dp for the kit's trainer
+    assert par["dp"] * par["tp"] * par["pp"] * par["cp"] == 64
+    assert cfg["train"]["strategy"] == ("ddp", "zero1", "zero2", "zero2")[best.zero_stage]  # ZeRO under tp/pp
     assert cfg["train"]["micro_batch"] * cfg["train"]["grad_accum"] * par["dp"] == 1024
     assert cfg["model"]["n_layers"] == 80 and cfg["model"]["n_kv_heads"] == 8
     assert "teaching" in (written / "train.toml").read_text()
 
 
-def test_deepspeed_json_passes_deepspeeds_parser(written):
+def test_deepspeed_json_passes_deepspeeds_parser(tmp_path):
+    """A data-parallel plan (7B on one node) gets DeepSpeed's config, checked by DeepSpeed's parser
+    for the ranks it will start on."""
     pytest.importorskip("deepspeed")
     from course_lib.parallel.deepspeed_config import validate_ds_config
 
-    ds = json.loads((written / "ds_config.json").read_text())
-    best = plan(**SCENARIO_2).best.layout
+    p7 = plan(**SCENARIO_1)
+    write_plan(p7, tmp_path)
+    ds = json.loads((tmp_path / "ds_config.json").read_text())
+    best = p7.best.layout
+    assert best.tp * best.pp * best.cp == 1 and (tmp_path / "launch_deepspeed.sh").is_file()
     assert ds["zero_optimization"]["stage"] == best.zero_stage
     validate_ds_config(ds, world_size=best.dp)
-    fsdp = json.loads((written / "fsdp_settings.json").read_text())
+    fsdp = json.loads((tmp_path / "fsdp_settings.json").read_text())
     assert fsdp["device_mesh"]["tp"] == best.tp and isinstance(fsdp["applies"], bool)
 
 
@@ -274,7 +285,7 @@ def test_budget_is_consistent(written):
 
 
 def test_scripts_parse_and_pass_shellcheck(written):
-    scripts = [written / n for n in ("launch_torchrun.sh", "launch_deepspeed.sh", "launch_accelerate.sh", "job.sbatch")]
+    scripts = [written / n for n in ("launch_torchrun.sh", "launch_accelerate.sh", "job.sbatch")]
     for s in scripts:
         res = subprocess.run(["bash", "-n", str(s)], capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
@@ -301,10 +312,16 @@ def test_every_scenarios_files_load(kw, tmp_path):
     (tmp_path / "train.toml").write_text(files["train.toml"])
     cfg = train_config.load(tmp_path / "train.toml")
     best = plan(**kw).best.layout
-    ranks = (cfg["parallel"]["dp"] or kw["gpus"] // (cfg["parallel"]["tp"] * cfg["parallel"]["pp"]))
-    assert ranks * cfg["parallel"]["tp"] * cfg["parallel"]["pp"] == kw["gpus"]
+    par = cfg["parallel"]
+    mp = par["tp"] * par["pp"] * par["cp"]
+    ranks = par["dp"] or kw["gpus"] // mp
+    assert ranks * mp == kw["gpus"]
+    mesh_layout(kw["gpus"], tp=par["tp"], pp=par["pp"], cp=par["cp"], dp=par["dp"])  # the trainer's world check
     assert ranks * cfg["train"]["micro_batch"] * cfg["train"]["grad_accum"] == plan(**kw).spec.global_batch
     assert cfg["model"]["checkpointing"] == best.recompute  # the trainer recomputes under tp too
+    if best.pp == 1:  # context parallelism runs as such (not folded into dp) where the trainer composes it
+        assert par["cp"] == best.cp
+    assert ("ds_config.json" in files) == (best.tp * best.pp * best.cp == 1)
 
 
 def test_course_cli_has_plan(capsys):

@@ -16,11 +16,27 @@ from course_lib.planner.costs import Candidate
 from course_lib.planner.spec import JobSpec
 
 
-def _strategy(c: Candidate) -> str:
+def _strategy(c: Candidate) -> tuple[str, str]:
+    """The trainer's ``train.strategy`` for the plan's sharding, and a note when the kit runs a
+    nearer layout than the plan's (empty otherwise). Under tp/pp/cp the strategy names the
+    data-parallel dimension: ddp (ZeRO-0), the kit's ZeRO-1/2 over dp x cp, or FSDP2 (ZeRO-3) on the
+    DTensor-TP model, which runs with pp = 1 and without recomputation."""
     lay = c.layout
-    if lay.tp * lay.pp > 1:
-        return "ddp"  # the kit composes tp/pp with torch DDP as the data-parallel dimension
-    return {0: "ddp", 1: "deepspeed", 2: "deepspeed", 3: "fsdp"}[lay.zero_stage]
+    if lay.tp * lay.pp * lay.cp == 1:
+        return {0: "ddp", 1: "deepspeed", 2: "deepspeed", 3: "fsdp"}[lay.zero_stage], ""
+    if lay.zero_stage < 3:
+        return ("ddp", "zero1", "zero2")[lay.zero_stage], ""
+    if lay.pp == 1 and lay.recompute == "none" and not (lay.cp > 1 and lay.sequence_parallel):
+        return "fsdp", ""
+    why = "pp > 1" if lay.pp > 1 else ("recomputation" if lay.recompute != "none" else "cp with sequence parallelism")
+    return "zero2", (f"plan: ZeRO-3; the kit's fsdp does not compose with {why}, so it runs ZeRO-2 (weights "
+                     f"whole per tp/pp shard: more memory than planned); ZeRO-3 here needs Megatron-LM or torchtitan")
+
+
+def runs_context_parallel(c: Candidate) -> bool:
+    """Whether the kit's trainer runs the plan's cp as context parallelism (pp = 1); with pp > 1
+    the cp ranks run as more data-parallel replicas (same world size and global batch)."""
+    return c.layout.cp > 1 and c.layout.pp == 1
 
 
 def learning_rate(spec: JobSpec) -> float:
@@ -41,16 +57,17 @@ def _toml_value(v) -> str:
 def trainer_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan, mirror: str = "") -> dict:
     """The trainer config as {section: {key: (value, comment)}} (the TOML's content, testable)."""
     sh, lay = spec.shape, c.layout
-    strategy = _strategy(c)
+    strategy, strategy_note = _strategy(c)
     steps = max(1, int(round(spec.tokens / spec.global_batch_tokens)))
-    mp = lay.tp * lay.pp > 1
+    cp_here = runs_context_parallel(c)
+    mp = lay.tp * lay.pp * (lay.cp if cp_here else 1) > 1
     vocab = sh.vocab_size
     if vocab % lay.tp:  # Megatron pads the vocabulary to a multiple of 128 x tp
         vocab = -(-vocab // (128 * lay.tp)) * 128 * lay.tp
-    # The kit's trainer has no context parallelism: the cp ranks run as more data-parallel replicas
-    # (same world size, same global batch: fewer accumulation steps each).
+    # cp with pp does not compose in the kit's trainer: the cp ranks then run as more data-parallel
+    # replicas (same world size, same global batch: fewer accumulation steps each).
     dp, accum = lay.dp, lay.grad_accum
-    if lay.cp > 1 and lay.grad_accum % lay.cp == 0:
+    if lay.cp > 1 and not cp_here and lay.grad_accum % lay.cp == 0:
         dp, accum = lay.dp * lay.cp, lay.grad_accum // lay.cp
     sections = {
         "train": {
@@ -59,7 +76,8 @@ def trainer_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan, mirror: st
             "grad_accum": (accum, f"micro-batches per step: {dp} dp x {lay.micro_batch} x "
                                   f"{accum} = {spec.global_batch} sequences"),
             "precision": ("bf16", "bf16 autocast, fp32 master weights (recipe mixed-adam)"),
-            "strategy": (strategy, "data-parallel engine" + (" under tp/pp" if mp else f": {lay.sharding}")),
+            "strategy": (strategy, strategy_note or ("data-parallel dimension under tp/pp/cp: " + lay.sharding if mp
+                                                     else f"data-parallel engine: {lay.sharding}")),
             "peak_flops": (float(spec.gpu_peak_flops), f"{spec.gpu_name} dense bf16, for MFU"),
             "progress": (False, "batch job: log lines, no progress bar"),
         },
@@ -92,13 +110,15 @@ def trainer_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan, mirror: st
         "parallel": {
             "tp": (lay.tp, "tensor parallel inside a node" + (", with sequence parallelism" if lay.tp > 1 else "")),
             "pp": (lay.pp, "pipeline stages"),
-            "dp": (dp if mp else 0, ("data-parallel replicas" + (f" (plan: dp {lay.dp} x cp {lay.cp})" if dp != lay.dp else ""))
+            "dp": (dp if mp else 0, ("data-parallel replicas" + (f" (the plan's dp {lay.dp} x cp {lay.cp}: cp does not "
+                                                               f"compose with pp here)" if dp != lay.dp else ""))
                    if mp else "0 = all ranks"),
             "pp_schedule": ("1f1b", "micro-batches per step = train.grad_accum"),
             "sequence_parallel": (lay.sequence_parallel, ""),
-            "cp": (1, f"plan: cp = {lay.cp}" + (" - the kit's trainer has no context parallelism (its ranks run as data "
-                                                "parallel here); use "
-                                                "Megatron-LM --context-parallel-size or torchtitan" if lay.cp > 1 else "")),
+            "cp": (lay.cp if cp_here else 1,
+                   "context parallel: ring attention over zig-zag sequence chunks" if cp_here else
+                   (f"plan: cp = {lay.cp}; with pp > 1 the kit runs these ranks as data parallel (Megatron-LM "
+                    f"--context-parallel-size runs both)" if lay.cp > 1 else "")),
             "zero_stage": (lay.zero_stage, "read by train.strategy = 'deepspeed'"
                            + ("; under tp/pp use Megatron's --use-distributed-optimizer" if mp and lay.zero_stage else "")),
             "reshard_after_forward": (lay.zero_stage == 3, "fsdp: true = full shard (ZeRO-3)"),
@@ -123,6 +143,14 @@ def trainer_toml(spec: JobSpec, c: Candidate, ck: CheckpointPlan, mirror: str = 
         for key, (value, comment) in keys.items():
             lines.append(f"{key} = {_toml_value(value)}" + (f"  # {comment}" if comment else ""))
     return "\n".join(lines) + "\n"
+
+
+def deepspeed_supports(c: Candidate) -> bool:
+    """Whether the kit's DeepSpeed strategy runs the plan's layout: data parallelism only (tp = pp =
+    cp = 1; ZeRO 0-3). For other layouts the plan writes no DeepSpeed config or launch script -
+    the trainer would refuse them - and plan.md says why."""
+    lay = c.layout
+    return lay.tp * lay.pp * lay.cp == 1
 
 
 def deepspeed_json(spec: JobSpec, c: Candidate, *, validate: bool = True) -> dict:

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from course_lib.planner.checkpoint_plan import checkpoint_plan
-from course_lib.planner.configs import deepspeed_json, fsdp_settings, trainer_toml
+from course_lib.planner.configs import deepspeed_json, deepspeed_supports, fsdp_settings, trainer_toml
 from course_lib.planner.launch_budget import budget, launch_files
 from course_lib.planner.report import plan_markdown
 from course_lib.planner.search import Plan
@@ -30,11 +30,16 @@ def plan_files(plan: Plan, out_dir: str | Path, *, mirror: str = "", validate_ds
     toml_path = f"{out}/train.toml"
     train_out = f"runs/{spec.model_name}-{spec.gpus}gpu"
     files = {"train.toml": trainer_toml(spec, best, ck, mirror),
-             "ds_config.json": json.dumps(deepspeed_json(spec, best, validate=validate_ds), indent=2) + "\n",
              "fsdp_settings.json": json.dumps(fsdp_settings(spec, best), indent=2) + "\n"}
+    deepspeed_runs_it = deepspeed_supports(best)
+    if deepspeed_runs_it:  # DeepSpeed runs data parallelism here; no script for a layout it cannot start
+        files["ds_config.json"] = json.dumps(deepspeed_json(spec, best, validate=validate_ds), indent=2) + "\n"
     bud = budget(spec, best, ck)
     files["budget.json"] = json.dumps(bud, indent=2) + "\n"
-    files.update(launch_files(spec, best, toml_path, out, train_out))
+    launch = launch_files(spec, best, toml_path, out, train_out)
+    if not deepspeed_runs_it:
+        del launch["launch_deepspeed.sh"], launch["hostfile"]
+    files.update(launch)
     files["plan.md"] = plan_markdown(plan, ck, bud, sorted(files) + ["plan.md"])
     return files
 

@@ -106,10 +106,18 @@ def plan_markdown(plan: Plan, ck: CheckpointPlan | None, budget: dict | None, fi
               f"{budget['days']:.1f} days, {budget['gpu_hours']:,.0f} GPU-hours.", "", "Why:", ""]
     lines += _dimension_reasons(spec, best, plan)
     lines += ["", "## Runners-up (one row per distinct layout)", "", "```", table(plan), "```"]
+    lay = best.layout
+    if lay.tp * lay.pp * lay.cp == 1:
+        deepspeed = ("DeepSpeed's JSON (`ds_config.json`) carries the ZeRO stage, batch sizes, precision and "
+                     "clipping, checked by DeepSpeed's parser for the ranks it will start; `launch_deepspeed.sh` "
+                     "starts it.")
+    else:
+        deepspeed = ("No DeepSpeed config or launch script: the kit's DeepSpeed strategy runs data parallelism only "
+                     f"(tp = pp = cp = 1), and this layout has tp {lay.tp} x pp {lay.pp} x cp {lay.cp}. The kit runs "
+                     "it with `launch_torchrun.sh` / `job.sbatch`; DeepSpeed users carry the layout to "
+                     "Megatron-DeepSpeed with the flags above.")
     lines += ["", "## The same layout in production frameworks", "", megatron_flags(spec, best), "",
-              "DeepSpeed's JSON (`ds_config.json`) carries the ZeRO stage, batch sizes, precision and clipping; "
-              "tensor and pipeline sizes are set in the training code or launcher flags (as above for "
-              "Megatron-DeepSpeed). `fsdp_settings.json` says whether FSDP2 fits the plan."]
+              deepspeed + " `fsdp_settings.json` says whether FSDP2 fits the plan."]
     lines += ["", "## Checkpoints", "",
               f"- format: {ck.format_reason}.",
               f"- size: {format_bytes(ck.checkpoint_bytes, 'GB')} (weights + fp32 master + optimizer moments); "
