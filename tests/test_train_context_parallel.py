@@ -183,7 +183,12 @@ def test_loss_shares_mean_to_the_whole_micro_batch_mean():
 
 
 @pytest.mark.parametrize("sets, match", [
-    ({"parallel__cp": 2, "train__strategy": "zero1"}, r"parallel.cp = 2 composes with train.strategy = 'ddp' only"),
+    ({"parallel__cp": 2, "train__strategy": "deepspeed"}, r"parallel.cp = 2 does not compose with train.strategy = "
+                                                          r"'deepspeed'.*one of 'ddp', 'zero1', 'zero2', 'fsdp'"),
+    ({"parallel__cp": 2, "parallel__tp": 2, "parallel__sequence_parallel": True, "train__strategy": "fsdp"},
+     r"train.strategy = 'fsdp' with parallel.cp = 2 runs without parallel.sequence_parallel"),
+    ({"parallel__cp": 2, "train__strategy": "fsdp", "model__checkpointing": "selective"},
+     r"train.strategy = 'fsdp' with parallel.cp = 2 runs the DTensor plan, which has no recomputation"),
     ({"parallel__cp": 2, "parallel__pp": 2, "train__strategy": "ddp"},
      r"parallel.cp = 2 with parallel.pp = 2 is not built"),
     ({"parallel__cp": 3, "train__strategy": "ddp"}, r"parallel.cp = 3 needs data.seq_len \(64\) divisible by 2 \* cp = 6"),
