@@ -4,24 +4,27 @@
 # "70B, 64 A100-80GB in 8 nodes, 2T tokens — what do I run?" Every earlier lab measured one
 # idea. This one puts them together the way an engineer must before a big job starts:
 #
-# 1. **three jobs through the planner** (`course plan`): the layout it picks and the runners-up,
-#    with why each lost;
-# 2. **what moves the choice**: the attention kernel, the network, the GPU;
-# 3. **when nothing fits**: how many GPUs would;
-# 4. **the files** a plan writes: DeepSpeed JSON, FSDP settings, the trainer's TOML;
-# 5. **the launch scripts** (torchrun, SLURM) line by line;
-# 6. **the checkpoint plan** (Young/Daly) and the resource budget;
-# 7. **the single-node command, run here for real** on 2 CPU ranks, then resumed.
+# 1. **three jobs through the planner** (`course plan`): the layout it picks;
+# 2. **the runners-up**, and why each lost;
+# 3. **what moves the choice**: the attention kernel, the network, the GPU;
+# 4. **when nothing fits**: how many GPUs would;
+# 5. **the files** a plan writes: DeepSpeed JSON, FSDP settings, the trainer's TOML;
+# 6. **the launch scripts** (torchrun, SLURM) line by line;
+# 7. **the checkpoint plan** (Young/Daly) and the resource budget;
+# 8. **the single-node command, run here for real** on 2 CPU ranks, then resumed;
+# 9. **a plan that uses tensor parallelism and FSDP**, for a model small enough to run here, on 4
+#    CPU ranks exactly as the plan wrote it.
 #
 # The planner is closed-form: memory per GPU from `course_lib.estimate` (ZeRO paper bytes,
 # Korthikanti et al. activations) and a step time whose every term is printed (compute at an
 # assumed 50% of peak, traffic over NVLink or InfiniBand, the pipeline bubble, the part of the
-# data-parallel traffic that compute does not hide). Nothing in sections 1-6 needs a GPU.
+# data-parallel traffic that compute does not hide). Nothing in this lab needs a GPU: sections
+# 1-7 are arithmetic, and 8-9 run on CPU ranks.
 
 # %% tags=["parameters"]
 SMOKE = False  # True: fewer training steps, so the automated tests finish quickly
-TRAIN_STEPS = 20  # section 7: steps of the first real run (the resumed run adds as many again)
-SAVE_EVERY = 5  # section 7: checkpoint interval of the real run, in steps
+TRAIN_STEPS = 20  # sections 8-9: steps of the first real run (section 8's resumed run adds as many again)
+SAVE_EVERY = 5  # section 8: checkpoint interval of the real run, in steps
 TOP = 5  # rows of each comparison table
 
 # %%
@@ -414,6 +417,63 @@ plt.show()
 # the second says "resumed from step ..." and continues the same loss curve without starting
 # over. On a GPU cluster the commands are the ones in section 6: only the node count, the GPUs and
 # the NCCL block differ.
+#
+# ## 9. A plan with tensor parallelism and FSDP, run as written
+#
+# The plans above are for GPUs this machine does not have. To run one end to end here, shrink the
+# job until it fits 4 CPU ranks: a 2-block Llama-style model (d = 64, byte vocabulary), sequences
+# of 64 tokens, 32 sequences a step, on 4 "GPUs" of about 1 MiB each (the planner takes a custom
+# device: memory and peak FLOP/s). So little memory forces the planner to split the model: its
+# answer shards the model state with FSDP (ZeRO-3) over 2 data-parallel ranks *and* cuts each layer
+# in half with tensor parallelism. The plan's `train.toml` says so (`train.strategy = "fsdp"`,
+# `parallel.tp = 2`), and the kit's trainer runs exactly that file under torchrun on 4 CPU ranks
+# (DTensor TP inside FSDP2 on one device mesh); only the step count (and with it the warm-up) is
+# overridden.
+
+# %%
+tiny_plan = plan(gpu="custom", gpu_memory_gib=0.001, gpu_tflops=0.05, gpus=4, gpus_per_node=4, tokens="2M",
+                 seq=64, global_batch_tokens=32 * 64,
+                 shape_overrides=dict(n_layers=2, d_model=64, n_heads=4, vocab_size=256))
+print(table(tiny_plan, 3))
+print(f"\n(the table rounds to GiB: the best layout needs {format_bytes(tiny_plan.best.memory_total, 'KiB')} per "
+      f"'GPU' of {format_bytes(tiny_plan.spec.usable_bytes, 'KiB')} usable)")
+tiny_dir = RUNS / "plan-tiny"
+write_plan(tiny_plan, tiny_dir)
+tiny_toml = (tiny_dir / "train.toml").read_text()
+print("\n".join(line for line in tiny_toml.splitlines() if line.startswith(("strategy", "tp ", "dp ", "micro", "grad"))))
+lay = tiny_plan.best.layout
+check(lay.tp == 2 and lay.zero_stage == 3 and lay.dp == 2,
+      f"the tiny job should need tp 2 and FSDP over dp 2 at this memory; the planner chose {lay.label()}")
+tiny_cfg = train_config.load(tiny_dir / "train.toml")
+check(tiny_cfg["train"]["strategy"] == "fsdp" and tiny_cfg["parallel"]["tp"] == 2,
+      "the plan's TOML should run FSDP2 with tp 2 in the kit's trainer")
+
+# %%
+tiny_out = RUNS / "tiny-fsdp-tp"
+argv = torchrun_single_node(str(tiny_dir / "train.toml"), [f"train.max_steps={TRAIN_STEPS}", "schedule.warmup_steps=2"],
+                            Cluster(nodes=1, nproc_per_node=4), str(tiny_out))
+print(shell_join(argv))
+argv = [sys.executable, "-m", "torch.distributed.run"] + argv[1:]  # `torchrun` of this interpreter
+ran = subprocess.run(argv, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                     timeout=600)
+print(ran.stdout.strip().splitlines()[-1] if ran.stdout.strip() else ran.stderr[-1500:])
+check(ran.returncode == 0, f"the plan's run failed (exit {ran.returncode}): {ran.stderr[-1500:]}")
+tiny_rows = [json.loads(line) for line in (tiny_out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+check([r["step"] for r in tiny_rows] == list(range(1, TRAIN_STEPS + 1)),
+      f"the run should log steps 1..{TRAIN_STEPS} once each")
+check(tiny_rows[-1]["loss"] < tiny_rows[0]["loss"], "the loss of the planned run should fall")
+plt.figure(figsize=(7, 3.5))
+plt.plot([r["step"] for r in tiny_rows], [r["loss"] for r in tiny_rows], "o-")
+plt.xlabel("step")
+plt.ylabel("loss (nats/token)")
+plt.title(f"the plan {lay.label()} on 4 CPU ranks: FSDP2 x DTensor TP")
+plt.show()
+
+# %% [markdown]
+# **What you should see:** a table whose best row has `tp2` and `Z3` (FSDP), the TOML lines that
+# say `strategy = "fsdp"` and `tp = 2`, and a falling loss curve from 4 ranks: ranks 0-1 and 2-3
+# are the two tensor-parallel pairs, each pair one FSDP shard of the pair's half-layers. The same
+# file, with the real model's shape and more GPUs, is what `course plan` hands to a cluster.
 #
 # ## Summary
 #

@@ -120,7 +120,7 @@ def trainer_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan, mirror: st
                    (f"plan: cp = {lay.cp}; with pp > 1 the kit runs these ranks as data parallel (Megatron-LM "
                     f"--context-parallel-size runs both)" if lay.cp > 1 else "")),
             "zero_stage": (lay.zero_stage, "read by train.strategy = 'deepspeed'"
-                           + ("; under tp/pp use Megatron's --use-distributed-optimizer" if mp and lay.zero_stage else "")),
+                           + ("; under tp/pp/cp train.strategy above runs this ZeRO stage" if mp and lay.zero_stage else "")),
             "reshard_after_forward": (lay.zero_stage == 3, "fsdp: true = full shard (ZeRO-3)"),
         },
     }
