@@ -11,18 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-
-def find_root(start: Path | None = None) -> Path:
-    """The repository root: the nearest folder upward holding ``pyproject.toml`` and ``labs/``."""
-    here = (start or Path.cwd()).resolve()
-    for folder in (here, *here.parents):
-        if (folder / "pyproject.toml").exists() and (folder / "labs").is_dir():
-            return folder
-    package_root = Path(__file__).resolve().parent.parent
-    if (package_root / "labs").is_dir():
-        return package_root
-    raise SystemExit("course: cannot find the kit's root (a folder with pyproject.toml and labs/); "
-                     "run this inside the repository")
+from course_lib.kit_root import find_root  # noqa: F401 - also course_lib.cli.find_root for callers
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,18 +34,6 @@ from course_lib import profile_summary
 PROFILE_DIR = "profile"
 
 
-def check_config(cfg: dict) -> None:
-    """Cross-checks of ``[profile]`` against the run (ConfigError naming the keys): the window
-    wait + warmup + active must fit in train.max_steps."""
-    from course_lib.train_config import ConfigError
-
-    p, max_steps = cfg["profile"], cfg["train"]["max_steps"]
-    if p["enabled"] and p["wait"] + p["warmup"] + p["active"] > max_steps:
-        raise ConfigError(f"profile.wait + profile.warmup + profile.active = {p['wait']} + {p['warmup']} + "
-                          f"{p['active']} = {p['wait'] + p['warmup'] + p['active']} steps must be <= "
-                          f"train.max_steps ({max_steps}): the profiled steps would never run")
-
-
 class _Off:
     """What the trainer holds when profiling is off: every call is a no-op."""
 

@@ -228,8 +228,12 @@ def _cross_checks(cfg: dict) -> None:
     if cfg["stability"]["spike_policy"] == "rollback" and cfg["checkpoint"]["save_every"] == 0:
         raise ConfigError("stability.spike_policy = 'rollback' needs checkpoint.save_every > 0 "
                           "(there must be a checkpoint to roll back to)")
-    from course_lib.profiling import check_config as check_profile  # the profiled window must fit the run
-    check_profile(cfg)
+    prof = cfg["profile"]  # the profiled window (course_lib.profiling) must fit the run
+    window = prof["wait"] + prof["warmup"] + prof["active"]
+    if prof["enabled"] and window > t["max_steps"]:
+        raise ConfigError(f"profile.wait + profile.warmup + profile.active = {prof['wait']} + {prof['warmup']} + "
+                          f"{prof['active']} = {window} steps must be <= train.max_steps ({t['max_steps']}): the "
+                          f"profiled steps would never run")
 
 
 def model_parallel_size(cfg: dict) -> int:
