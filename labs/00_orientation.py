@@ -27,7 +27,8 @@ import course_lib
 from course_lib import catalog, doctor
 from course_lib.checks import check
 from course_lib.estimate import comm
-from course_lib.parallel import collectives, run_ranks
+from course_lib.labs import lab00_orientation as collectives
+from course_lib.parallel import run_ranks
 
 SMOKE = course_lib.smoke(SMOKE)
 
@@ -67,7 +68,7 @@ check(report["backends"]["gloo"], "torch.distributed has no gloo backend: no lab
 # a process group, runs `fn(rank, world_size, *args)` in each and hands back the return values in
 # rank order. Two rules follow from "fresh processes":
 #
-# * `fn` must be importable: defined in a `.py` file (here, `course_lib.parallel.collectives`),
+# * `fn` must be importable: defined in a `.py` file (here, `course_lib.labs.lab00_orientation`),
 #   not in a notebook cell;
 # * each rank has its own memory: they share nothing unless they send it.
 

@@ -45,7 +45,7 @@ from safetensors.torch import load_file
 import course_lib
 from course_lib import train_config
 from course_lib.checkpoint import CheckpointError, CheckpointManager
-from course_lib.checkpoint_kill import kill_while_saving, loaded_step
+from course_lib.labs.lab07_checkpoints import kill_while_saving, loaded_step
 from course_lib.checks import check
 from course_lib.metrics import read_rows
 from course_lib.model import ModelConfig, TinyGPT
@@ -71,7 +71,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")  # child processes: one thread each,
 # within one file system is atomic: a crash at any instant leaves either no new checkpoint or a
 # complete one.
 #
-# The experiment: `kill_while_saving` (from `course_lib.checkpoint_kill`) starts a fresh writer
+# The experiment: `kill_while_saving` (from `course_lib.labs.lab07_checkpoints`) starts a fresh writer
 # process per cycle that saves over and over, each time a state of `KILL_NUMEL` floats that all
 # equal the step it was saved at, so a loaded file shows whether it is complete. It kills the
 # writer with `SIGKILL` (what `kill -9`, the out-of-memory killer and a node failure do: no handler
@@ -80,7 +80,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")  # child processes: one thread each,
 # every folder the way a training run would.
 
 # %%
-WRITERS = "course_lib.checkpoint_kill:"  # the two save functions under test live there
+WRITERS = "course_lib.labs.lab07_checkpoints:"  # the two save functions under test live there
 reports = {"naive": kill_while_saving(WRITERS + "torch_save_in_place", RUNS / "naive", cycles=KILL_CYCLES,
                                       seed=SEED, numel=KILL_NUMEL, final="latest.pt"),
            "atomic": kill_while_saving(WRITERS + "save_with_manager", RUNS / "atomic", cycles=KILL_CYCLES,

@@ -18,7 +18,7 @@
 #    model from lab 00.
 #
 # Ranks are processes on this machine talking over loopback with **gloo**; on GPUs the same code
-# uses **NCCL**. The rank functions live in `course_lib.parallel.data_parallel.lab_runs`
+# uses **NCCL**. The rank functions live in `course_lib.labs.lab08_data_parallel`
 # (spawned ranks can only run importable code).
 
 # %% tags=["parameters"]
@@ -44,7 +44,7 @@ from course_lib.checks import check
 from course_lib.estimate import comm
 from course_lib.model import ModelConfig, TinyGPT
 from course_lib.parallel import NaiveDDP, collectives, run_ranks
-from course_lib.parallel.data_parallel import lab_runs
+from course_lib.labs import lab08_data_parallel as lab_runs
 
 SMOKE = course_lib.smoke(SMOKE)
 if SMOKE:

@@ -19,7 +19,7 @@
 #
 # Ranks are processes on this machine talking over loopback with **gloo** (on GPUs the same code
 # uses NCCL), and "memory" is the bytes of CPU tensors each rank holds (on GPUs: CUDA memory).
-# Rank functions live in `course_lib.parallel.data_parallel.measure_runs` and `...lab09_runs`
+# Rank functions live in `course_lib.labs.lab09_zero_fsdp_deepspeed`
 # (spawned ranks can only run importable code).
 
 # %% tags=["parameters"]
@@ -46,7 +46,7 @@ from course_lib.estimate.memory import RECIPES, PrecisionRecipe, model_state_byt
 from course_lib.parallel import run_ranks
 from course_lib.checkpoint.dcp import consolidate_sharded
 from course_lib.model import TinyGPT
-from course_lib.parallel.data_parallel import lab09_runs, measure_runs
+from course_lib.labs import lab09_zero_fsdp_deepspeed as lab09_runs
 from course_lib.train import train
 
 SMOKE = course_lib.smoke(SMOKE)
@@ -133,7 +133,7 @@ plt.show()
 #
 # ## 2. The ZeRO table made real
 #
-# Now the same bookkeeping, measured. `measure_runs.measure_step` builds the same small model on
+# Now the same bookkeeping, measured. `lab09_runs.measure_step` builds the same small model on
 # every rank (4 bias-free `Linear(32, 32)`: Ψ = 4096 parameters, fp32), wraps it for one strategy,
 # runs **one** real training step (forward, backward, gradient sync, AdamW step) and then counts
 # the bytes this rank holds for parameters, gradients and optimizer moments
@@ -308,8 +308,8 @@ for n in WORLDS:
         print(f"{s:<15}{n:>2}{row['wire_measured_bytes']:>12.0f}{row['wire_estimated_bytes']:>12.0f}"
               f"{row['wire_overhead_bytes']:>9.0f}{rest:>6.0f}   {kinds}")
         check(abs(rest) < 1e-9, f"{s}, N={n}: measured bytes should be the estimate plus the documented flags")
-        est_factor = 3 if measure_runs.COMM_STRATEGY[s] == "zero3" else 2
-        est = comm_elements_per_step(PSI, measure_runs.COMM_STRATEGY[s], world_size=n).bytes_per_rank(4)
+        est_factor = 3 if lab09_runs.COMM_STRATEGY[s] == "zero3" else 2
+        est = comm_elements_per_step(PSI, lab09_runs.COMM_STRATEGY[s], world_size=n).bytes_per_rank(4)
         check(row["wire_estimated_bytes"] == est == est_factor * PSI * (n - 1) / n * 4,
               f"{s}: the estimate should be {est_factor}Ψ(N-1)/N x 4 bytes")
 

@@ -21,7 +21,7 @@
 # Ranks are processes on this machine talking over loopback with **gloo** (on GPUs the same code
 # uses NCCL over NVLink), and "memory" is the bytes of CPU tensors autograd saves (on GPUs: CUDA
 # memory). The from-scratch layers live in `course_lib.parallel.tensor_parallel`; the rank
-# functions of this lab in `course_lib.parallel.tensor_parallel.lab_runs` (spawned ranks can only
+# functions of this lab in `course_lib.labs.lab10_tensor_parallel` (spawned ranks can only
 # run importable code).
 
 # %% tags=["parameters"]
@@ -45,7 +45,8 @@ from course_lib.estimate import (ModelShape, accelerator, activation_breakdown_p
 from course_lib.measure import tinygpt_activation_kwargs
 from course_lib.model import TinyGPT
 from course_lib.parallel import run_ranks
-from course_lib.parallel.tensor_parallel import lab_runs, tinygpt_tp_plan
+from course_lib.labs import lab10_tensor_parallel as lab_runs
+from course_lib.parallel.tensor_parallel import tinygpt_tp_plan
 
 SMOKE = course_lib.smoke(SMOKE)
 if SMOKE:

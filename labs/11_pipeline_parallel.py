@@ -22,7 +22,7 @@
 # uses NCCL). A tiny model computes in well under a millisecond, so timed steps add a
 # **simulated compute time** (a sleep after each forward and backward) that stands in for the
 # GPU kernels of a bigger model: the schedule, the messages and the waiting are real. The rank
-# functions live in `course_lib.parallel.pipeline.lab_runs` (spawned ranks can only run
+# functions live in `course_lib.labs.lab11_pipeline_parallel` (spawned ranks can only run
 # importable code).
 
 # %% tags=["parameters"]
@@ -56,7 +56,8 @@ from course_lib.model import ModelConfig
 from course_lib.parallel import run_ranks
 from course_lib.parallel.context_parallel import causal_score_elements, merge_sequence
 from course_lib.parallel.mesh import mesh_layout
-from course_lib.parallel.pipeline import balanced_split, compute_order, lab_runs, measure_bubble, stage_costs
+from course_lib.labs import lab11_pipeline_parallel as lab_runs
+from course_lib.parallel.pipeline import balanced_split, compute_order, measure_bubble, stage_costs
 from course_lib.train import train
 
 SMOKE = course_lib.smoke(SMOKE)

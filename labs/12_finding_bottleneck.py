@@ -18,7 +18,7 @@
 #
 # Ranks are processes on this machine talking over loopback with **gloo**; on GPUs the same
 # trainer uses NCCL and the profiler reads the GPU's kernel timeline instead of the CPU's
-# operators. Rank functions live in `course_lib.bottleneck_runs` (spawned ranks can only run
+# operators. Rank functions live in `course_lib.labs.lab12_finding_bottleneck` (spawned ranks can only run
 # importable code).
 
 # %% tags=["parameters"]
@@ -44,12 +44,14 @@ import matplotlib.pyplot as plt
 import torch
 
 import course_lib
-from course_lib import bottleneck_runs, measure, train_config
+from course_lib import measure, train_config
 from course_lib.checks import check
 from course_lib.metrics import read_rows
 from course_lib.model import ModelConfig
 from course_lib.parallel import run_ranks
-from course_lib.parallel.pipeline import lab_runs, measure_bubble, stage_costs, summarize_timeline
+from course_lib.labs import lab11_pipeline_parallel as lab_runs
+from course_lib.labs import lab12_finding_bottleneck as bottleneck_runs
+from course_lib.parallel.pipeline import measure_bubble, stage_costs, summarize_timeline
 from course_lib.profiling import load_summary
 
 SMOKE = course_lib.smoke(SMOKE)

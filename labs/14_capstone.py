@@ -18,7 +18,7 @@
 # 9. **the final check**: every resumed loss equals the reference, bit for bit.
 #
 # Ranks are processes on this machine talking over loopback with **gloo**; on GPU nodes the same
-# command uses NCCL. Each job is a `torchrun` subprocess started by `course_lib.capstone`.
+# command uses NCCL. Each job is a `torchrun` subprocess started by `course_lib.labs.lab14_capstone`.
 
 # %% tags=["parameters"]
 SMOKE = False  # True: small sizes, so the automated tests finish quickly
@@ -35,7 +35,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 import course_lib
-from course_lib import capstone, train_config
+from course_lib import train_config
+from course_lib.labs import lab14_capstone as capstone
 from course_lib.checks import check
 from course_lib.metrics import read_rows
 from course_lib.parallel.mesh import mesh_layout

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import course_lib
-from course_lib.checkpoint_kill import kill_while_saving, loaded_step
+from course_lib.labs.lab07_checkpoints import kill_while_saving, loaded_step
 from course_lib.checks import check
 from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 
@@ -223,7 +223,7 @@ print("retention: verified before pruning; a bad save deletes nothing")
 # %% [markdown]
 # ## Part 4: kill it
 #
-# The real test, with the harness lab 07 uses (`course_lib.checkpoint_kill.kill_while_saving`). It
+# The real test, with the harness lab 07 uses (`course_lib.labs.lab07_checkpoints.kill_while_saving`). It
 # starts a process that imports your module and forks a writer, which calls your `save_checkpoint`
 # in a loop (`keep_last=2`, about 8 MB each, every tensor filled with its step number). The harness
 # kills the writer with `SIGKILL` (no handler, no `finally`) at random moments, alternately while

@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt
 import course_lib
 from course_lib.checks import check
 from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
-from course_lib.parallel import exercise_runs_tp_pp
+from course_lib.labs import exercise10_tp_linear as exercise_runs
 
 SMOKE = course_lib.smoke(SMOKE)
 if SMOKE:
@@ -220,7 +220,7 @@ importlib.reload(ex10_tp_linear)  # pick up your latest edit
 from ex10_tp_linear import ColumnParallelLinear, RowParallelLinear, copy_to_tp, reduce_from_tp  # noqa: E402
 
 SHAPES = [(5,), (3, WIDTH), (2, 3, WIDTH)]
-op_rows = exercise_runs_tp_pp.check_conjugate_ops(copy_to_tp, reduce_from_tp, 2, SHAPES)
+op_rows = exercise_runs.check_conjugate_ops(copy_to_tp, reduce_from_tp, 2, SHAPES)
 record("ops", [[str(r["shape"]), r["f forward"], r["f backward"], r["g forward"], r["g backward"]] for r in op_rows])
 record("ops.outputs", [r["outputs"] for r in op_rows], rtol=1e-5, atol=1e-6)  # f(x), g(x) and x.grad per rank
 print(f"{'shape':<14} {'f forward':>9} {'f backward':>10} {'g forward':>9} {'g backward':>10}   (collectives)")
@@ -264,7 +264,7 @@ def show(rows):
               f"{r['params_per_rank']:>11} {r['dense_params']:>6} {r['max_err']:>10.2e}")
 
 
-rows = exercise_runs_tp_pp.check_parallel_linears(ColumnParallelLinear, RowParallelLinear, 2, SCENARIOS)
+rows = exercise_runs.check_parallel_linears(ColumnParallelLinear, RowParallelLinear, 2, SCENARIOS)
 record("linears", [[r["ranks"], r["scenario"], r["forward"], r["backward"], r["params_per_rank"], r["dense_params"], r["max_err"]] for r in rows], atol=1e-4)  # errors within 1e-4 of the reference's ~0
 record("linears.outputs", [r["outputs"] for r in rows], rtol=1e-5, atol=1e-6)  # y, x.grad, shard grads per rank
 show(rows)
@@ -309,7 +309,7 @@ plt.show()
 # %% tags=["points:3"]
 ### BEGIN HIDDEN TESTS
 # test: f, g and both layers on 4 ranks, and in tensor-parallel groups of 2
-hidden_ops = exercise_runs_tp_pp.check_conjugate_ops(copy_to_tp, reduce_from_tp, 4, [(7,), (2, 5, 4)])
+hidden_ops = exercise_runs.check_conjugate_ops(copy_to_tp, reduce_from_tp, 4, [(7,), (2, 5, 4)])
 check(len(hidden_ops) == 2, "hidden: f and g on 4 ranks")
 hidden = [("column, no bias, 2-D", "column", (12, 8), False, (5,)),
           ("row, no bias, 4-D", "row", (8, 12), False, (2, 2, 3)),
@@ -319,7 +319,7 @@ hidden = [("column, no bias, 2-D", "column", (12, 8), False, (5,)),
           # two tensor-parallel groups of 2 ranks inside 4 (a TP x DP layout): group= must be honoured
           ("row, groups of 2", "row", (16, 4), True, (3,), 2),
           ("mlp, groups of 2", "mlp", (4, 8), True, (1, 6), 2)]
-hidden_rows = exercise_runs_tp_pp.check_parallel_linears(ColumnParallelLinear, RowParallelLinear, 4, hidden)
+hidden_rows = exercise_runs.check_parallel_linears(ColumnParallelLinear, RowParallelLinear, 4, hidden)
 record("hidden.rows", [[[str(r["shape"]), r["f forward"], r["f backward"], r["g forward"], r["g backward"]] for r in hidden_ops], [[r["ranks"], r["scenario"], r["forward"], r["backward"], r["params_per_rank"], r["dense_params"], r["max_err"]] for r in hidden_rows]], atol=1e-4)
 record("hidden.outputs", [[r["outputs"] for r in hidden_ops], [r["outputs"] for r in hidden_rows]], rtol=1e-5, atol=1e-6)
 check(all(r["max_err"] < 1e-4 for r in hidden_rows), "hidden: 4 ranks match the dense layers")

@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt
 import course_lib
 from course_lib.checks import check
 from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
-from course_lib.parallel import exercise_runs_tp_pp
+from course_lib.labs import exercise11_one_f_one_b as exercise_runs
 from course_lib.parallel.pipeline.schedules import stage_actions
 
 SMOKE = course_lib.smoke(SMOKE)
@@ -120,7 +120,7 @@ for s in range(2):
     print(f"  stage {s}:", " ".join(f"{op}({i})" for op, i in one_f_one_b(2, 3, s)))
 
 PIPELINES = [(2, 1), (2, 4), (4, 8)]
-pure_rows = [exercise_runs_tp_pp.check_schedule_fn(one_f_one_b, pp, m) for pp, m in PIPELINES]
+pure_rows = [exercise_runs.check_schedule_fn(one_f_one_b, pp, m) for pp, m in PIPELINES]
 record("pure", [[r["pp"], r["micro_batches"], r["makespan"], r["ideal"], r["peak_in_flight"]] for r in pure_rows])
 record("pure.lists", [r["lists"] for r in pure_rows])  # the stage lists themselves: 1F1B is one order
 print(f"\n{'pp':>3} {'m':>3} {'time units':>10} {'ideal (m+pp-1)x3':>17}  in flight per stage (bound min(m, pp-s))")
@@ -144,7 +144,7 @@ print("no deadlock, within memory, and the 1F1B order in every pipeline")
 # %%
 broken = [[("forward", 0), ("recv_grad", 0), ("send_activation", 0), ("backward", 0)],
           [("recv_activation", 0), ("forward", 0), ("backward", 0), ("send_grad", 0)]]
-result = exercise_runs_tp_pp.simulate(broken)
+result = exercise_runs.simulate(broken)
 print("deadlock:", result["deadlock"])
 print("computed before it stuck:", [(f"stage {s}", op, i) for s, op, i, _, _ in result["events"]])
 
@@ -162,7 +162,7 @@ print("computed before it stuck:", [(f"stage {s}", op, i) for s, op, i, _, _ in 
 
 # %% tags=["points:2"]
 def draw(ax, lists, title):
-    sim = exercise_runs_tp_pp.simulate(lists)
+    sim = exercise_runs.simulate(lists)
     for s, op, i, start, end in sim["events"]:
         ax.barh(s, end - start, left=start, color="C0" if op == "forward" else "C1", edgecolor="white")
         ax.text((start + end) / 2, s, str(i), ha="center", va="center", fontsize=7, color="white")
@@ -199,7 +199,7 @@ check(mine["peak_in_flight"] == [min(M_SHOW, PP_SHOW - s) for s in range(PP_SHOW
 # rank also computes one process's gradients on the same micro-batches and compares.
 
 # %% tags=["points:3"]
-run_rows = exercise_runs_tp_pp.check_one_f_one_b_on_ranks(one_f_one_b, 2, M_RUN)
+run_rows = exercise_runs.check_one_f_one_b_on_ranks(one_f_one_b, 2, M_RUN)
 record("ranks", [[r["pp"], r["micro_batches"], r["loss"], r["peak_in_flight"]] for r in run_rows], rtol=1e-5, atol=1e-6)
 record("ranks.outputs", [[r["lists"], r["loss"], r["grads"]] for r in run_rows], rtol=1e-5, atol=1e-6)  # lists run, loss, grads per rank
 print(f"{'pp':>3} {'m':>3} {'pipeline loss':>14} {'one process':>12} {'max grad error':>15} {'in flight per stage':>20}")
@@ -219,10 +219,10 @@ print("your 1F1B order trains exactly like one process on 2 ranks")
 hidden_pure, hidden_lists = [], []
 for pp in range(1, 5):
     for m in range(1, 9):
-        r = exercise_runs_tp_pp.check_schedule_fn(one_f_one_b, pp, m)
+        r = exercise_runs.check_schedule_fn(one_f_one_b, pp, m)
         hidden_pure.append([r["pp"], r["micro_batches"], r["makespan"], r["peak_in_flight"]])
         hidden_lists.append(r["lists"])
-hidden_rows = exercise_runs_tp_pp.check_one_f_one_b_on_ranks(one_f_one_b, 4, [1, 3, 8] if not SMOKE else [3, 8])
+hidden_rows = exercise_runs.check_one_f_one_b_on_ranks(one_f_one_b, 4, [1, 3, 8] if not SMOKE else [3, 8])
 record("hidden.rows", [hidden_pure, [[r["pp"], r["micro_batches"], r["loss"], r["peak_in_flight"]] for r in hidden_rows]],
        rtol=1e-5, atol=1e-6)
 record("hidden.outputs", [hidden_lists, [[r["lists"], r["loss"], r["grads"]] for r in hidden_rows]], rtol=1e-5, atol=1e-6)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.parallel import wire as wire_mod
-from course_lib.parallel.data_parallel import measure_runs as mr
+from course_lib.labs import lab09_zero_fsdp_deepspeed as mr
 from course_lib.parallel.data_parallel.zero import ShardedOptimizer
 from course_lib.parallel.wire import count_collectives
 

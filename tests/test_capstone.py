@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib import capstone
+from course_lib.labs import lab14_capstone as capstone
 
 
 def test_launch_commands_cover_one_gpu_eight_gpus_and_two_slurm_nodes():

@@ -1,11 +1,11 @@
-"""The kill harness (course_lib.checkpoint_kill): a torn in-place save is seen torn, an atomic one
+"""The kill harness (course_lib.labs.lab07_checkpoints): a torn in-place save is seen torn, an atomic one
 intact, and a writer that fails is reported with its traceback. Small states, a few kills each."""
 import textwrap
 
 import pytest
 import torch
 
-from course_lib.checkpoint_kill import (WriterFailed, kill_while_saving, loaded_step, make_state,
+from course_lib.labs.lab07_checkpoints import (WriterFailed, kill_while_saving, loaded_step, make_state,
                                         state_step)
 
 NUMEL = 500_000  # 2 MB: a save takes milliseconds, long enough to be killed inside
@@ -52,7 +52,7 @@ def test_state_round_trip_and_a_mixed_state_is_refused(tmp_path):
 
 
 def test_naive_save_killed_mid_write_is_torn(tmp_path):
-    reports = kill_while_saving("course_lib.checkpoint_kill:torch_save_in_place", tmp_path / "naive",
+    reports = kill_while_saving("course_lib.labs.lab07_checkpoints:torch_save_in_place", tmp_path / "naive",
                                 cycles=4, numel=NUMEL, final="latest.pt")
     assert [r.cycle for r in reports] == [0, 1, 2, 3] and [r.targeted for r in reports] == [False, True] * 2
     for r in reports:

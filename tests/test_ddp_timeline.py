@@ -1,13 +1,13 @@
 """BucketedDDP's opt-in timeline (``record_timeline=True``): off by default, and when on, one
 ready/launch/complete triple per bucket per sync, in a consistent order, on every rank; the
-gradients are the same as without it. Rank functions: course_lib.parallel.data_parallel.lab_runs
+gradients are the same as without it. Rank functions: course_lib.labs.lab08_data_parallel
 (the ones lab 08 draws its timeline from) and the ones below (spawned ranks import this module)."""
 
 import pytest
 import torch
 
 from course_lib.parallel import BucketedDDP, run_ranks
-from course_lib.parallel.data_parallel import lab_runs
+from course_lib.labs import lab08_data_parallel as lab_runs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,7 +12,7 @@ import dp_measured_rank_fns as fns
 from course_lib.estimate.comm import comm_elements_per_step, ring_bytes_per_rank
 from course_lib.estimate.memory import model_state_bytes
 from course_lib.parallel import run_ranks
-from course_lib.parallel.data_parallel.measure_runs import COMM_STRATEGY, STRATEGIES, ZERO_STAGE
+from course_lib.labs.lab09_zero_fsdp_deepspeed import COMM_STRATEGY, STRATEGIES, ZERO_STAGE
 
 PSI, LAYERS = 4096, 4
 WORLDS = [2, 4]

@@ -35,7 +35,7 @@ def _one_f_then_one_b(pp, m, stage):
 
 
 def test_exercise_11_check_says_how_far_off_not_the_answer():
-    from course_lib.parallel import exercise_runs_tp_pp as ex
+    from course_lib.labs import exercise11_one_f_one_b as ex
 
     with pytest.raises(CheckFailed) as caught:
         ex.check_schedule_fn(_one_f_then_one_b, 4, 6)
@@ -77,7 +77,7 @@ def test_exercise_12_untouched_part_1_says_what_to_fill_in():
 
 @pytest.mark.parametrize("what", ["your f and g", "your tensor-parallel layers", "your BucketedDDP"])
 def test_not_implemented_message_is_grammatical_for_any_subject(what, monkeypatch):
-    from course_lib.parallel.data_parallel import exercise_runs
+    from course_lib.labs import exercise_harness as exercise_runs
     from course_lib.parallel.launch import RankFailedError
 
     def fails(*_a, **_k):

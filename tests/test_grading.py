@@ -241,7 +241,7 @@ def test_an_unknown_probe_tag_is_refused_and_known_ones_are_attached(tmp_path):
 
 
 def test_checkpoints_verdict_reads_the_disk_like_a_restarted_run(tmp_path):
-    from course_lib.checkpoint_kill import make_state
+    from course_lib.labs.lab07_checkpoints import make_state
     from course_lib.grading.probes import checkpoints_verdict
 
     def folder(name, steps, torn=(), link=None):

@@ -71,3 +71,13 @@ def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "PACKAGE", pkg)
     graph = import_graph()
     assert "course_lib.b" in graph["course_lib.train_config"] and graph["course_lib.b"] == {"course_lib.train_config"}
+
+
+def test_only_the_notebooks_and_the_grader_import_the_labs_package():
+    """Mechanism packages (parallel/, checkpoint/, stability/, estimate/, the trainer...) never lean
+    on notebook scaffolding: course_lib.labs is imported only by itself and by course_lib.grading."""
+    graph = import_graph()
+    assert "course_lib.labs.exercise_harness" in graph, "the labs package moved: update this test"
+    leaning = sorted(f"{mod} -> {dep}" for mod, deps in graph.items() for dep in deps
+                     if dep.startswith("course_lib.labs") and not mod.startswith(("course_lib.labs", "course_lib.grading")))
+    assert not leaning, "library modules import notebook scaffolding:\n" + "\n".join(leaning)

@@ -1,4 +1,4 @@
-"""Lab 10's rank functions (course_lib.parallel.tensor_parallel.lab_runs), fast: one 2-rank launch.
+"""Lab 10's rank functions (course_lib.labs.lab10_tensor_parallel), fast: one 2-rank launch.
 
 The notebook executes everything at smoke size; this pins the two claims the lab builds on without
 a kernel: every TP / SP block equals the dense one with the counted collectives, and the measured
@@ -9,7 +9,7 @@ import pytest
 from course_lib.estimate import activation_bytes_per_layer, tp_comm_bytes_per_layer
 from course_lib.measure import tinygpt_activation_kwargs
 from course_lib.parallel import run_ranks
-from course_lib.parallel.tensor_parallel import lab_runs
+from course_lib.labs import lab10_tensor_parallel as lab_runs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 B, T, C, N = 2, 8, 16, 2

@@ -34,7 +34,7 @@ from course_lib import train_config
 from course_lib.estimate import activation_bytes_per_layer
 from course_lib.measure import tinygpt_activation_kwargs
 from course_lib.parallel import run_ranks
-from course_lib.parallel.tensor_parallel import lab_runs
+from course_lib.labs import lab10_tensor_parallel as lab_runs
 from course_lib.train import train
 from layout_checks import assert_matches_one_process, assert_resumed_bit_exact, rows, tiny_cfg
 

@@ -65,11 +65,11 @@ class FailsToPickle:
 def write_forever(module: str, function: str, folder: str, numel: int) -> None:
     """In a probe kernel: save step 1, 2, 3, ... until killed, with ``module.function``:
     ``save_checkpoint(state, folder, step, keep_last=2)`` or ``atomic_save(state, folder/model.pt)``
-    (``state``: :func:`course_lib.checkpoint_kill.make_state`). After each finished save it creates
+    (``state``: :func:`course_lib.labs.lab07_checkpoints.make_state`). After each finished save it creates
     ``progress/<step>``, outside ``folder``, so the grader knows how far it got."""
     import importlib
 
-    from course_lib.checkpoint_kill import make_state
+    from course_lib.labs.lab07_checkpoints import make_state
 
     save = getattr(importlib.import_module(module), function)
     step = 0
@@ -89,7 +89,7 @@ def atomic_save_scenario(module: str) -> None:
 
     import torch
 
-    from course_lib.checkpoint_kill import make_state
+    from course_lib.labs.lab07_checkpoints import make_state
 
     mod = importlib.import_module(module)
     Path("a").mkdir()
@@ -109,7 +109,7 @@ def retention_scenario(module: str) -> None:
     ``k`` given as ``str``, then step 12 with ``keep_last=2``."""
     import importlib
 
-    from course_lib.checkpoint_kill import make_state
+    from course_lib.labs.lab07_checkpoints import make_state
 
     mod = importlib.import_module(module)
     Path("r").mkdir()
@@ -142,8 +142,8 @@ def _loadable_file(path: Path) -> bool:
 
 
 def _loaded_step(path: Path) -> int | None:
-    """:func:`course_lib.checkpoint_kill.loaded_step` (``weights_only=True``) of a loadable file."""
-    from course_lib.checkpoint_kill import loaded_step
+    """:func:`course_lib.labs.lab07_checkpoints.loaded_step` (``weights_only=True``) of a loadable file."""
+    from course_lib.labs.lab07_checkpoints import loaded_step
 
     return loaded_step(path) if _loadable_file(path) else None
 
@@ -274,7 +274,7 @@ def kill_cycles(work: Path, scratch: Path, limits: ProbeLimits, module: str, fun
     soon as a write shows in progress. ``function`` is ``save_checkpoint`` (checkpoints
     ``step_*.pt``, keep_last=2) or ``atomic_save`` (one file, ``model.pt``). Only after the kill
     does the grader look at the folder. One verdict per kill."""
-    from course_lib.checkpoint_kill import _Watch
+    from course_lib.labs.lab07_checkpoints import _Watch
 
     code = _module_file(work, module)
     if code is None:

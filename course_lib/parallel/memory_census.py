@@ -22,7 +22,7 @@ Optimizer state is split in two:
 What is *not* counted: activations, the temporary full weights ZeRO-3 gathers (freed after each
 layer), communication buffers an engine keeps privately (torch DDP's reducer buckets when
 ``gradient_as_bucket_view=False``: use ``True`` so the gradients *are* the buckets; BucketedDDP's
-flat buffers, which :mod:`course_lib.parallel.data_parallel.measure_runs` reports separately).
+flat buffers, which :mod:`course_lib.labs.lab09_zero_fsdp_deepspeed` reports separately).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rank functions for lab 00 and exercise 00: collectives on small tensors, timing, and a checker
+"""Lab 00 (orientation) and exercise 00 (ring all-reduce): rank functions for collectives on small tensors, timing, and a checker
 that compares a learner's all-reduce with ``torch.distributed.all_reduce``.
 
 They live here, not in the notebook, because a spawned rank can only run importable code.

@@ -31,7 +31,7 @@ from course_lib.metrics import read_rows
 from course_lib.validate import check_int, check_number
 from course_lib.watch.demo import kill_tree
 
-CONFIG = Path(__file__).resolve().parent.parent / "labs" / "configs" / "capstone-cpu.toml"
+CONFIG = Path(__file__).resolve().parents[2] / "labs" / "configs" / "capstone-cpu.toml"
 
 
 @dataclass

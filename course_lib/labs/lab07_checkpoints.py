@@ -18,7 +18,7 @@ computes nothing, and forks. The writer is named ``"module:function"``, importab
 (a ``course_lib`` module, or a file written with ``%%writefile`` whose folder is passed in
 ``path``): a function defined in a notebook cell cannot reach another process.
 
-    reports = kill_while_saving("course_lib.checkpoint_kill:torch_save_in_place", tmp / "naive",
+    reports = kill_while_saving("course_lib.labs.lab07_checkpoints:torch_save_in_place", tmp / "naive",
                                 cycles=4, numel=2_000_000, final="latest.pt")
     [loaded_step(r.folder / "latest.pt") for r in reports]   # None: torn by the kill
 """

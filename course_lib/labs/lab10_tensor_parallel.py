@@ -352,7 +352,7 @@ def replay_collectives(rank: int, world_size: int, calls, repeats: int = 10, war
 def comm_timings(rank: int, world_size: int, sizes_bytes, call_lists: dict, repeats: int = 10) -> dict:
     """Section 6 in one launch: the all-reduce sweep of lab 00 (median seconds per size, slowest
     rank) and :func:`replay_collectives` of each ``{name: calls}`` list."""
-    from course_lib.parallel.collectives import time_all_reduce
+    from course_lib.labs.lab00_orientation import time_all_reduce
 
     return {"sweep": time_all_reduce(rank, world_size, sizes_bytes, repeats),
             "replay": {name: replay_collectives(rank, world_size, calls, repeats) for name, calls in call_lists.items()}}
