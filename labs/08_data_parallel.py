@@ -43,7 +43,8 @@ import course_lib
 from course_lib.checks import check
 from course_lib.estimate import comm
 from course_lib.model import ModelConfig, TinyGPT
-from course_lib.parallel import NaiveDDP, collectives, run_ranks
+from course_lib.labs import lab00_orientation as collectives
+from course_lib.parallel import NaiveDDP, run_ranks
 from course_lib.labs import lab08_data_parallel as lab_runs
 
 SMOKE = course_lib.smoke(SMOKE)
