@@ -200,9 +200,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
         # Compile what forward is called on (the wrapper); checkpoints keep using strategy.model,
         # whose parameter names carry no "_orig_mod." prefix. The first steps pay the compilation.
         strategy.module = torch.compile(strategy.module)
-    options = {"vocab_size": d["vocab_size"]} if d["task"] != "text" else (
-        {"path": d["path"]} if d["path"] else {})
-    dataset = data_lib.make_dataset(d["task"], seq_len=d["seq_len"], seed=t["seed"], **options)
+    dataset = data_lib.dataset_from_config(cfg)
     # TP/PP peers share a batch: the sampler follows the data-parallel coordinates, not the rank.
     stream = data_lib.BatchStream(dataset, t["micro_batch"], rank=strategy.dp_rank,
                                   world_size=strategy.dp_size, seed=t["seed"], device=device)

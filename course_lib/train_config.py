@@ -1,7 +1,7 @@
 """Training configuration: a TOML file plus command-line overrides, validated before anything runs.
 
     [train]   max_steps, seed, micro_batch, grad_accum, precision, strategy, device, compile, log_every, ...
-    [data]    task, seq_len, vocab_size, path
+    [data]    task, seq_len, vocab_size, path, dtype, val_path (task "tokens": a token file, course_lib.token_data)
     [model]   preset plus any ModelConfig field (n_layers, d_model, checkpointing, ...)
     [optim]   lr, min_lr, weight_decay, beta1, beta2, eps, fused
     [schedule] kind, warmup_steps, warmup_convention, decay_steps
@@ -66,10 +66,12 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "checkpoint_on_signal": (bool, True, None),  # SIGUSR1/SIGTERM: checkpoint at the next step, exit 75
     },
     "data": {
-        "task": (str, "markov", ("markov", "copy", "reverse", "sort", "text", "random")),
+        "task": (str, "markov", ("markov", "copy", "reverse", "sort", "text", "random", "tokens")),
         "seq_len": (int, 64, (2, None)),
-        "vocab_size": (int, 64, (2, 65536)),       # markov and sequence tasks; text is bytes (256)
-        "path": (str, "", None),                   # text task: a local file ("" = bundled notes)
+        "vocab_size": (int, 64, (2, 2**32)),       # markov, sequence, random, tokens; text is bytes (256)
+        "path": (str, "", None),                   # text: a UTF-8 file ("" = bundled notes); tokens: the token file
+        "dtype": (str, "uint16", ("uint16", "uint32")),  # tokens: the ids' type in data.path (course_lib.token_data)
+        "val_path": (str, "", None),               # tokens: held-out token file, same dtype ("" = none)
     },
     "optim": {
         "lr": (float, 3e-3, (0.0, None)),
@@ -189,6 +191,7 @@ def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
             cfg[section][key] = _check_value(where, value, kind, constraint)
     _cross_checks(cfg)
     mcfg = build_model_config(cfg)  # model keys are checked now, not after files exist
+    _token_file_checks(cfg, mcfg)
     _parallel_checks(cfg, mcfg)
     return cfg
 
@@ -207,9 +210,14 @@ def _cross_checks(cfg: dict) -> None:
     if cfg["data"]["task"] in ("copy", "reverse", "sort") and cfg["data"]["seq_len"] % 2:
         raise ConfigError(f"data.seq_len must be even for the {cfg['data']['task']} task")
     path = cfg["data"]["path"]
-    if path and cfg["data"]["task"] != "text":
-        raise ConfigError(f"data.path is only read by the text task; data.task is {cfg['data']['task']!r}")
-    if path and not Path(path).is_file():
+    if path and cfg["data"]["task"] not in ("text", "tokens"):
+        raise ConfigError(f"data.path is only read by the text and tokens tasks; data.task is {cfg['data']['task']!r}")
+    if cfg["data"]["val_path"] and cfg["data"]["task"] != "tokens":
+        raise ConfigError(f"data.val_path is only read by the tokens task; data.task is {cfg['data']['task']!r}")
+    if cfg["data"]["task"] == "tokens" and not path:
+        raise ConfigError("data.task = 'tokens' needs data.path: a flat file of uint16/uint32 token ids "
+                          "(`course data prepare` writes one from text)")
+    if path and cfg["data"]["task"] == "text" and not Path(path).is_file():
         raise ConfigError(f"data.path: no such file {path!r} (a UTF-8 text file; \"\" = the bundled notes)")
     if cfg["checkpoint"]["format"] == "sharded" and cfg["checkpoint"]["mirror"]:
         raise ConfigError("checkpoint.mirror works with full checkpoints only; sharded (DCP) "
@@ -234,6 +242,23 @@ def _cross_checks(cfg: dict) -> None:
         raise ConfigError(f"profile.wait + profile.warmup + profile.active = {prof['wait']} + {prof['warmup']} + "
                           f"{prof['active']} = {window} steps must be <= train.max_steps ({t['max_steps']}): the "
                           f"profiled steps would never run")
+
+
+def _token_file_checks(cfg: dict, mcfg) -> None:
+    """data.task = 'tokens': data.path and data.val_path exist, hold whole ``data.dtype`` ids, at
+    least one sequence, and no id the model's embedding lacks (reads each file once)."""
+    d = cfg["data"]
+    if d["task"] != "tokens":
+        return
+    from course_lib.token_data import check_token_file
+
+    for key in ("path", "val_path"):
+        if d[key]:
+            try:
+                check_token_file(d[key], d["dtype"], seq_len=d["seq_len"], vocab_size=mcfg.vocab_size,
+                                 key=f"data.{key}")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
 
 
 def model_parallel_size(cfg: dict) -> int:
