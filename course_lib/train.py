@@ -152,6 +152,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     from course_lib.parallel.checkpointing import TrainState
     from course_lib.parallel.registry import make_strategy
     from course_lib.schedules import Schedule, make_scheduler
+    from course_lib.wandb_log import WandbLog
 
     t, d, o, s, ck = (cfg[k] for k in ("train", "data", "optim", "schedule", "checkpoint"))
     info, device = _distributed(cfg, info)
@@ -209,8 +210,9 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                         decay_steps=(s["decay_steps"] or None) if s["kind"] == "wsd" else None)
     scheduler = make_scheduler(strategy.optimizer, schedule)
     policy = strategy.precision_policy(t["precision"])
+    wandb_log = WandbLog(cfg, out_dir, enabled=strategy.is_writer)  # [wandb]; its run id is checkpointed
     state = TrainState(strategy.model, strategy.optimizer, scheduler, policy, stream,
-                       {"stabilizer": stabilizer})
+                       {"stabilizer": stabilizer, **wandb_log.stateful()})
 
     # ---- files start here
     checkpoints = strategy.checkpointer(out_dir / "checkpoints", every_steps=ck["save_every"] or None,
@@ -229,7 +231,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     # Rows are buffered (train.metrics_flush_s) and always flushed before a checkpoint is taken:
     # a crash loses only rows the resumed run rewrites anyway.
     log = MetricsLog(out_dir / "metrics.jsonl", resume_step=start, tensorboard=t["tensorboard"],
-                     enabled=strategy.is_writer, flush_every_s=t["metrics_flush_s"])
+                     enabled=strategy.is_writer, flush_every_s=t["metrics_flush_s"], sinks=[wandb_log])
 
     mcfg = model.cfg
     tokens_per_step = t["micro_batch"] * t["grad_accum"] * d["seq_len"] * strategy.dp_size
@@ -276,7 +278,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                     log.close()
                     log = MetricsLog(out_dir / "metrics.jsonl", resume_step=loaded.step,
                                      tensorboard=t["tensorboard"], enabled=strategy.is_writer,
-                                     flush_every_s=t["metrics_flush_s"])
+                                     flush_every_s=t["metrics_flush_s"], sinks=[wandb_log])
                     step, saved_at, skipped, rollbacks = loaded.step, loaded.step, skipped + 1, rollbacks + 1
                     bar_step, bar_time = step, time.perf_counter()
                     continue

@@ -9,6 +9,7 @@
               max_rollbacks, rollback_limit
     [checkpoint] save_every, keep_last, async_save, mirror, format
     [profile] enabled, wait, warmup, active, top_ops (torch.profiler around chosen steps)
+    [wandb]   mode (disabled | offline | online), project, name (Weights & Biases, course_lib.wandb_log)
     [parallel] bucket_mb, reshard_after_forward, cpu_offload, zero_stage, offload_optimizer,
               offload_param (read by the strategy named in train.strategy);
               dp, tp, pp, pp_schedule, virtual_stages, pp_split, sequence_parallel, cp (model parallelism:
@@ -132,6 +133,11 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "active": (int, 3, (1, None)),             # steps recorded and summarised
         "top_ops": (int, 15, (1, None)),           # operators listed in the summary
     },
+    "wandb": {  # Weights & Biases beside metrics.jsonl (course_lib.wandb_log); optional package
+        "mode": (str, "disabled", ("disabled", "offline", "online")),  # offline: no network, files in OUT/wandb/
+        "project": (str, "course-kit", None),
+        "name": (str, "", None),                   # "" = the output folder's name
+    },
     "model": {"preset": (str, "tiny", None)},      # plus any ModelConfig field, checked there
 }
 
@@ -236,6 +242,10 @@ def _cross_checks(cfg: dict) -> None:
     if cfg["stability"]["spike_policy"] == "rollback" and cfg["checkpoint"]["save_every"] == 0:
         raise ConfigError("stability.spike_policy = 'rollback' needs checkpoint.save_every > 0 "
                           "(there must be a checkpoint to roll back to)")
+    from course_lib.wandb_log import missing_package_message
+
+    if (why := missing_package_message(cfg["wandb"]["mode"])) is not None:
+        raise ConfigError(why)
     prof = cfg["profile"]  # the profiled window (course_lib.profiling) must fit the run
     window = prof["wait"] + prof["warmup"] + prof["active"]
     if prof["enabled"] and window > t["max_steps"]:
