@@ -125,3 +125,49 @@ class TokenFile:
         starts = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len
         window = torch.from_numpy(self.tokens[starts + np.arange(self.seq_len + 1)].astype(np.int64))
         return window[:, :-1].clone(), window[:, 1:].clone()
+
+
+# ----------------------------------------------------------------------------- validation file
+MAX_VAL_SEQUENCES = 512  # windows the end-of-run validation reads: the file's first ones, in order
+# Strategies whose rank 0 holds the whole model (replicated weights): it can evaluate alone.
+WHOLE_MODEL_STRATEGIES = ("single", "ddp", "ddp-scratch", "zero1", "zero2")
+
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, dataset, *, batch_size: int, device: torch.device | str = "cpu",
+                    max_sequences: int = MAX_VAL_SEQUENCES) -> tuple[float, int]:
+    """(mean next-token loss in nats/token, sequences read) of ``model`` (returning ``(logits,
+    loss)`` like TinyGPT) over the first min(num_examples, max_sequences) windows of ``dataset``,
+    in eval mode (no dropout), ``batch_size`` sequences per forward. Every window has seq_len
+    scored tokens, so weighting batch means by their sequences gives the mean over tokens."""
+    check_int("batch_size", batch_size, 1)
+    n = min(dataset.num_examples, check_int("max_sequences", max_sequences, 1))
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    try:
+        for start in range(0, n, batch_size):
+            idx = list(range(start, min(n, start + batch_size)))
+            x, y = dataset.get_batch(idx)
+            total += float(model(x.to(device), y.to(device))[1]) * len(idx)  # after training: reads are free
+    finally:
+        model.train(was_training)
+    return total / n, n
+
+
+def end_of_run_validation(cfg: dict, strategy, device: torch.device, out_dir: str | Path, step: int) -> float | None:
+    """``data.val_path`` set: rank 0 evaluates its (whole) model on the validation file after the
+    last step, writes ``OUT/val.json`` and returns the loss (nats/token); None elsewhere. The
+    config check keeps this to :data:`WHOLE_MODEL_STRATEGIES` (rank 0 then holds every weight)."""
+    d = cfg["data"]
+    if d["task"] != "tokens" or not d["val_path"] or not strategy.is_writer:
+        return None
+    import json
+
+    from course_lib.data import dataset_from_config
+
+    loss, n = validation_loss(strategy.model, dataset_from_config(cfg, validation=True),
+                              batch_size=cfg["train"]["micro_batch"], device=device)
+    Path(out_dir, "val.json").write_text(json.dumps({"step": step, "val_loss": loss, "sequences": n,
+                                                      "tokens": n * d["seq_len"], "path": d["val_path"]}) + "\n")
+    return loss

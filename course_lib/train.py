@@ -50,6 +50,7 @@ class TrainResult:
     backend: str | None = None   # process-group backend (None: one process)
     strategy: Any = field(default=None, repr=False)  # the strategy (e.g. strategy.full_weights())
     stopped_by: str | None = None  # signal that stopped the run early after a checkpoint (course_lib.watch)
+    val_loss: float | None = None  # nats/token on data.val_path after the last step (rank 0; OUT/val.json)
 
 
 def choose_device(wanted: str, local_rank: int = 0, local_world_size: int = 1) -> torch.device:
@@ -146,6 +147,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     the run with CheckpointLoadError). ``faults``: ``KIND@STEP[=VALUE]`` strings injected by the
     stabilizer. ``info``: a :class:`DistInfo` (default: join the group torchrun describes)."""
     from course_lib import data as data_lib
+    from course_lib import token_data
     from course_lib.estimate.flops import palm_flops_per_token
     from course_lib.metrics import MetricsLog
     from course_lib.model import TinyGPT
@@ -344,10 +346,11 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
         sampler.stop()
         profiler.close()
     control.finish()  # signalled: every rank's checkpoint is complete before any rank exits
+    val_loss = token_data.end_of_run_validation(cfg, strategy, device, out_dir, step)  # data.val_path, rank 0
     # strategy.model: this rank's trained module (under tensor/pipeline parallelism its shard or
     # stage; the dense ``model`` it was cut from is not trained).
     return TrainResult(step, start, last_loss, skipped, out_dir, rollbacks, strategy.model, str(device),
-                       info.backend, strategy, stopped_by=control.stopped_by)
+                       info.backend, strategy, stopped_by=control.stopped_by, val_loss=val_loss)
 
 
 def _ckpt_metrics(last_loss: float | None) -> dict:
@@ -437,7 +440,9 @@ def run_cli(args: argparse.Namespace) -> int:
                 else f"trained {done} steps ({origin})")
         where = f"on {result.device}" + (f" ({result.backend})" if result.backend else "")
         print(f"{what} {where}, final loss {loss} nats/token, {result.skipped_steps} skipped, "
-              f"{result.rollbacks} rolled back; metrics in {result.out_dir / 'metrics.jsonl'}", flush=True)
+              f"{result.rollbacks} rolled back; metrics in {result.out_dir / 'metrics.jsonl'}"
+              + (f"; validation loss {result.val_loss:.4f} nats/token" if result.val_loss is not None else ""),
+              flush=True)
         if result.stopped_by:
             print(f"stopped by {result.stopped_by} after step {result.steps}, checkpoint saved: continue with "
                   f"--resume auto (exit {watch_control.STOP_EXIT_CODE})", flush=True)

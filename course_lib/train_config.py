@@ -260,8 +260,13 @@ def _token_file_checks(cfg: dict, mcfg) -> None:
     d = cfg["data"]
     if d["task"] != "tokens":
         return
-    from course_lib.token_data import check_token_file
+    from course_lib.token_data import WHOLE_MODEL_STRATEGIES, check_token_file
 
+    if d["val_path"] and (cfg["train"]["strategy"] not in WHOLE_MODEL_STRATEGIES or model_parallel_size(cfg) > 1):
+        raise ConfigError(f"data.val_path is evaluated after the last step by rank 0 on its whole model: "
+                          f"train.strategy one of {', '.join(WHOLE_MODEL_STRATEGIES)} with parallel.tp = pp = cp "
+                          f"= 1; with train.strategy = {cfg['train']['strategy']!r} and tp x pp x cp = "
+                          f"{model_parallel_size(cfg)} rank 0 holds a shard (leave data.val_path empty)")
     for key in ("path", "val_path"):
         if d[key]:
             try:

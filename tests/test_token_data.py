@@ -61,6 +61,7 @@ def test_examples_are_the_files_windows_and_llmc_headers_are_skipped(tmp_path):
     ("val_id_too_big", ["data.val_path", "token id 300"]),
     ("no_path", ["data.task = 'tokens' needs data.path"]),
     ("val_without_tokens", ["data.val_path is only read by the tokens task"]),
+    ("val_sharded", ["data.val_path is evaluated after the last step by rank 0", "'fsdp'"]),
 ])
 def test_bad_token_files_are_config_errors_naming_the_key(tmp_path, case, words):
     good = tmp_path / "good.bin"
@@ -70,7 +71,8 @@ def test_bad_token_files_are_config_errors_naming_the_key(tmp_path, case, words)
             "odd_size": [f"data.path='{bad}'"], "too_short": [f"data.path='{bad}'"],
             "id_too_big": [f"data.path='{bad}'"], "val_id_too_big": [f"data.val_path='{bad}'"],
             "no_path": ["data.path=''"], "val_without_tokens": ["data.task='markov'", "data.path=''",
-                                                                  f"data.val_path='{good}'"]}[case]
+                                                                  f"data.val_path='{good}'"],
+            "val_sharded": ["train.strategy='fsdp'", f"data.val_path='{good}'"]}[case]
     if case == "odd_size":
         bad.write_bytes(good.read_bytes()[:-1])
     elif case == "too_short":
@@ -115,16 +117,32 @@ def _losses(run):
     return {r["step"]: r["loss"] for r in rows}
 
 
-def test_tokens_run_resumed_on_another_world_size_matches_one_uninterrupted_process(tmp_path):
-    notes_as_tokens(tmp_path / "t.bin")
+def test_tokens_run_resumed_on_another_world_size_matches_one_uninterrupted_process(tmp_path, monkeypatch):
+    ids = notes_as_tokens(tmp_path / "t.bin")
+    ids[-1000:].tofile(tmp_path / "val.bin")  # 15 windows of 64 tokens
     steps, saved = 12, 6
     base = [f"train.max_steps={steps}", f"checkpoint.save_every={saved}", "schedule.warmup_steps=3"]
-    ref = train(cfg(tmp_path / "t.bin", *base, "train.micro_batch=8"), tmp_path / "ref")
+    val = f"data.val_path='{tmp_path / 'val.bin'}'"
+    ref = train(cfg(tmp_path / "t.bin", *base, "train.micro_batch=8", val), tmp_path / "ref")
     assert ref.steps == steps
     want = _losses(tmp_path / "ref")
+    # data.val_path: the loss of the final model on the validation file's windows, in one batch here
+    x = torch.from_numpy(ids[-1000:].astype(np.int64))
+    n = (len(x) - 1) // 64
+    windows = torch.stack([x[i * 64:i * 64 + 65] for i in range(n)])
+    with torch.no_grad():
+        ref.model.eval()
+        direct = float(ref.model(windows[:, :-1], windows[:, 1:])[1])
+    assert ref.val_loss == pytest.approx(direct, rel=1e-5)
+    assert json.loads((tmp_path / "ref" / "val.json").read_text())["sequences"] == n == 15
     token_rank_fns.copy_checkpoint(tmp_path / "ref", saved, tmp_path / "up")
     ddp = cfg(tmp_path / "t.bin", *base, "train.micro_batch=4", "train.strategy='ddp'")
-    run_ranks(token_rank_fns.tokens_runs, 2, ddp, str(tmp_path), saved)
+    # the 2-rank run from scratch also logs to W&B (offline): rank 0 only, the rows of metrics.jsonl
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    ddp_wandb = cfg(tmp_path / "t.bin", *base, "train.micro_batch=4", "train.strategy='ddp'", val,
+                    "wandb.mode='offline'")
+    vals = run_ranks(token_rank_fns.tokens_runs, 2, ddp, ddp_wandb, str(tmp_path), saved)
+    assert vals[1] is None and vals[0] == pytest.approx(ref.val_loss, rel=1e-4)  # rank 0 evaluates
     token_rank_fns.copy_checkpoint(tmp_path / "ddp", saved, tmp_path / "down")
     down = train(cfg(tmp_path / "t.bin", *base, "train.micro_batch=8"), tmp_path / "down", resume=True)
     assert down.resumed_from == saved
@@ -135,6 +153,11 @@ def test_tokens_run_resumed_on_another_world_size_matches_one_uninterrupted_proc
             assert got[step] == pytest.approx(want[step], rel=1e-4), (run, step)
         print(f"{run}: max relative loss difference to one process "
               f"{max(abs(got[s] / want[s] - 1) for s in got):.1e}")
+    pytest.importorskip("wandb")
+    from course_lib.wandb_log import read_segment
+
+    [segment] = (tmp_path / "ddp" / "wandb").glob("*run-*")  # one run: rank 1 sent nothing
+    assert [r["loss"] for r in read_segment(segment)] == [r["loss"] for r in read_rows(tmp_path / "ddp" / "metrics.jsonl")]
     # The check can fail: the steps after the checkpoint read other batches than the first ones,
     # so a resume that replayed the data from position 0 would be off by far more than 1e-4.
     assert all(abs(want[saved + k] - want[k]) > 1e-2 * want[k] for k in range(1, 4)), want

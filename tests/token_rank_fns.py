@@ -13,15 +13,16 @@ def copy_checkpoint(src_run: str, step: int, dst_run: str) -> None:
     shutil.copytree(src, Path(dst_run) / "checkpoints" / src.name)
 
 
-def tokens_runs(rank, world_size, cfg, tmp, step):
-    """On 2 ranks: the tokens task from scratch (``tmp/ddp``), resumed from the one-process run's
-    checkpoint (``tmp/up``, 1 -> 2 ranks) and from the 2-rank run's own (``tmp/same``, 2 -> 2)."""
+def tokens_runs(rank, world_size, cfg, scratch_cfg, tmp, step):
+    """On 2 ranks: the tokens task from scratch (``tmp/ddp``, with ``scratch_cfg``), resumed from the
+    one-process run's checkpoint (``tmp/up``, 1 -> 2 ranks) and from the 2-rank run's own
+    (``tmp/same``, 2 -> 2). Returns the scratch run's validation loss (None on rank 1)."""
     from course_lib.train import train
 
-    train(cfg, f"{tmp}/ddp")
+    val_loss = train(scratch_cfg, f"{tmp}/ddp").val_loss
     train(cfg, f"{tmp}/up", resume=True)  # the test copied the checkpoint in before the launch
     if rank == 0:
         copy_checkpoint(f"{tmp}/ddp", step, f"{tmp}/same")
     dist.barrier()
     train(cfg, f"{tmp}/same", resume=True)
-    return rank
+    return val_loss
