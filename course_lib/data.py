@@ -373,13 +373,12 @@ def make_dataset(name: str, *, seq_len: int, seed: int = 0, **options):
     raise ValueError(f"unknown dataset {name!r}; choose from markov, copy, reverse, sort, text, random, tokens")
 
 
-def dataset_from_config(cfg: dict, *, validation: bool = False):
-    """The dataset ``cfg["data"]`` describes (a validated trainer config, course_lib.train_config);
-    ``validation=True``: the tokens task's ``data.val_path`` instead of ``data.path``."""
+def dataset_from_config(cfg: dict):
+    """The training dataset ``cfg["data"]`` describes (a validated trainer config,
+    course_lib.train_config)."""
     d, seed = cfg["data"], cfg["train"]["seed"]
     if d["task"] == "tokens":
-        options = {"path": d["val_path"] if validation else d["path"], "dtype": d["dtype"],
-                   "vocab_size": d["vocab_size"]}
+        options = {"path": d["path"], "dtype": d["dtype"], "vocab_size": d["vocab_size"]}
     elif d["task"] == "text":
         options = {"path": d["path"]} if d["path"] else {}
     else:
