@@ -117,7 +117,7 @@ def _losses(run):
     return {r["step"]: r["loss"] for r in rows}
 
 
-def test_tokens_run_resumed_on_another_world_size_matches_one_uninterrupted_process(tmp_path, monkeypatch):
+def test_tokens_run_resumed_on_another_world_size_matches_one_uninterrupted_process(tmp_path):
     ids = notes_as_tokens(tmp_path / "t.bin")
     ids[-1000:].tofile(tmp_path / "val.bin")  # 15 windows of 64 tokens
     steps, saved = 12, 6
@@ -137,11 +137,8 @@ def test_tokens_run_resumed_on_another_world_size_matches_one_uninterrupted_proc
     assert json.loads((tmp_path / "ref" / "val.json").read_text())["sequences"] == n == 15
     token_rank_fns.copy_checkpoint(tmp_path / "ref", saved, tmp_path / "up")
     ddp = cfg(tmp_path / "t.bin", *base, "train.micro_batch=4", "train.strategy='ddp'")
-    # the 2-rank run from scratch also logs to W&B (offline): rank 0 only, the rows of metrics.jsonl
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    ddp_wandb = cfg(tmp_path / "t.bin", *base, "train.micro_batch=4", "train.strategy='ddp'", val,
-                    "wandb.mode='offline'")
-    vals = run_ranks(token_rank_fns.tokens_runs, 2, ddp, ddp_wandb, str(tmp_path), saved)
+    ddp_val = cfg(tmp_path / "t.bin", *base, "train.micro_batch=4", "train.strategy='ddp'", val)
+    vals = run_ranks(token_rank_fns.tokens_runs, 2, ddp, ddp_val, str(tmp_path), saved)
     assert vals[1] is None and vals[0] == pytest.approx(ref.val_loss, rel=1e-4)  # rank 0 evaluates
     token_rank_fns.copy_checkpoint(tmp_path / "ddp", saved, tmp_path / "down")
     down = train(cfg(tmp_path / "t.bin", *base, "train.micro_batch=8"), tmp_path / "down", resume=True)
@@ -153,11 +150,6 @@ def test_tokens_run_resumed_on_another_world_size_matches_one_uninterrupted_proc
             assert got[step] == pytest.approx(want[step], rel=1e-4), (run, step)
         print(f"{run}: max relative loss difference to one process "
               f"{max(abs(got[s] / want[s] - 1) for s in got):.1e}")
-    pytest.importorskip("wandb")
-    from course_lib.wandb_log import read_segment
-
-    [segment] = (tmp_path / "ddp" / "wandb").glob("*run-*")  # one run: rank 1 sent nothing
-    assert [r["loss"] for r in read_segment(segment)] == [r["loss"] for r in read_rows(tmp_path / "ddp" / "metrics.jsonl")]
     # The check can fail: the steps after the checkpoint read other batches than the first ones,
     # so a resume that replayed the data from position 0 would be off by far more than 1e-4.
     assert all(abs(want[saved + k] - want[k]) > 1e-2 * want[k] for k in range(1, 4)), want
