@@ -145,12 +145,16 @@ class WandbLog:
             self._logged_through = max(steps, default=0)
             backlog = [r for r in read_rows(self.out_dir / "metrics.jsonl")
                        if r.get("step", 0) > self._logged_through]
-        import wandb
-
         self.out_dir.mkdir(parents=True, exist_ok=True)
         os.environ["WANDB_DIR"] = str(self.out_dir)  # its files live with the run, not in the cwd
         if self.mode == "offline":
-            os.environ["WANDB_MODE"] = "offline"  # nothing in this process tries the network
+            # Before wandb sets itself up: its process-wide settings come from the environment, and
+            # with them not offline, wandb 0.31 exports usage telemetry over HTTPS even from an
+            # offline run (seen: a DNS lookup of api.forge.coreweave.com at exit). With this, strace
+            # of a whole offline training run shows no AF_INET connect (tests/test_wandb_log.py).
+            os.environ["WANDB_MODE"] = "offline"
+        import wandb
+
         # console="off": the trainer's progress bar and rank output stay untouched;
         # x_disable_stats: no system-metrics sampler thread beside the training loop.
         settings = wandb.Settings(mode=self.mode, console="off", x_disable_stats=True, reinit="finish_previous")

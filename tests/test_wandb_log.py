@@ -2,6 +2,7 @@
 resumed appends to the same run, and wandb's own reader finds every step exactly once."""
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,14 +37,25 @@ def test_wandb_section_is_checked_and_a_missing_package_names_the_install(monkey
 
 @pytest.fixture
 def quiet_offline(monkeypatch):
-    """WANDB_* for an in-process run, restored afterwards (WandbLog sets WANDB_DIR/MODE); the wandb
-    service this process started is stopped, so no later test shares the process with it."""
-    for key, value in (("WANDB_SILENT", "true"), ("WANDB_MODE", "offline"), ("WANDB_DIR", "/nonexistent")):
-        monkeypatch.setenv(key, value)
+    """An in-process offline run: WANDB_* restored afterwards (WandbLog sets WANDB_DIR/MODE; this
+    leaves WANDB_MODE unset, as a user's shell would), every name lookup or connection this process
+    attempts recorded and refused (offline means no network), and the wandb service stopped after."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for key in ("WANDB_MODE", "WANDB_DIR"):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    attempts = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args[:2])
+        raise OSError("network access refused by the test")
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
     yield
     import wandb
 
     wandb.teardown()
+    assert not attempts, f"an offline run tried the network: {attempts}"
 
 
 def _cmd(out, *extra):
@@ -83,28 +95,48 @@ def test_offline_run_resumed_after_sigkill_holds_every_step_exactly_once(tmp_pat
     print(f"the killed job's W&B file held {len(killed)} rows, the resumed job's {len(resumed_rows)}")
 
 
-def test_steps_the_run_already_holds_are_not_sent_again(tmp_path, quiet_offline):
-    """A job that logged steps 1-6, then was resumed from its checkpoint at step 4: the resumed job
-    recomputes 5 and 6, but W&B keeps the rows it holds and gets only 7 and 8."""
-    from course_lib.metrics import MetricsLog
-    from course_lib.wandb_log import WandbLog
+# Run in a fresh interpreter: wandb's usage telemetry would go out at interpreter exit, which an
+# in-process test never reaches. Every name lookup or connection is refused and reported.
+SKIP_SCRIPT = r"""
+import socket, sys
+from pathlib import Path
+def refuse(*args, **kwargs):
+    print("NETWORK", args[:2], flush=True)
+    raise OSError("network refused by the test")
+socket.getaddrinfo = socket.create_connection = refuse
+from course_lib import train_config
+from course_lib.metrics import MetricsLog
+from course_lib.wandb_log import WandbLog
+out = Path(sys.argv[1])
+cfg = train_config.load(None, ["wandb.mode='offline'"])
+first = WandbLog(cfg, out, enabled=True)  # a job that logged steps 1-6 ...
+with MetricsLog(out / "metrics.jsonl", sinks=[first]) as log:
+    for step in range(1, 7):
+        log.write({"step": step, "loss": 10.0 + step, "job": 1})
+again = WandbLog(cfg, out, enabled=True)  # ... resumed from its checkpoint at step 4
+again.load_state_dict(first.state_dict())
+with MetricsLog(out / "metrics.jsonl", resume_step=4, sinks=[again]) as log:
+    for step in range(5, 9):
+        log.write({"step": step, "loss": 10.0 + step, "job": 2})
+other = WandbLog(cfg, out / "rank1", enabled=False)  # another rank: keeps the id, sends nothing
+with MetricsLog(out / "rank1" / "metrics.jsonl", enabled=False, sinks=[other]) as log:
+    log.write({"step": 1, "loss": 1.0})
+assert other.stateful() == {"wandb": other} and not (out / "rank1").exists()
+print("RUN", first.run_id, flush=True)
+"""
 
-    cfg = train_config.load(TINY, ["wandb.mode='offline'"])
-    first = WandbLog(cfg, tmp_path, enabled=True)
-    with MetricsLog(tmp_path / "metrics.jsonl", sinks=[first]) as log:
-        for step in range(1, 7):
-            log.write({"step": step, "loss": 10.0 + step, "job": 1})
-    again = WandbLog(cfg, tmp_path, enabled=True)
-    again.load_state_dict(first.state_dict())  # what a resume from the checkpoint does
-    with MetricsLog(tmp_path / "metrics.jsonl", resume_step=4, sinks=[again]) as log:
-        for step in range(5, 9):
-            log.write({"step": step, "loss": 10.0 + step, "job": 2})
-    history = [row for seg in segments(tmp_path, first.run_id) for row in read_segment(seg)]
+
+def test_steps_the_run_already_holds_are_not_sent_again_and_offline_stays_offline(tmp_path):
+    """The resumed job recomputes steps 5 and 6, but W&B keeps the rows it holds and gets only 7 and 8;
+    and no lookup or connection is attempted, interpreter exit included."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # as a user's shell: no WANDB_MODE
+    env.update(WANDB_SILENT="true", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", SKIP_SCRIPT, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "NETWORK" not in done.stdout, done.stdout  # wandb 0.31 tries it unless WANDB_MODE is set first
+    run_id = done.stdout.split("RUN ")[1].split()[0]
+    history = [row for seg in segments(tmp_path, run_id) for row in read_segment(seg)]
     assert [r["_step"] for r in history] == list(range(1, 9))
     assert [r["job"] for r in history] == [1] * 6 + [2] * 2
-    # ranks other than 0 keep the run id for their checkpoints and send nothing
-    other = WandbLog(cfg, tmp_path / "rank1", enabled=False)
-    with MetricsLog(tmp_path / "rank1" / "metrics.jsonl", enabled=False, sinks=[other]) as log:
-        log.write({"step": 1, "loss": 1.0})
-    assert other.stateful() == {"wandb": other} and not (tmp_path / "rank1").exists()
     assert [r["step"] for r in read_rows(tmp_path / "metrics.jsonl")] == list(range(1, 9))
