@@ -81,8 +81,11 @@ def read_history(out_dir: str | Path, run_id: str, *, timeout_s: float = 120.0) 
 def read_segment(segment: str | Path, *, timeout_s: float = 120.0) -> list[dict[str, Any]]:
     """The history rows of one run folder (``OUT/wandb/offline-run-...-ID``), read by wandb's own
     reader, ``wandb leet inspect --json`` (~2 s: it starts wandb's Go core)."""
+    # WANDB_MODE=offline: reading local files needs no network, and without it the wandb CLI looks
+    # up its telemetry server (seen with strace, wandb 0.31)
     done = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(segment)],
-                          capture_output=True, text=True, timeout=timeout_s)
+                          capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     records = []
     for line in done.stdout.splitlines():
         try:
