@@ -195,7 +195,7 @@ def _prepare(text_path: Path, out: Path, vocab_size: int | None, tokenizer_path,
     sidecar = {
         "format": "course-tokens/1",
         "bin": bin_path.name, "dtype": dtype, "byte_order": "little", "tokens": written,
-        "bytes": written * item, "vocab_size": vocab, "max_token_id": top,
+        "bytes": written * item, "vocab_size": vocab, "max_token_id": top, "vocab_size_asked": vocab_size,
         "tokenizer": {"path": str(Path(tok_file).resolve()), "sha256": _sha256(Path(tok_file)), "kind": kind,
                       "library": f"tokenizers {tokenizers.__version__}"},
         "source": {"path": str(text_path.resolve()), "bytes": source_bytes, "sha256": _sha256(text_path)},
@@ -216,6 +216,9 @@ def summary(sidecar: dict) -> str:
     trip = {True: "decoding the first lines gives them back exactly",
             False: "the tokenizer normalises: decoding does NOT give the text back", None: "n/a"}[
         s["round_trip_first_batch"]]
+    asked = s.get("vocab_size_asked")
+    if asked and asked != s["vocab_size"]:  # the text had fewer frequent pairs than merges asked for
+        trip += f"; {asked:,} ids were asked for, the text gave {s['vocab_size']:,} (use the latter)"
     return (f"wrote {d['path']}: {s['tokens']:,} tokens ({s['dtype']}, {s['bytes'] / 2**20:.2f} MiB) from "
             f"{s['source']['bytes'] / 2**20:.2f} MiB of text, {per_token:.2f} bytes/token, in {s['seconds']:.1f} s\n"
             f"tokenizer: {s['tokenizer']['kind']}, {s['vocab_size']:,} ids, {s['tokenizer']['path']}; {trip}\n"
