@@ -1,4 +1,4 @@
-"""The ``course`` command: doctor, notebooks, labs, estimate, train.
+"""The ``course`` command: doctor, notebooks, labs, estimate, train, data, launch, plan, grade, check.
 
 Each subcommand is a thin shell over a library module, so everything the CLI does is also callable
 (and tested) from Python.
@@ -168,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     from course_lib.planner.cli import add_plan_parser
 
     add_plan_parser(sub)  # `course plan`: layout search, configs, launch scripts, checkpoint plan, budget
+
+    from course_lib.data_prepare import add_data_parser
+
+    add_data_parser(sub)  # `course data prepare`: a text file -> a token file for data.task = "tokens"
 
     from course_lib.grading.cli import add_grading_parsers
 

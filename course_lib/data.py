@@ -1,4 +1,5 @@
-"""Training data: synthetic tasks with known structure, byte-level text, and a resumable sampler.
+"""Training data: synthetic tasks with known structure, byte-level text, a token file
+(course_lib.token_data), and a resumable sampler.
 
 Every dataset here maps an example index i to one (input, target) pair of int64 [seq_len] tensors,
 deterministically from (seed, i). The sampler decides *which* indices a rank reads at each step:
@@ -347,8 +348,9 @@ class BatchStream:
 
 
 def make_dataset(name: str, *, seq_len: int, seed: int = 0, **options):
-    """Build a dataset by name: `markov`, `copy`, `reverse`, `sort`, `text` (ByteText) or `random`
-    (RandomTokens: uniform tokens for speed and memory measurements).
+    """Build a dataset by name: `markov`, `copy`, `reverse`, `sort`, `text` (ByteText), `random`
+    (RandomTokens: uniform tokens for speed and memory measurements) or `tokens` (a token file,
+    course_lib.token_data.TokenFile).
 
     `options` go to the class (e.g. vocab_size, order, branching for markov; n_items, vocab_size for
     the sequence tasks; path for text). For the sequence tasks seq_len must be even (2 * n_items).
@@ -364,4 +366,21 @@ def make_dataset(name: str, *, seq_len: int, seed: int = 0, **options):
         return ByteText(options.pop("path", None), seq_len=seq_len, **options)
     if name == "random":
         return RandomTokens(seq_len=seq_len, seed=seed, **options)
-    raise ValueError(f"unknown dataset {name!r}; choose from markov, copy, reverse, sort, text, random")
+    if name == "tokens":  # a tokenized corpus: options path, dtype, vocab_size (course_lib.token_data)
+        from course_lib.token_data import TokenFile
+
+        return TokenFile(options.pop("path"), seq_len=seq_len, **options)
+    raise ValueError(f"unknown dataset {name!r}; choose from markov, copy, reverse, sort, text, random, tokens")
+
+
+def dataset_from_config(cfg: dict):
+    """The training dataset ``cfg["data"]`` describes (a validated trainer config,
+    course_lib.train_config)."""
+    d, seed = cfg["data"], cfg["train"]["seed"]
+    if d["task"] == "tokens":
+        options = {"path": d["path"], "dtype": d["dtype"], "vocab_size": d["vocab_size"]}
+    elif d["task"] == "text":
+        options = {"path": d["path"]} if d["path"] else {}
+    else:
+        options = {"vocab_size": d["vocab_size"]}
+    return make_dataset(d["task"], seq_len=d["seq_len"], seed=seed, **options)

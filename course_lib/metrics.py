@@ -1,4 +1,5 @@
-"""Per-step metrics: JSON lines always (one object per optimizer step), TensorBoard when asked.
+"""Per-step metrics: JSON lines always (one object per optimizer step), TensorBoard and other
+sinks (Weights & Biases: course_lib.wandb_log) when asked.
 
 The JSONL file survives crashes. Rows reach the file as whole lines, in order, each exactly
 once: a flush encodes every pending row to one line of strict JSON and hands them all to the
@@ -38,7 +39,7 @@ import os
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from course_lib.validate import check_int, check_number
 
@@ -87,7 +88,10 @@ class MetricsLog:
     """Append-only ``metrics.jsonl`` (+ optional TensorBoard event files next to it).
 
     ``resume_step``: keep existing rows with ``step <= resume_step`` and drop the rest (0 or None:
-    start a fresh file). ``enabled=False`` (ranks other than 0) writes nothing.
+    start a fresh file). ``enabled=False`` (ranks other than 0) writes nothing. ``sinks``: objects
+    with ``open(resume_step)``, ``write(row)`` and ``close()``, opened once the kept rows are in the
+    file, given every row as it is written (not when it is flushed) and closed with the log, e.g.
+    :class:`course_lib.wandb_log.WandbLog`.
 
     ``flush_every_s`` (seconds, >= 0): 0 writes every row to the file at once (the default);
     > 0 buffers rows in memory and flushes when that long has passed since the last flush.
@@ -99,7 +103,8 @@ class MetricsLog:
     exceptions included."""
 
     def __init__(self, path: str | Path, *, resume_step: int | None = None, tensorboard: bool = False,
-                 enabled: bool = True, flush_every_s: float = 0.0, flush_every_rows: int = 1000):
+                 enabled: bool = True, flush_every_s: float = 0.0, flush_every_rows: int = 1000,
+                 sinks: Sequence[Any] = ()):
         check_number("flush_every_s", flush_every_s, 0)  # seconds
         check_int("flush_every_rows", flush_every_rows, 1)
         self.path = Path(path)
@@ -107,6 +112,7 @@ class MetricsLog:
         self.flush_every_s = float(flush_every_s)
         self.flush_every_rows = 1 if flush_every_s == 0 else flush_every_rows
         self._tb = None
+        self._sinks = tuple(sinks)  # e.g. course_lib.wandb_log.WandbLog: open, write(row) at once, close
         self._fd: int | None = None
         # Rows not yet handed to the file: a dict (a copy of a row of plain scalars, encoded at
         # flush time) or a str (a row with anything else, encoded at write time).
@@ -126,6 +132,8 @@ class MetricsLog:
         os.replace(tmp, self.path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         _LIVE.add(self)
+        for sink in self._sinks:  # the kept rows are in the file: a sink may read them now
+            sink.open(resume_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -158,6 +166,8 @@ class MetricsLog:
         if (len(self._pending) >= self.flush_every_rows
                 or time.monotonic() - self._last_flush >= self.flush_every_s):
             self.flush()
+        for sink in self._sinks:
+            sink.write(row)
         if self._tb is not None:
             row = {k: _clean(v) for k, v in row.items()}
             for key, value in row.items():
@@ -196,6 +206,8 @@ class MetricsLog:
             os.close(fd)
             if self._tb is not None:
                 self._tb.close()
+            for sink in self._sinks:
+                sink.close()
 
     def __enter__(self) -> "MetricsLog":
         return self

@@ -50,6 +50,7 @@ class TrainResult:
     backend: str | None = None   # process-group backend (None: one process)
     strategy: Any = field(default=None, repr=False)  # the strategy (e.g. strategy.full_weights())
     stopped_by: str | None = None  # signal that stopped the run early after a checkpoint (course_lib.watch)
+    val_loss: float | None = None  # nats/token on data.val_path after the last step (rank 0; OUT/val.json)
 
 
 def choose_device(wanted: str, local_rank: int = 0, local_world_size: int = 1) -> torch.device:
@@ -146,12 +147,14 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     the run with CheckpointLoadError). ``faults``: ``KIND@STEP[=VALUE]`` strings injected by the
     stabilizer. ``info``: a :class:`DistInfo` (default: join the group torchrun describes)."""
     from course_lib import data as data_lib
+    from course_lib import token_data
     from course_lib.estimate.flops import palm_flops_per_token
     from course_lib.metrics import MetricsLog
     from course_lib.model import TinyGPT
     from course_lib.parallel.checkpointing import TrainState
     from course_lib.parallel.registry import make_strategy
     from course_lib.schedules import Schedule, make_scheduler
+    from course_lib.wandb_log import WandbLog
 
     t, d, o, s, ck = (cfg[k] for k in ("train", "data", "optim", "schedule", "checkpoint"))
     info, device = _distributed(cfg, info)
@@ -200,9 +203,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
         # Compile what forward is called on (the wrapper); checkpoints keep using strategy.model,
         # whose parameter names carry no "_orig_mod." prefix. The first steps pay the compilation.
         strategy.module = torch.compile(strategy.module)
-    options = {"vocab_size": d["vocab_size"]} if d["task"] != "text" else (
-        {"path": d["path"]} if d["path"] else {})
-    dataset = data_lib.make_dataset(d["task"], seq_len=d["seq_len"], seed=t["seed"], **options)
+    dataset = data_lib.dataset_from_config(cfg)
     # TP/PP peers share a batch: the sampler follows the data-parallel coordinates, not the rank.
     stream = data_lib.BatchStream(dataset, t["micro_batch"], rank=strategy.dp_rank,
                                   world_size=strategy.dp_size, seed=t["seed"], device=device)
@@ -211,8 +212,9 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                         decay_steps=(s["decay_steps"] or None) if s["kind"] == "wsd" else None)
     scheduler = make_scheduler(strategy.optimizer, schedule)
     policy = strategy.precision_policy(t["precision"])
+    wandb_log = WandbLog(cfg, out_dir, enabled=strategy.is_writer)  # [wandb]; its run id is checkpointed
     state = TrainState(strategy.model, strategy.optimizer, scheduler, policy, stream,
-                       {"stabilizer": stabilizer})
+                       {"stabilizer": stabilizer, **wandb_log.stateful()})
 
     # ---- files start here
     checkpoints = strategy.checkpointer(out_dir / "checkpoints", every_steps=ck["save_every"] or None,
@@ -231,7 +233,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     # Rows are buffered (train.metrics_flush_s) and always flushed before a checkpoint is taken:
     # a crash loses only rows the resumed run rewrites anyway.
     log = MetricsLog(out_dir / "metrics.jsonl", resume_step=start, tensorboard=t["tensorboard"],
-                     enabled=strategy.is_writer, flush_every_s=t["metrics_flush_s"])
+                     enabled=strategy.is_writer, flush_every_s=t["metrics_flush_s"], sinks=[wandb_log])
 
     mcfg = model.cfg
     tokens_per_step = t["micro_batch"] * t["grad_accum"] * d["seq_len"] * strategy.dp_size
@@ -278,7 +280,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                     log.close()
                     log = MetricsLog(out_dir / "metrics.jsonl", resume_step=loaded.step,
                                      tensorboard=t["tensorboard"], enabled=strategy.is_writer,
-                                     flush_every_s=t["metrics_flush_s"])
+                                     flush_every_s=t["metrics_flush_s"], sinks=[wandb_log])
                     step, saved_at, skipped, rollbacks = loaded.step, loaded.step, skipped + 1, rollbacks + 1
                     bar_step, bar_time = step, time.perf_counter()
                     continue
@@ -344,10 +346,11 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
         sampler.stop()
         profiler.close()
     control.finish()  # signalled: every rank's checkpoint is complete before any rank exits
+    val_loss = token_data.end_of_run_validation(cfg, strategy, device, out_dir, step)  # data.val_path, rank 0
     # strategy.model: this rank's trained module (under tensor/pipeline parallelism its shard or
     # stage; the dense ``model`` it was cut from is not trained).
     return TrainResult(step, start, last_loss, skipped, out_dir, rollbacks, strategy.model, str(device),
-                       info.backend, strategy, stopped_by=control.stopped_by)
+                       info.backend, strategy, stopped_by=control.stopped_by, val_loss=val_loss)
 
 
 def _ckpt_metrics(last_loss: float | None) -> dict:
@@ -437,7 +440,9 @@ def run_cli(args: argparse.Namespace) -> int:
                 else f"trained {done} steps ({origin})")
         where = f"on {result.device}" + (f" ({result.backend})" if result.backend else "")
         print(f"{what} {where}, final loss {loss} nats/token, {result.skipped_steps} skipped, "
-              f"{result.rollbacks} rolled back; metrics in {result.out_dir / 'metrics.jsonl'}", flush=True)
+              f"{result.rollbacks} rolled back; metrics in {result.out_dir / 'metrics.jsonl'}"
+              + (f"; validation loss {result.val_loss:.4f} nats/token" if result.val_loss is not None else ""),
+              flush=True)
         if result.stopped_by:
             print(f"stopped by {result.stopped_by} after step {result.steps}, checkpoint saved: continue with "
                   f"--resume auto (exit {watch_control.STOP_EXIT_CODE})", flush=True)

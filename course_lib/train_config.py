@@ -1,7 +1,7 @@
 """Training configuration: a TOML file plus command-line overrides, validated before anything runs.
 
     [train]   max_steps, seed, micro_batch, grad_accum, precision, strategy, device, compile, log_every, ...
-    [data]    task, seq_len, vocab_size, path
+    [data]    task, seq_len, vocab_size, path, dtype, val_path (task "tokens": a token file, course_lib.token_data)
     [model]   preset plus any ModelConfig field (n_layers, d_model, checkpointing, ...)
     [optim]   lr, min_lr, weight_decay, beta1, beta2, eps, fused
     [schedule] kind, warmup_steps, warmup_convention, decay_steps
@@ -9,6 +9,7 @@
               max_rollbacks, rollback_limit
     [checkpoint] save_every, keep_last, async_save, mirror, format
     [profile] enabled, wait, warmup, active, top_ops (torch.profiler around chosen steps)
+    [wandb]   mode (disabled | offline | online), project, name (Weights & Biases, course_lib.wandb_log)
     [parallel] bucket_mb, reshard_after_forward, cpu_offload, zero_stage, offload_optimizer,
               offload_param (read by the strategy named in train.strategy);
               dp, tp, pp, pp_schedule, virtual_stages, pp_split, sequence_parallel, cp (model parallelism:
@@ -66,10 +67,12 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "checkpoint_on_signal": (bool, True, None),  # SIGUSR1/SIGTERM: checkpoint at the next step, exit 75
     },
     "data": {
-        "task": (str, "markov", ("markov", "copy", "reverse", "sort", "text", "random")),
+        "task": (str, "markov", ("markov", "copy", "reverse", "sort", "text", "random", "tokens")),
         "seq_len": (int, 64, (2, None)),
-        "vocab_size": (int, 64, (2, 65536)),       # markov and sequence tasks; text is bytes (256)
-        "path": (str, "", None),                   # text task: a local file ("" = bundled notes)
+        "vocab_size": (int, 64, (2, 2**32)),       # markov, sequence, random, tokens; text is bytes (256)
+        "path": (str, "", None),                   # text: a UTF-8 file ("" = bundled notes); tokens: the token file
+        "dtype": (str, "uint16", ("uint16", "uint32")),  # tokens: the ids' type in data.path (course_lib.token_data)
+        "val_path": (str, "", None),               # tokens: held-out token file, same dtype ("" = none)
     },
     "optim": {
         "lr": (float, 3e-3, (0.0, None)),
@@ -130,6 +133,11 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "active": (int, 3, (1, None)),             # steps recorded and summarised
         "top_ops": (int, 15, (1, None)),           # operators listed in the summary
     },
+    "wandb": {  # Weights & Biases beside metrics.jsonl (course_lib.wandb_log); optional package
+        "mode": (str, "disabled", ("disabled", "offline", "online")),  # offline: no network, files in OUT/wandb/
+        "project": (str, "course-kit", None),
+        "name": (str, "", None),                   # "" = the output folder's name
+    },
     "model": {"preset": (str, "tiny", None)},      # plus any ModelConfig field, checked there
 }
 
@@ -189,6 +197,7 @@ def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
             cfg[section][key] = _check_value(where, value, kind, constraint)
     _cross_checks(cfg)
     mcfg = build_model_config(cfg)  # model keys are checked now, not after files exist
+    _token_file_checks(cfg, mcfg)
     _parallel_checks(cfg, mcfg)
     return cfg
 
@@ -207,9 +216,14 @@ def _cross_checks(cfg: dict) -> None:
     if cfg["data"]["task"] in ("copy", "reverse", "sort") and cfg["data"]["seq_len"] % 2:
         raise ConfigError(f"data.seq_len must be even for the {cfg['data']['task']} task")
     path = cfg["data"]["path"]
-    if path and cfg["data"]["task"] != "text":
-        raise ConfigError(f"data.path is only read by the text task; data.task is {cfg['data']['task']!r}")
-    if path and not Path(path).is_file():
+    if path and cfg["data"]["task"] not in ("text", "tokens"):
+        raise ConfigError(f"data.path is only read by the text and tokens tasks; data.task is {cfg['data']['task']!r}")
+    if cfg["data"]["val_path"] and cfg["data"]["task"] != "tokens":
+        raise ConfigError(f"data.val_path is only read by the tokens task; data.task is {cfg['data']['task']!r}")
+    if cfg["data"]["task"] == "tokens" and not path:
+        raise ConfigError("data.task = 'tokens' needs data.path: a flat file of uint16/uint32 token ids "
+                          "(`course data prepare` writes one from text)")
+    if path and cfg["data"]["task"] == "text" and not Path(path).is_file():
         raise ConfigError(f"data.path: no such file {path!r} (a UTF-8 text file; \"\" = the bundled notes)")
     if cfg["checkpoint"]["format"] == "sharded" and cfg["checkpoint"]["mirror"]:
         raise ConfigError("checkpoint.mirror works with full checkpoints only; sharded (DCP) "
@@ -228,12 +242,38 @@ def _cross_checks(cfg: dict) -> None:
     if cfg["stability"]["spike_policy"] == "rollback" and cfg["checkpoint"]["save_every"] == 0:
         raise ConfigError("stability.spike_policy = 'rollback' needs checkpoint.save_every > 0 "
                           "(there must be a checkpoint to roll back to)")
+    from course_lib.wandb_log import missing_package_message
+
+    if (why := missing_package_message(cfg["wandb"]["mode"])) is not None:
+        raise ConfigError(why)
     prof = cfg["profile"]  # the profiled window (course_lib.profiling) must fit the run
     window = prof["wait"] + prof["warmup"] + prof["active"]
     if prof["enabled"] and window > t["max_steps"]:
         raise ConfigError(f"profile.wait + profile.warmup + profile.active = {prof['wait']} + {prof['warmup']} + "
                           f"{prof['active']} = {window} steps must be <= train.max_steps ({t['max_steps']}): the "
                           f"profiled steps would never run")
+
+
+def _token_file_checks(cfg: dict, mcfg) -> None:
+    """data.task = 'tokens': data.path and data.val_path exist, hold whole ``data.dtype`` ids, at
+    least one sequence, and no id the model's embedding lacks (reads each file once)."""
+    d = cfg["data"]
+    if d["task"] != "tokens":
+        return
+    from course_lib.token_data import WHOLE_MODEL_STRATEGIES, check_token_file
+
+    if d["val_path"] and (cfg["train"]["strategy"] not in WHOLE_MODEL_STRATEGIES or model_parallel_size(cfg) > 1):
+        raise ConfigError(f"data.val_path is evaluated after the last step by rank 0 on its whole model: "
+                          f"train.strategy one of {', '.join(WHOLE_MODEL_STRATEGIES)} with parallel.tp = pp = cp "
+                          f"= 1; with train.strategy = {cfg['train']['strategy']!r} and tp x pp x cp = "
+                          f"{model_parallel_size(cfg)} rank 0 holds a shard (leave data.val_path empty)")
+    for key in ("path", "val_path"):
+        if d[key]:
+            try:
+                check_token_file(d[key], d["dtype"], seq_len=d["seq_len"], vocab_size=mcfg.vocab_size,
+                                 key=f"data.{key}")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
 
 
 def model_parallel_size(cfg: dict) -> int:

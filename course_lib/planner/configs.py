@@ -82,7 +82,8 @@ def trainer_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan, mirror: st
             "progress": (False, "batch job: log lines, no progress bar"),
         },
         "data": {
-            "task": ("text", "replace with your tokenised corpus loader; the kit ships synthetic/byte data"),
+            "task": ("text", "bytes of the bundled notes; your corpus: task = \"tokens\", path = \"OUT.bin\" "
+                             "(course data prepare), dtype, vocab_size"),
             "seq_len": (spec.seq, "tokens per sequence"),
         },
         "model": {
