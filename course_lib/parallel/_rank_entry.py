@@ -24,6 +24,11 @@ class RankSpec:
     threads: int
     log_path: str
     parent_pid: int
+    # The caller's state at launch: a rank from the fork server would otherwise keep the
+    # server's (its working directory, environment and import path when it started).
+    cwd: str | None = None
+    environ: dict | None = None
+    sys_path: list | None = None
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -37,10 +42,38 @@ def _die_with_parent(parent_pid: int) -> None:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         PR_SET_PDEATHSIG = 1
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        # Spawned, our parent is the caller; from the fork server, it is the server, which exits
+        # when the caller dies (and this signal follows). Either way: is the caller still there?
+        os.kill(parent_pid, 0)
+        if os.getppid() == 1:  # our parent died before prctl took effect
             os._exit(1)
+    except ProcessLookupError:  # the caller is gone: nobody would read our result
+        os._exit(1)
     except OSError:
         pass
+
+
+def _release_fork_server() -> None:
+    """A rank forked by the fork server inherits the write end of the pipe that tells the server
+    its caller is alive; holding it, the ranks would keep the server alive after the caller died,
+    and the server would never die to send them PR_SET_PDEATHSIG. Close it (spawned: nothing)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # noqa: SLF001 - the module keeps the fd on this singleton
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
+def _take_callers_state(spec: RankSpec) -> None:
+    """Working directory, environment and import path as the caller has them now."""
+    if spec.cwd is not None:
+        os.chdir(spec.cwd)
+    if spec.environ is not None:
+        os.environ.clear()
+        os.environ.update(spec.environ)
+    if spec.sys_path is not None:
+        sys.path[:] = spec.sys_path
 
 
 def _redirect_output(path: str) -> None:
@@ -57,7 +90,9 @@ def _redirect_output(path: str) -> None:
 
 def main(spec: RankSpec, payload: bytes, conn) -> None:
     """Join the group, run the user's function, hand back the result, then leave fast."""
+    _release_fork_server()
     _die_with_parent(spec.parent_pid)
+    _take_callers_state(spec)
     _redirect_output(spec.log_path)
     os.environ.update({
         "RANK": str(spec.rank), "WORLD_SIZE": str(spec.world_size),

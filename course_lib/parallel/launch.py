@@ -22,7 +22,12 @@ Why :func:`run_ranks` is more than ``torch.multiprocessing.spawn``:
   race for a port.
 * Output of every rank (including C++ warnings) is relayed to the caller with a ``[rank N]``
   prefix, so prints show up in a Jupyter cell instead of the server's terminal.
-* Processes are *spawned*, never forked: forking a kernel that already ran torch compute hangs.
+* Ranks are never forked from the caller: forking a kernel that already ran torch compute hangs
+  (an OpenMP barrier). They come from a *fork server*: a fresh interpreter, started on the
+  first call, that imports torch once and has run no compute, so each rank starts without
+  paying torch's import (~2.7 CPU-seconds a rank here). Each rank then takes the caller's
+  current working directory, environment and ``sys.path``, so it behaves like a spawned one.
+  ``COURSE_RANK_START=spawn`` starts every rank as a fresh interpreter instead.
 """
 from __future__ import annotations
 
@@ -258,6 +263,25 @@ class _OutputRelay:
         return "\n".join(self.tails[rank])
 
 
+RANK_START_METHODS = ("forkserver", "spawn")
+
+
+def _start_context(mp):
+    """The multiprocessing context ranks start from: ``forkserver`` (default; torch preloaded in
+    the server, see the module docstring) or ``spawn`` (``COURSE_RANK_START=spawn``: a fresh
+    interpreter per rank, the slow and simplest way)."""
+    method = os.environ.get("COURSE_RANK_START", "forkserver")
+    check_choice("COURSE_RANK_START", method, RANK_START_METHODS)
+    if method not in mp.get_all_start_methods():  # forkserver is POSIX-only
+        method = "spawn"
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        # torch only (it runs no compute and starts no thread on import): a rank imports
+        # course_lib and the user's modules fresh after the fork, so an edited one is never stale.
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
 def _kill_all(procs) -> None:
     for p in procs:
         if p.is_alive():
@@ -300,7 +324,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, backend: str | None = N
 
     backend = backend or default_backend(world_size)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-    ctx = mp.get_context("spawn")
+    ctx = _start_context(mp)
     deadline = time.monotonic() + timeout
     store = _free_store(world_size, timeout)
     logdir = tempfile.mkdtemp(prefix="course-ranks-")
@@ -311,7 +335,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, backend: str | None = N
             recv, send = ctx.Pipe(duplex=False)
             spec = _rank_entry.RankSpec(rank=rank, world_size=world_size, backend=backend,
                                         store_port=store.port, timeout_s=timeout, threads=threads,
-                                        log_path=relay.paths[rank], parent_pid=os.getpid())
+                                        log_path=relay.paths[rank], parent_pid=os.getpid(),
+                                        cwd=os.getcwd(), environ=dict(os.environ), sys_path=list(sys.path))
             p = ctx.Process(target=_rank_entry.main, args=(spec, payload, send),
                             name=f"course-rank-{rank}", daemon=True)
             p.start()
