@@ -95,35 +95,52 @@ def test_resume_is_bit_exact(resumed, name):
 
 
 def test_fsdp_checkpoint_moves_between_world_sizes_and_into_a_plain_model(tmp_path):
-    """Saved by FSDP2 on 2 ranks: resumed on 1 rank (resharded by DCP), consolidated into a plain
-    single-process TinyGPT, and saved on 1 rank then resumed on 2."""
+    """FSDP2, 12 steps, a checkpoint every 4, the global batch (12) kept throughout: saved on 2
+    ranks (its last checkpoint consolidated into a plain single-process TinyGPT), resumed from step
+    4 on 3 ranks (rank 2 saved no state of its own: it must take the data position the order
+    implies, not batch 0), then from step 8 on 2 ranks again (shrunk, resharded by DCP). Every
+    logged loss matches one process on the same batches; a rank that replays data is ~1e-2 off."""
     from course_lib.checkpoint.dcp import consolidate_sharded
     from course_lib.model import TinyGPT
 
-    two = tmp_path / "two"
-    c2 = cfg(train__max_steps=6, train__micro_batch=8, train__strategy="fsdp", checkpoint__async_save=False)
-    saved = run_ranks(fns.train_many, 2, [(c2, str(two), False)])[0][0]
-    ckpt = sorted((two / "checkpoints").glob("step_*"))[-1]
+    def fsdp(micro):
+        return cfg(train__micro_batch=micro, train__strategy="fsdp", checkpoint__save_every=4,
+                   checkpoint__async_save=False)
 
-    plain = TinyGPT(train_config.build_model_config(c2))
-    plain.load_state_dict(consolidate_sharded(ckpt), strict=True)
+    def resume_copy(src, dst, keep_until):  # a run folder cut back to its step-keep_until checkpoint
+        shutil.copytree(src, dst)
+        for ckpt in (dst / "checkpoints").glob("step_*"):
+            if int(ckpt.name.split("_")[1]) > keep_until:
+                shutil.rmtree(ckpt)
+        return dst
+
+    single = tmp_path / "single"
+    train(cfg(train__micro_batch=12), single)
+    ref = losses(single)
+
+    two = tmp_path / "two"
+    saved = run_ranks(fns.train_many, 2, [(fsdp(6), str(two), False)])[0][0]
+    plain = TinyGPT(train_config.build_model_config(fsdp(6)))
+    plain.load_state_dict(consolidate_sharded(two / "checkpoints" / "step_000000012"), strict=True)
     for k, v in plain.state_dict().items():
         assert torch.equal(v, saved["weights"][k]), f"consolidated {k} differs from the trained weights"
+    assert max_rel(losses(two), ref) <= 1e-4
 
-    # 2 -> 1: the same weights arrive in a one-rank FSDP2 model, which trains on
-    one = tmp_path / "one"
-    shutil.copytree(two, one)
-    c1 = cfg(train__max_steps=8, train__micro_batch=16, train__strategy="fsdp", checkpoint__async_save=False)
-    back = run_ranks(fns.train_many, 1, [(c1, str(one), True)])[0][0]
-    assert back["resumed_from"] == 6 and back["steps"] == 8
-    assert torch.isfinite(torch.tensor(losses(one))).all()
+    three = resume_copy(two, tmp_path / "three", 4)  # step 4 holds rank0.pt and rank1.pt only
+    grown = run_ranks(fns.train_many, 3, [(fsdp(4), str(three), True)])[0][0]
+    assert grown["resumed_from"] == 4 and grown["steps"] == 12
+    step8 = three / "checkpoints" / "step_000000008"
+    seen = [torch.load(step8 / f"rank{r}.pt", weights_only=True)["per_rank"]["data"]["samples_seen"]
+            for r in range(3)]
+    assert seen == [8 * 12] * 3, f"data positions saved after step 8 (samples): {seen}, want {8 * 12} on every rank"
+    rel = max_rel(losses(three), ref)
+    assert rel <= 1e-4, f"2 -> 3 ranks: losses differ from one process by up to {rel:.2e} (relative)"
 
-    # 1 -> 2
-    again = tmp_path / "again"
-    shutil.copytree(one, again)
-    c3 = cfg(train__max_steps=10, train__micro_batch=8, train__strategy="fsdp", checkpoint__async_save=False)
-    grown = run_ranks(fns.train_many, 2, [(c3, str(again), True)])[0][0]
-    assert grown["resumed_from"] == 8 and grown["steps"] == 10
+    back = resume_copy(three, tmp_path / "back", 8)
+    shrunk = run_ranks(fns.train_many, 2, [(fsdp(6), str(back), True)])[0][0]
+    assert shrunk["resumed_from"] == 8 and shrunk["steps"] == 12
+    rel = max_rel(losses(back), ref)
+    assert rel <= 1e-4, f"2 -> 3 -> 2 ranks: losses differ from one process by up to {rel:.2e} (relative)"
 
 
 def test_full_checkpoint_of_sharded_scratch_strategies_loads_in_one_process(tmp_path):
