@@ -193,6 +193,36 @@ def test_a_checkpoint_format_the_strategy_cannot_hold_is_refused(tmp_path):
             assert not exists, f"{name}: the run folder was created before the refusal"
 
 
+def test_resume_auto_refuses_checkpoints_of_another_format(tmp_path):
+    """``--resume auto`` beside checkpoints this run's format cannot read (ddp -> fsdp: full files,
+    DCP expected; fsdp -> zero2: the reverse; a newer ddp run beside older fsdp checkpoints) is a
+    ConfigError naming each checkpoint and its format, raised before anything is written: no
+    fresh start from step 0, metrics.jsonl and the step folders untouched. The CLI says so with
+    exit code 2 (in one process: single beside fsdp's checkpoints)."""
+    from course_lib.train import main
+
+    def c(strategy, steps=2):
+        return cfg(train__max_steps=steps, train__micro_batch=8, train__strategy=strategy, schedule__warmup_steps=1,
+                   checkpoint__save_every=2, checkpoint__async_save=False)
+
+    cases = [("ddp-fsdp", [(c("ddp"), False)], c("fsdp", 4)),
+             ("fsdp-zero2", [(c("fsdp"), False)], c("zero2", 4)),
+             ("newer-ddp", [(c("fsdp"), False), (c("ddp", 4), False)], c("fsdp", 6))]
+    [out, _] = run_ranks(fns.resume_into_other_formats, 2, cases, str(tmp_path))
+    want = {"ddp-fsdp": ("sharded (DCP)", "full, step 2"),
+            "fsdp-zero2": ("full", "sharded (DCP), step 2, 2 ranks"),
+            "newer-ddp": ("saved after", "full, step 4")}
+    for name, (message, before, after) in out.items():
+        assert message is not None, f"{name}: resumed (or started over) beside checkpoints it cannot read"
+        assert all(w in message for w in want[name]) and "step_000000002" in message, (name, message)
+        assert after == before, f"{name}: the refused resume changed the folder"
+
+    args = ["--config", str(TINY), "--out", str(tmp_path / "fsdp-zero2"), "--resume", "auto", "--no-progress",
+            "--max-steps", "4", "--set", "train.micro_batch=16", "--set", "train.peak_flops=1e12",
+            "--set", "schedule.warmup_steps=1"]
+    assert main(args) == 2
+
+
 @pytest.mark.parametrize("sets, match", [
     ({"train__strategy": "zero1"}, "needs a process group"),
     ({"train__strategy": "fsdp-scratch"}, "needs a process group"),
