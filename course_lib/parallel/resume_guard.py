@@ -85,7 +85,7 @@ def verdict(root: str | Path, own_format: str, strategy: str, loaded: Any) -> tu
     foreign = [c for c in _listing(Path(root)) if c["format"] != mine]
     if not foreign:
         return None
-    own_name, writers = FORMATS.get(mine, (own_format, ""))
+    own_name = FORMATS.get(mine, (own_format, ""))[0]
     kinds = sorted({c["format"] for c in foreign})
     lines = "\n".join(f"  - {_describe(c)}" for c in foreign)
     before = _previous_strategy(root)
