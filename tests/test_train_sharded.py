@@ -95,49 +95,44 @@ def test_resume_is_bit_exact(resumed, name):
 
 
 def test_fsdp_checkpoint_moves_between_world_sizes_and_into_a_plain_model(tmp_path):
-    """FSDP2, 12 steps, a checkpoint every 4, the global batch (12) kept throughout: saved on 2
-    ranks (its last checkpoint consolidated into a plain single-process TinyGPT), resumed from step
-    4 on 3 ranks (rank 2 saved no state of its own: it must take the data position the order
-    implies, not batch 0), then from step 8 on 2 ranks again (shrunk, resharded by DCP). Every
-    logged loss matches one process on the same batches; a rank that replays data is ~1e-2 off."""
+    """FSDP2 with the global batch (12) kept throughout: 4 steps on 2 ranks (the checkpoint then
+    consolidated into a plain single-process TinyGPT), resumed for 4 on 3 ranks (rank 2 saved no
+    state of its own: it must take the data position the order implies, not batch 0), then for 4
+    on 2 ranks again (shrunk, resharded by DCP). Every logged loss matches one process on the same
+    batches; a rank that replays data is ~1e-2 off. A constant schedule after warm-up, so that the
+    learning rate does not depend on where a run stops."""
     from course_lib.checkpoint.dcp import consolidate_sharded
     from course_lib.model import TinyGPT
 
-    def fsdp(micro):
-        return cfg(train__micro_batch=micro, train__strategy="fsdp", checkpoint__save_every=4,
-                   checkpoint__async_save=False)
-
-    def resume_copy(src, dst, keep_until):  # a run folder cut back to its step-keep_until checkpoint
-        shutil.copytree(src, dst)
-        for ckpt in (dst / "checkpoints").glob("step_*"):
-            if int(ckpt.name.split("_")[1]) > keep_until:
-                shutil.rmtree(ckpt)
-        return dst
+    def run(steps, micro, strategy="fsdp"):
+        return cfg(train__max_steps=steps, train__micro_batch=micro, train__strategy=strategy,
+                   schedule__kind="constant", checkpoint__async_save=False)
 
     single = tmp_path / "single"
-    train(cfg(train__micro_batch=12), single)
+    train(run(12, 12, "single"), single)
     ref = losses(single)
 
     two = tmp_path / "two"
-    saved = run_ranks(fns.train_many, 2, [(fsdp(6), str(two), False)])[0][0]
-    plain = TinyGPT(train_config.build_model_config(fsdp(6)))
-    plain.load_state_dict(consolidate_sharded(two / "checkpoints" / "step_000000012"), strict=True)
+    saved = run_ranks(fns.train_many, 2, [(run(4, 6), str(two), False)])[0][0]
+    plain = TinyGPT(train_config.build_model_config(run(4, 6)))
+    plain.load_state_dict(consolidate_sharded(two / "checkpoints" / "step_000000004"), strict=True)
     for k, v in plain.state_dict().items():
         assert torch.equal(v, saved["weights"][k]), f"consolidated {k} differs from the trained weights"
-    assert max_rel(losses(two), ref) <= 1e-4
 
-    three = resume_copy(two, tmp_path / "three", 4)  # step 4 holds rank0.pt and rank1.pt only
-    grown = run_ranks(fns.train_many, 3, [(fsdp(4), str(three), True)])[0][0]
-    assert grown["resumed_from"] == 4 and grown["steps"] == 12
+    three = tmp_path / "three"
+    shutil.copytree(two, three)  # step 4 holds rank0.pt and rank1.pt only
+    grown = run_ranks(fns.train_many, 3, [(run(8, 4), str(three), True)])[0][0]
+    assert grown["resumed_from"] == 4 and grown["steps"] == 8
     step8 = three / "checkpoints" / "step_000000008"
     seen = [torch.load(step8 / f"rank{r}.pt", weights_only=True)["per_rank"]["data"]["samples_seen"]
             for r in range(3)]
     assert seen == [8 * 12] * 3, f"data positions saved after step 8 (samples): {seen}, want {8 * 12} on every rank"
-    rel = max_rel(losses(three), ref)
+    rel = max_rel(losses(three), ref[:8])
     assert rel <= 1e-4, f"2 -> 3 ranks: losses differ from one process by up to {rel:.2e} (relative)"
 
-    back = resume_copy(three, tmp_path / "back", 8)
-    shrunk = run_ranks(fns.train_many, 2, [(fsdp(6), str(back), True)])[0][0]
+    back = tmp_path / "back"
+    shutil.copytree(three, back)
+    shrunk = run_ranks(fns.train_many, 2, [(run(12, 6), str(back), True)])[0][0]
     assert shrunk["resumed_from"] == 8 and shrunk["steps"] == 12
     rel = max_rel(losses(back), ref)
     assert rel <= 1e-4, f"2 -> 3 -> 2 ranks: losses differ from one process by up to {rel:.2e} (relative)"
