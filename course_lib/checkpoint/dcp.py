@@ -206,7 +206,7 @@ def load_sharded(root: str | Path, model: torch.nn.Module, optimizer: Any = None
         own = _rank_file(rank) in manifest["files"]  # sealed with the checkpoint, not whatever lies there
         if own:
             mine = torch.load(path / _rank_file(rank), map_location="cpu", weights_only=True)
-        else:
+        elif per_rank:
             # The world grew: this rank saved nothing. Its data position is rank 0's (a sampler's
             # position counts the global stream, so every rank's is the same; staying at batch 0
             # would replay data), as full checkpoints do; its RNG stream stays its own.
