@@ -152,6 +152,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     from course_lib.metrics import MetricsLog
     from course_lib.model import TinyGPT
     from course_lib.parallel.checkpointing import TrainState
+    from course_lib.parallel import resume_guard
     from course_lib.parallel.registry import make_strategy
     from course_lib.schedules import Schedule, make_scheduler
     from course_lib.wandb_log import WandbLog
@@ -221,8 +222,8 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                                         keep_last=ck["keep_last"], async_save=ck["async_save"],
                                         mirror=ck["mirror"] or None, format=ck["format"])
     start, last_loss = 0, None  # last_loss: the last *finite* logged loss
-    if resume:
-        loaded = checkpoints.load(state)
+    if resume:  # refuses a folder of checkpoints this format cannot read (never a silent step 0)
+        loaded = resume_guard.resume(checkpoints, state, t["strategy"])
         if loaded is not None:
             start, last_loss = loaded.step, loaded.metrics.get("loss")
     if strategy.is_writer:

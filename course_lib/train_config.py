@@ -225,9 +225,8 @@ def _cross_checks(cfg: dict) -> None:
                           "(`course data prepare` writes one from text)")
     if path and cfg["data"]["task"] == "text" and not Path(path).is_file():
         raise ConfigError(f"data.path: no such file {path!r} (a UTF-8 text file; \"\" = the bundled notes)")
-    if cfg["checkpoint"]["format"] == "sharded" and cfg["checkpoint"]["mirror"]:
-        raise ConfigError("checkpoint.mirror works with full checkpoints only; sharded (DCP) "
-                          "checkpoints stay in the run folder")
+    if cfg["checkpoint"]["mirror"]:
+        _mirror_check(cfg["checkpoint"]["format"], t["strategy"])
     if t["strategy"] == "deepspeed" and (o["fused"] or t["compile"]):
         key = "optim.fused" if o["fused"] else "train.compile"
         raise ConfigError(f"{key} does not apply to train.strategy = 'deepspeed': the engine builds its own "
@@ -274,6 +273,25 @@ def _token_file_checks(cfg: dict, mcfg) -> None:
                                  key=f"data.{key}")
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+
+
+def _mirror_check(fmt: str, strategy: str) -> None:
+    """``checkpoint.mirror`` copies full checkpoints only: refuse it where the checkpoints will be
+    sharded (DCP) or DeepSpeed's, with advice the config accepts (fsdp refuses format 'full')."""
+    where = ("DeepSpeed's partitioned" if strategy == "deepspeed" else "sharded (DCP)"
+             if strategy == "fsdp" or fmt == "sharded" else None)
+    if where is None:
+        return
+    copy = "set checkpoint.mirror = '' and copy OUT/checkpoints with your storage tools"
+    if strategy in ("fsdp", "deepspeed"):
+        other = ("'zero2' (any layout) or 'fsdp-scratch' (ZeRO-3, no tp/pp)" if strategy == "fsdp"
+                 else "'zero1' or 'zero2'")
+        advice = f"{copy}, or use train.strategy = {other}: full checkpoints, which mirror"
+    else:
+        advice = f"set checkpoint.format = 'auto' or 'full' (mirrored), or {copy}"
+    raise ConfigError(f"checkpoint.mirror copies full checkpoints only, and train.strategy = {strategy!r} with "
+                      f"checkpoint.format = {fmt!r} saves {where} checkpoints, which stay in the run folder: "
+                      f"{advice}")
 
 
 def model_parallel_size(cfg: dict) -> int:

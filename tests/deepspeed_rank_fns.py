@@ -148,11 +148,32 @@ def skip_and_lr(rank, world_size, cfg, offload_cfg):
     return out
 
 
-def resume_convert_fallback_many(rank, world_size, cfgs, root):
-    """:func:`resume_convert_fallback` for each ``{name: cfg}`` under ``root/name``, one start."""
+def resume_convert_fallback_many(rank, world_size, cfgs, root, cross=()):
+    """:func:`resume_convert_fallback` for each ``{name: cfg}`` under ``root/name``, one start; then
+    each ``(saved, resumed)`` of ``cross`` resumes a copy of ``saved``'s ``full`` run with
+    ``cfgs[resumed]`` (another ZeRO stage), expecting CheckpointLoadError: its message under
+    ``out["cross"][(saved, resumed)]`` (None if it resumed)."""
+    import shutil
     from pathlib import Path
 
-    return {name: resume_convert_fallback(rank, world_size, cfg, str(Path(root) / name)) for name, cfg in cfgs.items()}
+    import torch.distributed as dist
+
+    from course_lib.checkpoint import CheckpointLoadError
+
+    out = {name: resume_convert_fallback(rank, world_size, cfg, str(Path(root) / name)) for name, cfg in cfgs.items()}
+    out["cross"] = {}
+    for saved, resumed in cross:
+        folder = Path(root) / f"{saved}-as-{resumed}"
+        if rank == 0:
+            shutil.copytree(Path(root) / saved / "full", folder)
+        dist.barrier()
+        try:
+            train_digest(rank, world_size, cfgs[resumed], str(folder), resume=True)
+            out["cross"][(saved, resumed)] = None
+        except CheckpointLoadError as exc:
+            out["cross"][(saved, resumed)] = str(exc)
+        dist.barrier()
+    return out
 
 
 def resume_convert_fallback(rank, world_size, cfg, root):

@@ -34,3 +34,35 @@ def fsdp_refuses_a_model_without_blocks(rank, world_size):
     except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def resume_into_other_formats(rank, world_size, cases, root):
+    """Per case ``(name, [(cfg, resume), ...], cfg_resumed)`` under ``root/name``: the runs that fill
+    the folder, then ``--resume auto`` with ``cfg_resumed``, expecting a ConfigError. Returns
+    ``{name: (message or None, the folder's step directories and metrics.jsonl before, after)}``."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from course_lib.train import train
+    from course_lib.train_config import ConfigError
+
+    def snapshot(folder):
+        steps = sorted(p.name for p in (folder / "checkpoints").iterdir())
+        return steps, (folder / "metrics.jsonl").read_bytes(), (folder / "config.json").read_bytes()
+
+    out = {}
+    for name, fills, resumed in cases:
+        folder = Path(root) / name
+        for c, resume in fills:
+            train(c, folder, resume=resume)
+        dist.barrier()
+        before = snapshot(folder)
+        message = None
+        try:
+            train(resumed, folder, resume=True)
+        except ConfigError as exc:
+            message = str(exc)
+        dist.barrier()
+        out[name] = (message, before, snapshot(folder))
+    return out

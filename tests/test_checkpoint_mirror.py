@@ -79,6 +79,23 @@ def test_verified_copies_land_on_the_mirror_and_follow_retention(tmp_path, kind,
     assert mirror.failures == [] and mirror.uploaded == [f"step_00000000{i}" for i in range(1, 5)]
 
 
+def test_after_a_recovery_from_the_mirror_it_still_keeps_keep_last(tmp_path):
+    """The local disk is lost and the run resumes from the mirror, which downloads only the newest
+    checkpoint: the next save must leave keep_last on the mirror, not prune it to the local set."""
+    mirror = mirror_for("file", tmp_path, skip_superseded=False)
+    mgr = CheckpointManager(tmp_path / "local", keep_last=3, mirror=mirror)
+    for step in (1, 2, 3):
+        mgr.save(step, model=model_at(step))
+    mgr.close()
+    shutil.rmtree(tmp_path / "local")
+    mgr = CheckpointManager(tmp_path / "local", keep_last=3, mirror=mirror)
+    assert mgr.load(nn.Linear(16, 16)).source == "mirror"
+    mgr.save(4, model=model_at(4))
+    mgr.close()
+    assert sorted(mirror.list()) == ["step_000000002", "step_000000003", "step_000000004"]
+    assert [n for n, _ in mgr.checkpoints()] == ["step_000000003", "step_000000004"]  # what the disk had
+
+
 def test_a_slow_mirror_skips_superseded_uploads_and_blocks_no_pruning(tmp_path):
     delays = []
 

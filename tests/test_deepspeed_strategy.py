@@ -196,7 +196,15 @@ def test_a_skipped_step_leaves_no_trace_and_the_scheduled_lr_reaches_deepspeed(d
 def test_resume_is_bit_exact_a_corrupt_checkpoint_falls_back_and_conversion_is_exact(tmp_path, deepspeed_ops):
     cfgs = {f"z{stage}": ds_cfg({"parallel.zero_stage": stage, "train.max_steps": 10, "checkpoint.save_every": 5})
             for stage in (2, 3)}
-    results = run_ranks(ds_fns.resume_convert_fallback_many, 2, cfgs, str(tmp_path), timeout=600)
+    # and across stages 2 <-> 3 (DeepSpeed itself fails there with a bare AssertionError): refused
+    # by name before DeepSpeed reads, saying which stage saved, which is asked, and what converts
+    cross = [("z2", "z3"), ("z3", "z2")]
+    results = run_ranks(ds_fns.resume_convert_fallback_many, 2, cfgs, str(tmp_path), cross, timeout=600)
+    for r in results:
+        for (saved, resumed), message in r["cross"].items():
+            assert message is not None, f"a ZeRO-{saved[1]} checkpoint resumed at ZeRO-{resumed[1]}"
+            assert f"saved with ZeRO stage {saved[1]}" in message and f"asks for stage {resumed[1]}" in message \
+                and "deepspeed_to_state_dict" in message and "parallel.zero_stage" in message, message
     for name in cfgs:
         out = [r[name] for r in results]
         for r in out:
@@ -216,6 +224,21 @@ def test_resume_is_bit_exact_a_corrupt_checkpoint_falls_back_and_conversion_is_e
                  else {"mp_rank_00_model_states.pt"})
         assert {"rank0.pt", "rank1.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                 "zero_pp_rank_1_mp_rank_00_optim_states.pt", *model} == set(files), name
+
+
+def test_an_error_deepspeed_raises_without_text_says_where():
+    """A bare ``assert`` inside DeepSpeed has an empty message: the load error names its place."""
+    from course_lib.parallel.deepspeed_checkpoints import _engine_error
+
+    def bare():
+        raise AssertionError()
+
+    try:
+        bare()
+    except AssertionError as exc:
+        text = _engine_error(exc)
+    assert text.startswith("AssertionError with no message, at ") and "raise AssertionError()" in text, text
+    assert _engine_error(ValueError("bad")) == "ValueError: bad"
 
 
 def test_bad_input_is_refused_before_any_file(tmp_path, deepspeed_ops):

@@ -95,35 +95,47 @@ def test_resume_is_bit_exact(resumed, name):
 
 
 def test_fsdp_checkpoint_moves_between_world_sizes_and_into_a_plain_model(tmp_path):
-    """Saved by FSDP2 on 2 ranks: resumed on 1 rank (resharded by DCP), consolidated into a plain
-    single-process TinyGPT, and saved on 1 rank then resumed on 2."""
+    """FSDP2 with the global batch (12) kept throughout: 4 steps on 2 ranks (the checkpoint then
+    consolidated into a plain single-process TinyGPT), resumed for 4 on 3 ranks (rank 2 saved no
+    state of its own: it must take the data position the order implies, not batch 0), then for 4
+    on 2 ranks again (shrunk, resharded by DCP). Every logged loss matches one process on the same
+    batches; a rank that replays data is ~1e-2 off. A constant schedule after warm-up, so that the
+    learning rate does not depend on where a run stops."""
     from course_lib.checkpoint.dcp import consolidate_sharded
     from course_lib.model import TinyGPT
 
-    two = tmp_path / "two"
-    c2 = cfg(train__max_steps=6, train__micro_batch=8, train__strategy="fsdp", checkpoint__async_save=False)
-    saved = run_ranks(fns.train_many, 2, [(c2, str(two), False)])[0][0]
-    ckpt = sorted((two / "checkpoints").glob("step_*"))[-1]
+    def run(steps, micro, strategy="fsdp"):
+        return cfg(train__max_steps=steps, train__micro_batch=micro, train__strategy=strategy,
+                   schedule__kind="constant", checkpoint__async_save=False)
 
-    plain = TinyGPT(train_config.build_model_config(c2))
-    plain.load_state_dict(consolidate_sharded(ckpt), strict=True)
+    single = tmp_path / "single"
+    train(run(12, 12, "single"), single)
+    ref = losses(single)
+
+    two = tmp_path / "two"
+    saved = run_ranks(fns.train_many, 2, [(run(4, 6), str(two), False)])[0][0]
+    plain = TinyGPT(train_config.build_model_config(run(4, 6)))
+    plain.load_state_dict(consolidate_sharded(two / "checkpoints" / "step_000000004"), strict=True)
     for k, v in plain.state_dict().items():
         assert torch.equal(v, saved["weights"][k]), f"consolidated {k} differs from the trained weights"
 
-    # 2 -> 1: the same weights arrive in a one-rank FSDP2 model, which trains on
-    one = tmp_path / "one"
-    shutil.copytree(two, one)
-    c1 = cfg(train__max_steps=8, train__micro_batch=16, train__strategy="fsdp", checkpoint__async_save=False)
-    back = run_ranks(fns.train_many, 1, [(c1, str(one), True)])[0][0]
-    assert back["resumed_from"] == 6 and back["steps"] == 8
-    assert torch.isfinite(torch.tensor(losses(one))).all()
+    three = tmp_path / "three"
+    shutil.copytree(two, three)  # step 4 holds rank0.pt and rank1.pt only
+    grown = run_ranks(fns.train_many, 3, [(run(8, 4), str(three), True)])[0][0]
+    assert grown["resumed_from"] == 4 and grown["steps"] == 8
+    step8 = three / "checkpoints" / "step_000000008"
+    seen = [torch.load(step8 / f"rank{r}.pt", weights_only=True)["per_rank"]["data"]["samples_seen"]
+            for r in range(3)]
+    assert seen == [8 * 12] * 3, f"data positions saved after step 8 (samples): {seen}, want {8 * 12} on every rank"
+    rel = max_rel(losses(three), ref[:8])
+    assert rel <= 1e-4, f"2 -> 3 ranks: losses differ from one process by up to {rel:.2e} (relative)"
 
-    # 1 -> 2
-    again = tmp_path / "again"
-    shutil.copytree(one, again)
-    c3 = cfg(train__max_steps=10, train__micro_batch=8, train__strategy="fsdp", checkpoint__async_save=False)
-    grown = run_ranks(fns.train_many, 2, [(c3, str(again), True)])[0][0]
-    assert grown["resumed_from"] == 8 and grown["steps"] == 10
+    back = tmp_path / "back"
+    shutil.copytree(three, back)
+    shrunk = run_ranks(fns.train_many, 2, [(run(12, 6), str(back), True)])[0][0]
+    assert shrunk["resumed_from"] == 8 and shrunk["steps"] == 12
+    rel = max_rel(losses(back), ref)
+    assert rel <= 1e-4, f"2 -> 3 -> 2 ranks: losses differ from one process by up to {rel:.2e} (relative)"
 
 
 def test_full_checkpoint_of_sharded_scratch_strategies_loads_in_one_process(tmp_path):
@@ -176,6 +188,36 @@ def test_a_checkpoint_format_the_strategy_cannot_hold_is_refused(tmp_path):
             assert not exists, f"{name}: the run folder was created before the refusal"
 
 
+def test_resume_auto_refuses_checkpoints_of_another_format(tmp_path):
+    """``--resume auto`` beside checkpoints this run's format cannot read (ddp -> fsdp: full files,
+    DCP expected; fsdp -> zero2: the reverse; a newer ddp run beside older fsdp checkpoints) is a
+    ConfigError naming each checkpoint and its format, raised before anything is written: no
+    fresh start from step 0, metrics.jsonl and the step folders untouched. The CLI says so with
+    exit code 2 (in one process: single beside fsdp's checkpoints)."""
+    from course_lib.train import main
+
+    def c(strategy, steps=2):
+        return cfg(train__max_steps=steps, train__micro_batch=8, train__strategy=strategy, schedule__warmup_steps=1,
+                   checkpoint__save_every=2, checkpoint__async_save=False)
+
+    cases = [("ddp-fsdp", [(c("ddp"), False)], c("fsdp", 4)),
+             ("fsdp-zero2", [(c("fsdp"), False)], c("zero2", 4)),
+             ("newer-ddp", [(c("fsdp"), False), (c("ddp", 4), False)], c("fsdp", 6))]
+    [out, _] = run_ranks(fns.resume_into_other_formats, 2, cases, str(tmp_path))
+    want = {"ddp-fsdp": ("sharded (DCP)", "full, step 2"),
+            "fsdp-zero2": ("full", "sharded (DCP), step 2, 2 ranks"),
+            "newer-ddp": ("saved after", "full, step 4")}
+    for name, (message, before, after) in out.items():
+        assert message is not None, f"{name}: resumed (or started over) beside checkpoints it cannot read"
+        assert all(w in message for w in want[name]) and "step_000000002" in message, (name, message)
+        assert after == before, f"{name}: the refused resume changed the folder"
+
+    args = ["--config", str(TINY), "--out", str(tmp_path / "fsdp-zero2"), "--resume", "auto", "--no-progress",
+            "--max-steps", "4", "--set", "train.micro_batch=16", "--set", "train.peak_flops=1e12",
+            "--set", "schedule.warmup_steps=1"]
+    assert main(args) == 2
+
+
 @pytest.mark.parametrize("sets, match", [
     ({"train__strategy": "zero1"}, "needs a process group"),
     ({"train__strategy": "fsdp-scratch"}, "needs a process group"),
@@ -185,6 +227,12 @@ def test_a_checkpoint_format_the_strategy_cannot_hold_is_refused(tmp_path):
     ({"parallel__zero_stage": 4}, "parallel.zero_stage"),
 
     ({"parallel__bucket_mb": -1}, "parallel.bucket_mb"),
+    # sharded (DCP) and DeepSpeed checkpoints are not mirrored: refused by the validator, with
+    # advice fsdp accepts (not checkpoint.format = 'full', which fsdp refuses)
+    ({"train__strategy": "fsdp", "checkpoint__mirror": "file:///tmp/m"}, r"checkpoint\.mirror.*'fsdp'.*'zero2'"),
+    ({"train__strategy": "deepspeed", "checkpoint__mirror": "file:///tmp/m"}, r"checkpoint\.mirror.*'deepspeed'"),
+    ({"train__strategy": "ddp", "checkpoint__format": "sharded", "checkpoint__mirror": "file:///tmp/m"},
+     r"checkpoint\.mirror.*checkpoint\.format = 'auto' or 'full'"),
 ])
 def test_bad_input_is_refused_before_any_file(tmp_path, sets, match):
     with pytest.raises(train_config.ConfigError, match=match):

@@ -162,8 +162,8 @@ def load_sharded(root: str | Path, model: torch.nn.Module, optimizer: Any = None
                  restore_rng: bool = True, strict: bool = True, process_group: Any = None) -> LoadResult | None:
     """Collective: restore the newest sharded checkpoint under ``root`` that verifies (rank 0
     checks, falling back past corrupt ones with a warning), on every rank. With a different world
-    size, model and optimizer are resharded by DCP; per-rank state is restored only for ranks that
-    saved one.
+    size, model and optimizer are resharded by DCP; a rank that saved no per-rank state (the world
+    grew) takes rank 0's (the data position, which counts the global stream) and keeps its RNG.
 
     Returns None on every rank only when there is no sharded checkpoint at all. Raises
     CheckpointLoadError on every rank when checkpoints exist but none verifies (listing each), when
@@ -203,17 +203,21 @@ def load_sharded(root: str | Path, model: torch.nn.Module, optimizer: Any = None
         extra_shared = torch.load(path / _rank_file(0), map_location="cpu", weights_only=True)["shared"]
         for key, obj in (shared or {}).items():
             obj.load_state_dict(extra_shared[key])
-        own = path / _rank_file(rank)
-        if own.exists():
-            mine = torch.load(own, map_location="cpu", weights_only=True)
-            for key, obj in (per_rank or {}).items():
-                obj.load_state_dict(mine["per_rank"][key])
-            if restore_rng:
-                restore_rng_state(mine["rng"])
+        own = _rank_file(rank) in manifest["files"]  # sealed with the checkpoint, not whatever lies there
+        if own:
+            mine = torch.load(path / _rank_file(rank), map_location="cpu", weights_only=True)
         elif per_rank:
-            warnings.warn(f"{path} has no state for rank {rank} (saved with world size "
-                          f"{manifest.get('world_size')}); its per-rank objects keep their current state",
-                          RuntimeWarning)
+            # The world grew: this rank saved nothing. Its data position is rank 0's (a sampler's
+            # position counts the global stream, so every rank's is the same; staying at batch 0
+            # would replay data), as full checkpoints do; its RNG stream stays its own.
+            mine = torch.load(path / _rank_file(0), map_location="cpu", weights_only=True)
+            warnings.warn(f"{path} holds per-rank state for {manifest.get('world_size')} rank(s); rank {rank} "
+                          f"has none (the world grew): its data position comes from rank 0 and its RNG is "
+                          f"left as it is", RuntimeWarning)
+        for key, obj in (per_rank or {}).items():
+            obj.load_state_dict(mine["per_rank"][key])
+        if restore_rng and own:
+            restore_rng_state(mine["rng"])
     except _dcp_exceptions() as e:
         raise CheckpointLoadError(f"cannot load sharded checkpoint {name} on rank {rank}: {_describe(e)}",
                                   [(name, _describe(e))]) from e

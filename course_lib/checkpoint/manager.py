@@ -217,10 +217,12 @@ class CheckpointManager:
                 raise
             lap("verify")
             self.last_bytes = sum(len(b) for b in files.values())
-            keep = self._prune()
+            self._prune()
             lap("prune")
             if self.mirror is not None:
-                self.mirror.submit(path, keep)
+                # The mirror keeps keep_last of its own listing, not the local set: after a resume
+                # from the mirror the disk holds fewer checkpoints than the mirror should.
+                self.mirror.submit(path, self._mirror_keep)
         except BaseException as e:  # surfaced on the next save()/wait()/close()
             self._error = e
         finally:
@@ -234,6 +236,11 @@ class CheckpointManager:
             ranked.sort(key=lambda r: (r[0] if self.best_mode == "min" else -r[0], -r[1]))
             keep |= {name for _, _, name in ranked[: self.keep_best]}
         return keep
+
+    def _mirror_keep(self, remote: dict[str, dict]) -> set[str]:
+        """The retention rule applied to the mirror's own ``{name: manifest}`` listing (called by
+        the mirror after each upload): its ``keep_last`` newest by save order, plus ``keep_best``."""
+        return self._retention(sorted(remote.items(), key=lambda nm: nm[1].get("seq", 0)))
 
     def _prune(self) -> list[str]:
         """Delete verified checkpoints outside the retention set; called only right after a new

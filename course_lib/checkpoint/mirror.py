@@ -17,12 +17,16 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Union
 
 from course_lib.validate import check_bool, check_int, check_number
 
 from .io import (MANIFEST, NAME_RE, CheckpointCorruptError, CheckpointError, read_manifest, safe_file_name,
                  sha256_hex, write_checkpoint_dir)
+
+
+#: what a prune keeps: names, or a function of the mirror's ``{name: manifest}`` listing giving them
+Keep = Union[Iterable[str], Callable[[dict], Iterable[str]], None]
 
 
 class CheckpointMirror:
@@ -63,10 +67,12 @@ class CheckpointMirror:
         return "/".join([self.root, *parts])
 
     # ------------------------------------------------------------------ upload
-    def submit(self, local_dir: str | Path, keep: Iterable[str] | None = None) -> None:
+    def submit(self, local_dir: str | Path, keep: Keep = None) -> None:
         """Upload ``local_dir`` in the background (after any earlier upload finishes, so uploads
-        land in order), then delete remote checkpoints whose names are not in ``keep``."""
-        prev, keep, name = self._thread, (None if keep is None else set(keep)), Path(local_dir).name
+        land in order), then delete remote checkpoints whose names are not in ``keep`` (names, or
+        a function of the mirror's own ``{name: manifest}`` listing that returns them)."""
+        prev, name = self._thread, Path(local_dir).name
+        keep = keep if keep is None or callable(keep) else set(keep)
         with self._lock:
             self._pending.append(name)
 
@@ -88,9 +94,9 @@ class CheckpointMirror:
         self._thread = threading.Thread(target=job, name=f"ckpt-mirror-{Path(local_dir).name}")
         self._thread.start()
 
-    def upload(self, local_dir: str | Path, keep: Iterable[str] | None = None) -> bool:
-        """Upload one verified local checkpoint now, with retries; then prune to ``keep``.
-        Returns True on success; on final failure records it, warns and returns False."""
+    def upload(self, local_dir: str | Path, keep: Keep = None) -> bool:
+        """Upload one verified local checkpoint now, with retries; then prune to ``keep`` (see
+        :meth:`submit`). Returns True on success; on final failure records it, warns and returns False."""
         local_dir = Path(local_dir)
         for attempt in range(self.retries + 1):
             try:
@@ -108,7 +114,8 @@ class CheckpointMirror:
         self.uploaded.append(local_dir.name)
         if keep is not None:
             try:
-                self.prune(set(keep) | {local_dir.name})
+                names = keep(self.list()) if callable(keep) else keep
+                self.prune(set(names) | {local_dir.name})
             except Exception as e:  # a failed prune costs space, never data
                 warnings.warn(f"mirror prune at {self.url} failed: {e!r}", RuntimeWarning)
         return True

@@ -114,9 +114,13 @@ class ShardedCheckpoints:
 
     def __init__(self, strategy: Any, root: str | Path, *, every_steps: int | None, keep_last: int,
                  async_save: bool, mirror: str | None):
-        if mirror:
-            raise ValueError("checkpoint.mirror is not supported with sharded checkpoints; copy the "
-                             "checkpoint folder with your storage tools, or use checkpoint.format = 'full'")
+        if mirror:  # train_config refuses it first; this is for callers that skip the validator
+            from course_lib.train_config import ConfigError
+
+            advice = ("checkpoint.format = 'full'" if "full" in strategy.checkpoint_formats else
+                      "a strategy with full checkpoints (zero2, fsdp-scratch)")
+            raise ConfigError(f"checkpoint.mirror is not supported with sharded checkpoints; copy the "
+                              f"checkpoint folder with your storage tools, or use {advice}")
         self.strategy, self.root = strategy, Path(root)
         self.every_steps, self.keep_last = every_steps, keep_last
 

@@ -126,9 +126,29 @@ def verify_deepspeed(path: Path, manifest: dict | None = None) -> dict:
     return manifest
 
 
-def _choose(root: Path, world_size: int) -> tuple:
+#: ZeRO stages whose checkpoints DeepSpeed loads into each other (one optimizer class, partitions
+#: of the same flat fp32 groups): resumed 1 -> 2 and 2 -> 1, every loss equals the uninterrupted run's
+#: (fp32, 2 ranks). Every
+#: other change of stage fails inside DeepSpeed (an AssertionError with no text for 2 <-> 3, a
+#: missing file for 0 -> 2, an AttributeError for 2 -> 0), so it is refused before DeepSpeed reads.
+COMPATIBLE_STAGES = ({1, 2},)
+
+
+def stage_mismatch(saved: int, asked: int) -> str | None:
+    """Why a checkpoint saved at ZeRO stage ``saved`` cannot resume at stage ``asked`` (None: it can)."""
+    if saved == asked or any({saved, asked} <= group for group in COMPATIBLE_STAGES):
+        return None
+    return (f"saved with ZeRO stage {saved} (parallel.zero_stage = {saved}), this run asks for stage {asked}: "
+            f"DeepSpeed's stage-{saved} checkpoint holds its optimizer state in another layout than stage "
+            f"{asked} reads (only stages 1 and 2 load each other). Resume with parallel.zero_stage = {saved}, "
+            f"or convert the weights with course_lib.parallel.deepspeed_checkpoints.deepspeed_to_state_dict(path) "
+            f"and start a new run from them (the optimizer state does not convert)")
+
+
+def _choose(root: Path, world_size: int, stage: int | None = None) -> tuple:
     """Rank 0's choice (see :func:`course_lib.checkpoint.collective.choose_newest`); a checkpoint of
-    another world size stops the choice rather than falling back past it."""
+    another world size, or of a ZeRO ``stage`` DeepSpeed cannot load into this one, stops the choice
+    rather than falling back past it."""
     def verify(path: Path, manifest: dict) -> dict:
         manifest = verify_deepspeed(path, manifest)
         if manifest["world_size"] != world_size:
@@ -136,6 +156,9 @@ def _choose(root: Path, world_size: int) -> tuple:
                 f"saved by {manifest['world_size']} ranks, this run has {world_size}; a ZeRO checkpoint is "
                 f"partitioned per rank: resume with the same number of ranks, or convert it with "
                 f"deepspeed_to_state_dict and start a new run from the weights")
+        why = None if stage is None else stage_mismatch(int(manifest.get("zero_stage", 0)), stage)
+        if why:
+            raise CheckpointLoadError(why)
         return manifest
 
     return choose_newest(root, DS_FORMAT, verify, "deepspeed checkpoint")
@@ -150,7 +173,7 @@ def load_deepspeed(root: str | Path, engine: Any, *, shared: dict[str, Any] | No
     chosen = None
     if rank == 0:
         try:
-            chosen = _choose(root, dist.get_world_size())
+            chosen = _choose(root, dist.get_world_size(), int(engine.zero_optimization_stage()))
         except BaseException as e:  # the others wait for the choice: tell them, then fail
             chosen = ("error", f"choosing a deepspeed checkpoint under {root} failed: {_describe(e)}", [])
     kind, name, manifest = _broadcast(chosen, None)
@@ -175,9 +198,24 @@ def load_deepspeed(root: str | Path, engine: Any, *, shared: dict[str, Any] | No
     except CheckpointLoadError:
         raise
     except Exception as e:
-        raise CheckpointLoadError(f"cannot load deepspeed checkpoint {name} on rank {rank}: {_describe(e)}",
-                                  [(name, _describe(e))]) from e
+        raise CheckpointLoadError(f"cannot load deepspeed checkpoint {name} on rank {rank}: {_engine_error(e)}",
+                                  [(name, _engine_error(e))]) from e
     return LoadResult(manifest["step"], path, "local", manifest.get("metrics", {}), manifest.get("seq", 0), manifest)
+
+
+def _engine_error(e: BaseException) -> str:
+    """``"TypeName: message"``; for an error DeepSpeed raised without a message (a bare ``assert``),
+    where it was raised and the failing line, so the report says something."""
+    text = _describe(e)
+    if str(e).strip():
+        return text
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return text
+    last = frames[-1]
+    return f"{text.rstrip(': ')} with no message, at {last.filename}:{last.lineno} ({(last.line or '').strip()})"
 
 
 # ----------------------------------------------------------------------------- the trainer's object

@@ -104,8 +104,8 @@ def trainer_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan, mirror: st
                                                 f"{ck.mtbf_job_h:.0f} h) = {ck.interval_s / 3600:.2f} h"),
             "keep_last": (ck.keep_last, "the newest may be cut off by a failure: keep older ones"),
             "async_save": (True, "training continues while the files are written"),
-            "format": ("sharded" if strategy == "fsdp" and not mirror else "auto",
-                       "DCP shards, one per rank" if strategy == "fsdp" and not mirror else
+            "format": ("sharded" if strategy == "fsdp" else "auto",
+                       "DCP shards, one per rank" if strategy == "fsdp" else
                        "what the strategy needs (the kit saves tp/pp runs dense)"),
         },
         "parallel": {
@@ -125,7 +125,12 @@ def trainer_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan, mirror: st
             "reshard_after_forward": (lay.zero_stage == 3, "fsdp: true = full shard (ZeRO-3)"),
         },
     }
-    if mirror:
+    if mirror and strategy in ("fsdp", "deepspeed"):  # checkpoint.mirror copies full checkpoints only
+        sections["checkpoint"]["format"] = (sections["checkpoint"]["format"][0],
+                                            f"{sections['checkpoint']['format'][1] or 'DeepSpeed shards'}; the kit "
+                                            f"does not mirror these: copy OUT/checkpoints to {mirror} with your "
+                                            f"storage tools (train_config refuses checkpoint.mirror here)")
+    elif mirror:
         sections["checkpoint"]["mirror"] = (mirror, "second tier: copies of finished checkpoints")
     return sections
 
