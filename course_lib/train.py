@@ -187,12 +187,6 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             raise ConfigError(f"--inject-fault: {', '.join(bad)} writes into p.grad, but train.strategy = "
                               f"{t['strategy']!r} keeps the gradients inside its engine here; use nan_loss "
                               f"or loss_shift (or, for deepspeed, parallel.zero_stage = 0 with fp32)")
-    if cfg["parallel"]["pp"] > 1:  # a named parameter lives on one pipeline stage only
-        bad = [str(f) for f in stabilizer.faults.faults if f.kind == "inf_grad" and f.value is not None]
-        if bad:
-            raise ConfigError(f"--inject-fault: {', '.join(bad)} names a parameter, but with parallel.pp = "
-                              f"{cfg['parallel']['pp']} it exists on one stage only; use inf_grad without a name "
-                              f"(each rank's first gradient) or grad_scale")
     fused = {"fused": True} if o["fused"] else {}  # one kernel for the whole update, not one per tensor
     strategy.setup(model, lambda m: torch.optim.AdamW(m.param_groups(o["weight_decay"]), lr=o["lr"],
                                                       betas=(o["beta1"], o["beta2"]), eps=o["eps"], **fused))
