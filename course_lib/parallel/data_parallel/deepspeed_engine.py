@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.parallel.deepspeed_config import build_ds_config, engine_clips, validate_ds_config
+from course_lib.parallel.deepspeed_init_step import undo_build_step
 from course_lib.parallel.launch import DistInfo
 from course_lib.parallel.strategy import Distributed
 from course_lib.train_config import ConfigError
@@ -99,6 +100,7 @@ class DeepSpeedStrategy(Distributed):
         groups = self._param_groups(model, make_optimizer)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
                                                config=copy.deepcopy(self.ds_config))
+        undo_build_step(engine)  # ZeRO-0 with bf16/fp16: the wrapper stepped AdamW once while being built
         self.model, self.module, self.engine = model, engine, engine
         self.optimizer = self._stepped_optimizer(engine)
 
