@@ -394,9 +394,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def run_cli(args: argparse.Namespace) -> int:
     """Validate everything, train, print a one-line summary. Exit codes: 2 for a config error
-    (nothing written), 3 when checkpoints exist but none can be resumed from, 75 when SIGUSR1/SIGTERM
+    (nothing written), 3 when checkpoints exist but none can be resumed from, 4 when a DeepSpeed op's
+    build lock is stale or held too long (parallel/op_locks.py), 75 when SIGUSR1/SIGTERM
     stopped the run after a checkpoint, 86 when the watchdog aborted a hung job (course_lib.watch)."""
     from course_lib.checkpoint import CheckpointLoadError
+    from course_lib.parallel.op_locks import OpLockError
     from course_lib.stability import parse_faults
 
     overrides = list(args.set)
@@ -421,6 +423,9 @@ def run_cli(args: argparse.Namespace) -> int:
     except CheckpointLoadError as exc:
         print(f"cannot resume: {exc}", file=sys.stderr)
         return 3
+    except OpLockError as exc:  # a JIT op's build lock left by a killed build (course doctor names it)
+        print(f"cannot start: {exc}", file=sys.stderr)
+        return 4
     from course_lib.parallel.launch import is_main
 
     if is_main():

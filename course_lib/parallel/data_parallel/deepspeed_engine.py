@@ -93,13 +93,18 @@ class DeepSpeedStrategy(Distributed):
         biases) and hyper-parameters are kept, and checked against the config."""
         import deepspeed
 
-        # Adopts the process group the trainer made (gloo on CPU, nccl on GPUs): no second init.
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
-        validate_ds_config(self.ds_config, world_size=self.info.world_size)
+        from course_lib.parallel.op_locks import guard
 
-        groups = self._param_groups(model, make_optimizer)
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
-                                               config=copy.deepcopy(self.ds_config))
+        # Both load JIT ops (shm_comm, cpu_adam): a lock left by a killed build fails with a message
+        # naming it (course_lib/parallel/op_locks.py) instead of waiting forever.
+        with guard():
+            # Adopts the process group the trainer made (gloo on CPU, nccl on GPUs): no second init.
+            deepspeed.init_distributed(dist_backend=dist.get_backend())
+            validate_ds_config(self.ds_config, world_size=self.info.world_size)
+
+            groups = self._param_groups(model, make_optimizer)
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
+                                                   config=copy.deepcopy(self.ds_config))
         undo_build_step(engine)  # ZeRO-0 with bf16/fp16: the wrapper stepped AdamW once while being built
         self.model, self.module, self.engine = model, engine, engine
         self.optimizer = self._stepped_optimizer(engine)
