@@ -34,3 +34,29 @@ def fsdp_refuses_a_model_without_blocks(rank, world_size):
     except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def bundle_stats_with_empty_shards(rank, world_size):
+    """The non-finite guard's per-tensor statistics (the diagnostic bundle's ``grads``) of an FSDP2
+    model whose first layer (1 output row) leaves rank 1 with empty gradient shards, after an Inf
+    was injected into ``0.bias`` (one element, on rank 0). Returns ``(local shard shapes, stats)``."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from course_lib.stability.faults import FaultInjector
+    from course_lib.stability.nonfinite import NonFiniteGuard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 1), nn.Linear(1, 3))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    model(torch.randn(2, 4)).sum().backward()
+    FaultInjector(["inf_grad@0=0.bias"]).on_grads(model, 0)
+    shapes = {n: tuple(p.grad.to_local().shape) for n, p in model.named_parameters()}
+    return shapes, NonFiniteGuard()._grad_stats(model, {})
+
+
+def train_many_then_stats(rank, world_size, runs):
+    """:func:`train_many`, then :func:`bundle_stats_with_empty_shards`, in one launch."""
+    return train_many(rank, world_size, runs), bundle_stats_with_empty_shards(rank, world_size)

@@ -60,14 +60,15 @@ def fifty_steps(tmp_path_factory):
     train(cfg(train__max_steps=FAULT_STEPS, train__micro_batch=16), root / "single-faults", faults=FAULTS)
     runs += [(cfg(train__max_steps=FAULT_STEPS, train__micro_batch=8, train__strategy=s), str(root / f"{s}-faults"),
               False, FAULTS) for s in FAULTY]
-    reports = run_ranks(fns.train_many, 2, runs, timeout=600)
+    out = run_ranks(fns.train_many_then_stats, 2, runs, timeout=600)
+    reports, stats = [r[0] for r in out], [r[1] for r in out]
     names = SHARDED + ["fsdp-zero2"]
-    return root, single, {n: reports[0][i] for i, n in enumerate(names)}
+    return root, single, {n: reports[0][i] for i, n in enumerate(names)}, stats
 
 
 @pytest.mark.parametrize("name", SHARDED + ["fsdp-zero2"])
 def test_fifty_steps_match_one_process(fifty_steps, name):
-    root, single, reports = fifty_steps
+    root, single, reports, _ = fifty_steps
     rel = max_rel(losses(root / name), losses(root / "single"))
     assert rel <= 1e-4, f"{name}: per-step losses differ from one process by up to {rel:.2e} (relative)"
     ref = {k: v.float() for k, v in single.model.state_dict().items()}
@@ -111,6 +112,17 @@ def test_injected_nonfinite_steps_are_skipped_like_one_process(fifty_steps, name
         else:  # every rank holds (a shard of) it; fsdp's counts are over the whole tensor
             assert infs == [{param}, {param}], (name, step, infs)
             assert all(g[param]["inf"] == (2 if name == "fsdp" else 1) for g in grads), (name, step)
+
+
+def test_bundle_statistics_cover_empty_fsdp_shards(fifty_steps):
+    """A tensor with fewer rows than ranks leaves FSDP2 shards empty; the diagnostic bundle's
+    statistics still come out, whole-tensor and equal on every rank (a DTensor max() used to
+    fail on the empty rank alone and leave the other waiting in a collective)."""
+    (shapes0, stats0), (shapes1, stats1) = fifty_steps[3]
+    assert shapes1["0.bias"] == (0,) and shapes0["0.bias"] == (1,), "the model no longer leaves a shard empty"
+    assert stats0 == stats1
+    assert stats0["0.bias"]["inf"] == 1 and sum(s["inf"] + s["nan"] for s in stats0.values()) == 1
+    assert all(s["max_abs_finite"] > 0 for n, s in stats0.items() if n != "0.bias")
 
 
 @pytest.fixture(scope="module")
