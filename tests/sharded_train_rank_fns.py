@@ -39,7 +39,8 @@ def fsdp_refuses_a_model_without_blocks(rank, world_size):
 def bundle_stats_with_empty_shards(rank, world_size):
     """The non-finite guard's per-tensor statistics (the diagnostic bundle's ``grads``) of an FSDP2
     model whose first layer (1 output row) leaves rank 1 with empty gradient shards, after an Inf
-    was injected into ``0.bias`` (one element, on rank 0). Returns ``(local shard shapes, stats)``."""
+    was injected into ``0.bias`` (one element, on rank 0). Returns ``(local shard shapes, stats,
+    the error of an inf_grad that names a gradient no rank holds)``."""
     import torch
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -54,7 +55,13 @@ def bundle_stats_with_empty_shards(rank, world_size):
     model(torch.randn(2, 4)).sum().backward()
     FaultInjector(["inf_grad@0=0.bias"]).on_grads(model, 0)
     shapes = {n: tuple(p.grad.to_local().shape) for n, p in model.named_parameters()}
-    return shapes, NonFiniteGuard()._grad_stats(model, {})
+    stats = NonFiniteGuard()._grad_stats(model, {})
+    try:
+        FaultInjector(["inf_grad@1=2.weight"]).on_grads(model, 1)  # no such parameter anywhere
+        missing = None
+    except ValueError as exc:
+        missing = str(exc)
+    return shapes, stats, missing
 
 
 def train_many_then_stats(rank, world_size, runs):

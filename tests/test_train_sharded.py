@@ -118,11 +118,13 @@ def test_bundle_statistics_cover_empty_fsdp_shards(fifty_steps):
     """A tensor with fewer rows than ranks leaves FSDP2 shards empty; the diagnostic bundle's
     statistics still come out, whole-tensor and equal on every rank (a DTensor max() used to
     fail on the empty rank alone and leave the other waiting in a collective)."""
-    (shapes0, stats0), (shapes1, stats1) = fifty_steps[3]
+    (shapes0, stats0, missing0), (shapes1, stats1, missing1) = fifty_steps[3]
     assert shapes1["0.bias"] == (0,) and shapes0["0.bias"] == (1,), "the model no longer leaves a shard empty"
     assert stats0 == stats1
     assert stats0["0.bias"]["inf"] == 1 and sum(s["inf"] + s["nan"] for s in stats0.values()) == 1
     assert all(s["max_abs_finite"] > 0 for n, s in stats0.items() if n != "0.bias")
+    # an inf_grad no rank can inject fails on every rank (not a run that goes on as if it fired)
+    assert missing0 and missing1 and "no rank holds gradient of a parameter named '2.weight'" in missing0
 
 
 @pytest.fixture(scope="module")

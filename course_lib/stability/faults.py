@@ -150,7 +150,9 @@ class FaultInjector:
         shard (FSDP2, TP), its ZeRO range (a piece named ``name[a:b]``), its pipeline stage's copy.
         A rank of a process group that holds none of it (ZeRO-2 frees the gradients it does not
         own; another stage has the parameter) writes nothing: the owner's Inf reaches every rank
-        through the gradient norm's all-reduce, so all ranks still skip the step together."""
+        through the gradient norm's all-reduce, so all ranks still skip the step together. That some
+        rank did write is checked (one all-reduce on the fault's step): otherwise every rank raises
+        ValueError, never a run that silently goes on as if the fault had fired."""
         due = self._at(step, ("grad_scale", "inf_grad"))
         if not due:
             return
@@ -165,9 +167,10 @@ class FaultInjector:
                         torch._foreach_mul_([p.grad for _, p in named], float(fault.value))
             else:
                 grads = _gradients_named(named, fault.value)
-                if not grads and not elsewhere:
+                if not (_on_any_rank(bool(grads), named) if elsewhere else grads):
                     some = ", ".join(n for n, _ in named[:8])
-                    raise ValueError(f"inf_grad: no parameter with a gradient named {fault.value!r}; some names: {some}")
+                    raise ValueError(f"inf_grad: {'no rank holds' if elsewhere else 'no'} gradient of a parameter "
+                                     f"named {fault.value!r}; some names here: {some}")
                 for grad in grads:
                     _write_inf(grad)
             self.fired.append((step, str(fault)))
@@ -178,6 +181,20 @@ def _in_process_group() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _on_any_rank(flag: bool, named: list[tuple[str, nn.Parameter]]) -> bool:
+    """``flag`` OR-ed over all ranks: one all-reduce and one host read, on a fault's step only, so
+    a fault that no rank can inject fails on every rank instead of silently doing nothing."""
+    import torch.distributed as dist
+
+    if named:
+        device = named[0][1].grad.device
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t)
+    return bool(t.item())
 
 
 def _gradients_named(named: list[tuple[str, nn.Parameter]], name: str | None) -> list[torch.Tensor]:
