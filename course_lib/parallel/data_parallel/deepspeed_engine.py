@@ -28,6 +28,10 @@ Who does what in one step (the trainer's loop is unchanged):
   does (partitions cleared, no optimizer call), so parameters, optimizer state and the next step
   are exactly as if the skipped micro-batches had never been seen.
 * **checkpoints**: :class:`course_lib.parallel.deepspeed_checkpoints.DeepSpeedCheckpoints`.
+* **start**: ZeRO-0 with bf16/fp16 steps AdamW once while the engine is built; that step is undone
+  (:mod:`course_lib.parallel.deepspeed_init_step`). JIT-op loads run under
+  :func:`course_lib.parallel.op_locks.guard`: a build lock left by a killed build ends the start
+  with a message naming it instead of a silent endless wait.
 """
 from __future__ import annotations
 
