@@ -21,6 +21,9 @@ from course_lib.kit_root import find_root  # noqa: F401 - also course_lib.cli.fi
 def cmd_doctor(args: argparse.Namespace) -> int:
     from course_lib import doctor
 
+    if args.clear_stale_locks:
+        for path in doctor.clear_stale_locks():
+            print(f"removed stale op build lock {path}")
     report = doctor.gather(load_ops=args.load_ops, root=find_root())
     print(json.dumps(report, indent=2) if args.json else doctor.format_report(report))
     return 1 if report["problems"] else 0
@@ -128,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--load-ops", action="store_true",
                    help="also build/load DeepSpeed's CPU ops (about a minute each the first time)")
+    p.add_argument("--clear-stale-locks", action="store_true",
+                   help="first delete op build locks left by killed builds (no process holds them, "
+                        "older than COURSE_OP_LOCK_STALE_S, default 120 s)")
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("notebooks", help="generate .ipynb files from the .py sources")

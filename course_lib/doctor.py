@@ -85,8 +85,11 @@ def _deepspeed_info(load_ops: bool) -> dict:
             built = compatible and any(build_dir.glob("*.so"))
             loads = None
             if load_ops and compatible:
+                from course_lib.parallel.op_locks import guard
+
                 try:
-                    builder.load(verbose=False)
+                    with guard():  # a stale build lock fails the load (reported below), no endless wait
+                        builder.load(verbose=False)
                     loads = True
                 except Exception:  # noqa: BLE001 - any build/load failure is the answer
                     loads = False
@@ -94,6 +97,24 @@ def _deepspeed_info(load_ops: bool) -> dict:
     except Exception as exc:  # noqa: BLE001 - doctor reports, it does not crash
         out["error"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def _op_locks() -> list[dict]:
+    """Build locks in torch's JIT-op folder (course_lib/parallel/op_locks.py): held, waiting to
+    become stale, or stale (a killed build's: every DeepSpeed start would wait on it forever)."""
+    from course_lib.parallel.op_locks import find_locks
+
+    try:
+        return [lock.to_dict() | {"line": lock.describe()} for lock in find_locks()]
+    except OSError as exc:  # an unreadable folder is reported, not a crash
+        return [{"path": "", "op": "", "stale": False, "line": f"cannot read the op build folder: {exc}"}]
+
+
+def clear_stale_locks() -> list[str]:
+    """Delete the stale op build locks (``course doctor --clear-stale-locks``); returns their paths."""
+    from course_lib.parallel.op_locks import clear_stale
+
+    return [str(lock.path) for lock in clear_stale()]
 
 
 def _kernel_info() -> dict:
@@ -134,6 +155,7 @@ def gather(*, load_ops: bool = False, root: Path | None = None) -> dict:
     if report["versions"]["torch"]:
         report["device"] = _device_info()
         report["backends"] = _backends()
+        report["op_locks"] = _op_locks()  # before loading any op: a stale lock is the answer, not a hang
         report["deepspeed"] = _deepspeed_info(load_ops) if report["versions"]["deepspeed"] else {}
         report["labs"] = _labs(root, report["device"]["cuda_available"])
     report["kernel"] = _kernel_info()
@@ -164,6 +186,12 @@ def problems(report: dict) -> list[dict]:
             found.append({"problem": f"DeepSpeed op {op} fails to build/load",
                           "fix": "check that gcc and the Python headers are installed, then "
                                  "`course doctor --load-ops` again"})
+    for lock in report.get("op_locks", []):
+        if lock.get("stale"):
+            found.append({"problem": f"stale build lock of op '{lock['op']}': {lock['path']} ({lock['age_s']:.0f} s "
+                                     f"old, no process on this machine holds it): every DeepSpeed run that loads "
+                                     f"'{lock['op']}' waits on it forever",
+                          "fix": f"rm {lock['path']}   (or: course doctor --clear-stale-locks)"})
     kernel = report["kernel"]
     if not kernel.get("registered"):
         found.append({"problem": f"Jupyter kernel '{KERNEL_NAME}' is not registered",
@@ -217,6 +245,8 @@ def format_report(report: dict) -> str:
                              "built" if s["built"] else "compatible, compiles on first use (~1 min)")
                 for op, s in ds["ops"].items())
             lines.append(f"deepspeed   accelerator {ds['accelerator']}, comm backend {ds['backend']}; {ops}")
+    for lock in report.get("op_locks", []):
+        lines.append(f"op lock     {lock['line']}")
     k = report["kernel"]
     lines.append(f"kernel      '{KERNEL_NAME}': " + (
         f"registered ({k['python']})" if k.get("registered") else "NOT registered"))

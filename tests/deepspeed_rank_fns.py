@@ -243,3 +243,24 @@ def refusals(rank, world_size, cases, root):
         dist.barrier()
         out[name] = (message, folder.exists())
     return out
+
+
+def start_with_op_folder(rank, world_size, ext_dir, cfg, out_dir):
+    """The trainer's DeepSpeed start with ``TORCH_EXTENSIONS_DIR = ext_dir`` (a folder with a
+    planted lock): the OpLockError message it ended with (None if it started) and the seconds it
+    took. Give it a launch of its own: torch's loader remembers the folder an op was asked for, and
+    a later load from the real folder in the same process would rebuild the op there."""
+    import os
+    import time
+
+    os.environ["TORCH_EXTENSIONS_DIR"] = ext_dir
+    from course_lib.parallel.op_locks import OpLockError
+    from course_lib.train import train
+
+    t0 = time.monotonic()
+    try:
+        train(cfg, out_dir)
+        message = None
+    except OpLockError as exc:
+        message = str(exc)
+    return {"message": message, "seconds": time.monotonic() - t0}

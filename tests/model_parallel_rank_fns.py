@@ -3,14 +3,14 @@ from __future__ import annotations
 
 
 def train_many(rank, world_size, runs):
-    """Several trainer runs in one launch (each ``(cfg, out_dir, resume)``), so the 4 ranks start
-    once. Per run: steps, where it resumed from, and (rank 0) the dense weights gathered through
-    the strategy, plus this rank's mesh coordinates."""
+    """Several trainer runs in one launch (each ``(cfg, out_dir, resume[, faults])``), so the 4
+    ranks start once. Per run: steps, where it resumed from, and (rank 0) the dense weights
+    gathered through the strategy, plus this rank's mesh coordinates."""
     from course_lib.train import train
 
     out = []
-    for cfg, out_dir, resume in runs:
-        result = train(cfg, out_dir, resume=resume)
+    for cfg, out_dir, resume, *faults in runs:
+        result = train(cfg, out_dir, resume=resume, faults=list(faults[0]) if faults else ())
         full = result.strategy.full_weights()  # a collective: every rank calls it
         mesh = getattr(result.strategy, "mesh", None)
         out.append({"steps": result.steps, "resumed_from": result.resumed_from,

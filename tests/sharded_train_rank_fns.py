@@ -2,21 +2,21 @@
 from __future__ import annotations
 
 
-def train_and_report(rank, world_size, cfg, out_dir, resume=False):
-    """One rank of a trainer run: steps, the final loss and (rank 0) the full weights, gathered
-    through the strategy where they are sharded."""
+def train_and_report(rank, world_size, cfg, out_dir, resume=False, faults=()):
+    """One rank of a trainer run (``faults``: ``--inject-fault`` specs): steps, the final loss and
+    (rank 0) the full weights, gathered through the strategy where they are sharded."""
     from course_lib.train import train
 
-    result = train(cfg, out_dir, resume=resume)
+    result = train(cfg, out_dir, resume=resume, faults=list(faults))
     full = result.strategy.full_weights()  # a collective: every rank calls it
     return {"steps": result.steps, "resumed_from": result.resumed_from, "final_loss": result.final_loss,
             "weights": {k: v.float().cpu().clone() for k, v in full.items()} if rank == 0 else None}
 
 
 def train_many(rank, world_size, runs):
-    """Several trainer runs in one launch (each ``(cfg, out_dir, resume)``): the process start
-    and the group set-up are paid once. Returns one report per run (see train_and_report)."""
-    return [train_and_report(rank, world_size, cfg, out_dir, resume) for cfg, out_dir, resume in runs]
+    """Several trainer runs in one launch (each ``(cfg, out_dir, resume[, faults])``): the process
+    start and the group set-up are paid once. Returns one report per run (see train_and_report)."""
+    return [train_and_report(rank, world_size, *run) for run in runs]
 
 
 def fsdp_refuses_a_model_without_blocks(rank, world_size):
@@ -66,3 +66,36 @@ def resume_into_other_formats(rank, world_size, cases, root):
         dist.barrier()
         out[name] = (message, before, snapshot(folder))
     return out
+
+
+def bundle_stats_with_empty_shards(rank, world_size):
+    """The non-finite guard's per-tensor statistics (the diagnostic bundle's ``grads``) of an FSDP2
+    model whose first layer (1 output row) leaves rank 1 with empty gradient shards, after an Inf
+    was injected into ``0.bias`` (one element, on rank 0). Returns ``(local shard shapes, stats,
+    the error of an inf_grad that names a gradient no rank holds)``."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from course_lib.stability.faults import FaultInjector
+    from course_lib.stability.nonfinite import NonFiniteGuard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 1), nn.Linear(1, 3))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    model(torch.randn(2, 4)).sum().backward()
+    FaultInjector(["inf_grad@0=0.bias"]).on_grads(model, 0)
+    shapes = {n: tuple(p.grad.to_local().shape) for n, p in model.named_parameters()}
+    stats = NonFiniteGuard()._grad_stats(model, {})
+    try:
+        FaultInjector(["inf_grad@1=2.weight"]).on_grads(model, 1)  # no such parameter anywhere
+        missing = None
+    except ValueError as exc:
+        missing = str(exc)
+    return shapes, stats, missing
+
+
+def train_many_then_stats(rank, world_size, runs):
+    """:func:`train_many`, then :func:`bundle_stats_with_empty_shards`, in one launch."""
+    return train_many(rank, world_size, runs), bundle_stats_with_empty_shards(rank, world_size)

@@ -141,14 +141,53 @@ def deepspeed_ops():
     build()
 
 
-def test_every_zero_stage_and_offload_matches_one_process_with_the_global_batch(tmp_path, deepspeed_ops):
+BF16_STEPS = 4  # DeepSpeed's build-time optimizer step shows from step 2 on (6.6e-3 there)
+BF16_REL = 2e-3  # bf16 weights (DeepSpeed) vs fp32 weights under autocast (one process): measured <= 7.4e-4 in 12 steps
+Z0_FAULTS = ["nan_loss@1", "inf_grad@2=blocks.1.mlp.down.weight"]  # ZeRO-0 fp32: the stabilizer sees p.grad
+
+
+@pytest.fixture(scope="module")
+def stage_runs(tmp_path_factory, deepspeed_ops):
+    """One launch of 2 ranks: every ZeRO stage and offload in fp32 (12 steps), every stage in bf16
+    (BF16_STEPS steps), ZeRO-0 fp32 through injected faults; the one-process references."""
+    root = tmp_path_factory.mktemp("stages")
+    train(cfg(train__micro_batch=16), root / "single")
+    train(cfg(train__micro_batch=16, train__precision="bf16", train__max_steps=BF16_STEPS), root / "single-bf16")
+    train(cfg(train__micro_batch=16, train__max_steps=4), root / "single-faults", faults=Z0_FAULTS)
+    runs = [(ds_cfg(sets), str(root / name), (), False) for name, sets in STAGES.items()]
+    runs += [(ds_cfg({"parallel.zero_stage": stage, "train.precision": "bf16", "train.max_steps": BF16_STEPS}),
+              str(root / f"z{stage}-bf16"), (), False) for stage in (0, 1, 2, 3)]
+    runs.append((ds_cfg({"parallel.zero_stage": 0, "train.max_steps": 4}), str(root / "z0-faults"), Z0_FAULTS, False))
+    return root, run_ranks(ds_fns.train_many, 2, runs, timeout=600)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_zero_stage_in_bf16_tracks_one_process_in_bf16(stage_runs, stage):
+    """ZeRO-0 in bf16 wraps AdamW in FP16_UnfusedOptimizer, whose constructor stepped it once on
+    zero gradients (weight decay applied, Adam's step count 1 ahead: 1.3e-2 off in 12 steps);
+    the strategy undoes that step (course_lib/parallel/deepspeed_init_step.py)."""
+    root, _ = stage_runs
+    got, ref = losses(root / f"z{stage}-bf16"), losses(root / "single-bf16")
+    assert len(got) == BF16_STEPS
+    rel = max_rel(got, ref)
+    assert rel <= BF16_REL, f"ZeRO-{stage} bf16: per-step losses differ from one process (bf16) by up to {rel:.2e}"
+
+
+def test_zero0_fp32_faults_reach_p_grad_and_skip_like_one_process(stage_runs):
+    root, results = stage_runs
+    got, ref = read_rows(root / "z0-faults" / "metrics.jsonl"), read_rows(root / "single-faults" / "metrics.jsonl")
+    assert [r["nonfinite"] for r in got] == [r["nonfinite"] for r in ref] == [False, True, True, False]
+    assert results[0][-1]["skipped"] == results[1][-1]["skipped"] == 2
+    assert max_rel([r["loss"] for r in got if r["loss"] is not None],
+                   [r["loss"] for r in ref if r["loss"] is not None]) < 1e-5
+
+
+def test_every_zero_stage_and_offload_matches_one_process_with_the_global_batch(stage_runs):
     from course_lib.model import TinyGPT
     from course_lib.parallel.deepspeed_checkpoints import deepspeed_to_state_dict
     from safetensors.torch import load_file
 
-    train(cfg(train__micro_batch=16), tmp_path / "single")
-    runs = [(ds_cfg(sets), str(tmp_path / name), (), False) for name, sets in STAGES.items()]
-    results = run_ranks(ds_fns.train_many, 2, runs, timeout=600)
+    tmp_path, results = stage_runs
     single = read_rows(tmp_path / "single" / "metrics.jsonl")
     ref = [r["loss"] for r in single]
     for i, name in enumerate(STAGES):

@@ -3,7 +3,8 @@ checkpoints that load on another world size and into a plain model.
 
 zero1 / zero2 / fsdp-scratch are the course's own code (ShardedOptimizer, SimpleFSDP); fsdp is torch
 FSDP2. Each runs on 2 gloo ranks with half the micro-batch, so the global batch equals the
-single-process reference's.
+single-process reference's. The same launch runs every data-parallel strategy through injected
+non-finite steps (a NaN loss, an Inf in a gradient that one rank alone holds under ZeRO-2).
 """
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ from course_lib.train import train
 
 TINY = Path(__file__).resolve().parents[1] / "labs" / "configs" / "tiny-cpu.toml"
 SHARDED = ["zero1", "zero2", "fsdp-scratch", "fsdp"]
+FAULT_STEPS = 7
+# A NaN loss (NaN in every gradient), then an Inf in one element of a gradient ZeRO-2 leaves on
+# rank 1 only (ShardedOptimizer's greedy split; checked below), then one it leaves on rank 0 only.
+OWNED_BY = {4: ("blocks.1.mlp.down.weight", 1), 6: ("tok_emb.weight", 0)}
+FAULTS = ["nan_loss@2", *(f"inf_grad@{step}={name}" for step, (name, _) in OWNED_BY.items())]
+FAULTY = ["ddp", "zero1", "zero2", "fsdp-scratch", "fsdp"]
 
 
 def cfg(**sets):
@@ -50,14 +57,18 @@ def fifty_steps(tmp_path_factory):
             for s in SHARDED]
     runs.append((cfg(train__max_steps=50, train__micro_batch=8, train__strategy="fsdp",
                      parallel__reshard_after_forward=False), str(root / "fsdp-zero2"), False))
-    reports = run_ranks(fns.train_many, 2, runs, timeout=600)
+    train(cfg(train__max_steps=FAULT_STEPS, train__micro_batch=16), root / "single-faults", faults=FAULTS)
+    runs += [(cfg(train__max_steps=FAULT_STEPS, train__micro_batch=8, train__strategy=s), str(root / f"{s}-faults"),
+              False, FAULTS) for s in FAULTY]
+    out = run_ranks(fns.train_many_then_stats, 2, runs, timeout=600)
+    reports, stats = [r[0] for r in out], [r[1] for r in out]
     names = SHARDED + ["fsdp-zero2"]
-    return root, single, {n: reports[0][i] for i, n in enumerate(names)}
+    return root, single, {n: reports[0][i] for i, n in enumerate(names)}, stats
 
 
 @pytest.mark.parametrize("name", SHARDED + ["fsdp-zero2"])
 def test_fifty_steps_match_one_process(fifty_steps, name):
-    root, single, reports = fifty_steps
+    root, single, reports, _ = fifty_steps
     rel = max_rel(losses(root / name), losses(root / "single"))
     assert rel <= 1e-4, f"{name}: per-step losses differ from one process by up to {rel:.2e} (relative)"
     ref = {k: v.float() for k, v in single.model.state_dict().items()}
@@ -68,6 +79,52 @@ def test_fifty_steps_match_one_process(fifty_steps, name):
     diff = torch.cat([(got[k] - ref[k]).reshape(-1) for k in ref]).norm()
     rel_w = (diff / torch.cat([ref[k].reshape(-1) for k in ref]).norm()).item()
     assert rel_w <= 1e-4, f"{name}: final weights differ from one process by {rel_w:.2e} (relative L2)"
+
+
+def bundle(out, step, rank):
+    """The non-finite step's diagnostic bundle one rank wrote (None: that rank wrote none)."""
+    path = Path(out) / "diagnostics" / f"nonfinite_step{step:09d}_rank{rank}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+@pytest.mark.parametrize("name", FAULTY)
+def test_injected_nonfinite_steps_are_skipped_like_one_process(fifty_steps, name):
+    """Every injected step is skipped by every rank (each wrote its bundle: its verdict was
+    non-finite), the others apply: per-step losses equal one process with the same faults. The
+    bundles are filled from sharded gradients: DTensor statistics completed over the shards
+    (fsdp), a gradient only its owner holds (zero2)."""
+    root = fifty_steps[0]
+    got = [json.loads(line) for line in (root / f"{name}-faults" / "metrics.jsonl").read_text().splitlines()]
+    ref = [json.loads(line) for line in (root / "single-faults" / "metrics.jsonl").read_text().splitlines()]
+    bad = [int(f.split("@")[1].split("=")[0]) for f in FAULTS]
+    assert [r["step"] - 1 for r in got if r["nonfinite"]] == bad == [r["step"] - 1 for r in ref if r["nonfinite"]]
+    assert all(r["skipped"] == r["nonfinite"] for r in got)
+    assert max_rel([r["loss"] for r in got if r["loss"] is not None],
+                   [r["loss"] for r in ref if r["loss"] is not None]) <= 1e-4
+    for step in bad:
+        for rank in (0, 1):
+            assert bundle(root / f"{name}-faults", step, rank) is not None, f"{name}: rank {rank} applied step {step}"
+    for step, (param, owner) in OWNED_BY.items():
+        grads = [bundle(root / f"{name}-faults", step, rank)["grads"] for rank in (0, 1)]
+        infs = [{n for n, g in per.items() if g["inf"]} for per in grads]
+        if name == "zero2":  # only the owner holds the gradient: it alone writes (and sees) the Inf
+            assert infs[owner] == {param} and param not in grads[1 - owner] and not infs[1 - owner], (step, infs)
+        else:  # every rank holds (a shard of) it; fsdp's counts are over the whole tensor
+            assert infs == [{param}, {param}], (name, step, infs)
+            assert all(g[param]["inf"] == (2 if name == "fsdp" else 1) for g in grads), (name, step)
+
+
+def test_bundle_statistics_cover_empty_fsdp_shards(fifty_steps):
+    """A tensor with fewer rows than ranks leaves FSDP2 shards empty; the diagnostic bundle's
+    statistics still come out, whole-tensor and equal on every rank (a DTensor max() used to
+    fail on the empty rank alone and leave the other waiting in a collective)."""
+    (shapes0, stats0, missing0), (shapes1, stats1, missing1) = fifty_steps[3]
+    assert shapes1["0.bias"] == (0,) and shapes0["0.bias"] == (1,), "the model no longer leaves a shard empty"
+    assert stats0 == stats1
+    assert stats0["0.bias"]["inf"] == 1 and sum(s["inf"] + s["nan"] for s in stats0.values()) == 1
+    assert all(s["max_abs_finite"] > 0 for n, s in stats0.items() if n != "0.bias")
+    # an inf_grad no rank can inject fails on every rank (not a run that goes on as if it fired)
+    assert missing0 and missing1 and "no rank holds gradient of a parameter named '2.weight'" in missing0
 
 
 @pytest.fixture(scope="module")

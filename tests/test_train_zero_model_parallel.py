@@ -10,7 +10,9 @@ equal ``course_lib.estimate.model_state_bytes`` for the parameters that rank hol
 (``ModelShape.params_on_rank``), to the byte. A second launch resumes both runs from their
 step-20 checkpoint (dense layout, the optimizer state gathered from the dp shards): weights
 ``torch.equal`` and losses ``==`` to the uninterrupted runs. The first launch also counts the
-host reads per step of both layouts (one: the stabilizer's).
+host reads per step of both layouts (one: the stabilizer's). The second launch also runs both
+layouts through injected faults: a NaN loss, and an Inf in the gradient of a parameter that only
+some ranks hold (one pipeline stage; some dp ranges): every rank skips those steps, as one process.
 """
 from __future__ import annotations
 
@@ -25,9 +27,11 @@ from course_lib.measure import tinygpt_shape
 from course_lib.parallel import run_ranks
 from course_lib.parallel.registry import MODEL_PARALLEL_DP
 from course_lib.train import train
-from layout_checks import assert_matches_one_process, assert_resumed_bit_exact, rows, tiny_cfg
+from layout_checks import assert_matches_one_process, assert_resumed_bit_exact, max_rel, rows, tiny_cfg
 
 MB, ACCUM, STEPS, EVERY = 8, 2, 30, 10
+FAULT_STEPS, INF_STEP, INF_PARAM = 6, 3, "blocks.1.mlp.down.weight"  # on the second pipeline stage only
+FAULTS = ["nan_loss@1", f"inf_grad@{INF_STEP}={INF_PARAM}"]
 
 # name -> (train.strategy, [parallel] settings, zero stage)
 LAYOUTS = {
@@ -60,7 +64,10 @@ def runs(tmp_path_factory):
         shutil.rmtree(sorted((root / n / "cut" / "checkpoints").glob("step_*"))[-1])
     import model_parallel_rank_fns as mp
 
-    second = run_ranks(mp.train_many, 4, [(layout_cfg(n), str(root / n / "cut"), True) for n in LAYOUTS],
+    train(cfg(train__max_steps=FAULT_STEPS, train__micro_batch=MB), root / "single-faults", faults=FAULTS)
+    faulty = [(layout_cfg(n, train__max_steps=FAULT_STEPS, checkpoint__save_every=0), str(root / n / "faults"),
+               False, FAULTS) for n in LAYOUTS]
+    second = run_ranks(mp.train_many, 4, [(layout_cfg(n), str(root / n / "cut"), True) for n in LAYOUTS] + faulty,
                        timeout=600)
     return {"root": root, "single": single, "first": dict(zip(LAYOUTS, first[0]["runs"])),
             "census": [dict(zip(LAYOUTS, r["census"])) for r in first], "second": dict(zip(LAYOUTS, second[0])),
@@ -80,6 +87,29 @@ def test_zero_layout_matches_one_process(runs, name):
 def test_zero_resume_is_bit_exact(runs, name):
     assert_resumed_bit_exact(name, runs["first"][name], runs["second"][name], STEPS - EVERY, STEPS,
                              runs["root"] / name)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_injected_faults_reach_the_ranks_holding_the_gradient(runs, name):
+    """The NaN loss and the Inf are skipped on every rank (each wrote a bundle), the losses equal
+    one process with the same faults; the Inf was written by exactly the ranks holding a piece of
+    that gradient (``name[a:b]``, this rank's ZeRO range of it), and some ranks hold none."""
+    import json
+
+    out = runs["root"] / name / "faults"
+    got, ref = rows(out), rows(runs["root"] / "single-faults")
+    assert [r["nonfinite"] for r in got] == [r["nonfinite"] for r in ref] == \
+        [s in (1, INF_STEP) for s in range(FAULT_STEPS)]
+    assert max_rel([r["loss"] for r in got if r["loss"] is not None], [r["loss"] for r in ref if r["loss"] is not None]) <= 1e-4
+    holders = []
+    for rank in range(4):
+        path = out / "diagnostics" / f"nonfinite_step{INF_STEP:09d}_rank{rank}.json"
+        assert path.exists(), f"{name}: rank {rank} did not judge step {INF_STEP} non-finite"
+        grads = json.loads(path.read_text())["grads"]
+        pieces = [n for n in grads if n.startswith(INF_PARAM + "[")]
+        assert {n for n, g in grads.items() if g["inf"]} == set(pieces), (name, rank)
+        holders += [rank] if pieces else []
+    assert 0 < len(holders) < 4, f"{name}: the gradient should live on some ranks only, held by {holders}"
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -33,17 +33,20 @@ def build(names: tuple[str, ...] = OPS) -> dict[str, str]:
         from deepspeed.accelerator import get_accelerator
 
         accelerator = get_accelerator()
+    from course_lib.parallel.op_locks import guard
+
     done = {}
-    for name in names:
-        builder = accelerator.create_op_builder(name)
-        if builder is None:
-            done[name] = "not offered by this accelerator"
-        elif not builder.is_compatible(verbose=False):
-            done[name] = "incompatible here"
-        else:
-            t0 = time.perf_counter()
-            builder.load(verbose=False)
-            done[name] = f"loaded in {time.perf_counter() - t0:.1f} s"
+    with guard():  # a lock left by a killed build: an OpLockError naming it, not a silent wait
+        for name in names:
+            builder = accelerator.create_op_builder(name)
+            if builder is None:
+                done[name] = "not offered by this accelerator"
+            elif not builder.is_compatible(verbose=False):
+                done[name] = "incompatible here"
+            else:
+                t0 = time.perf_counter()
+                builder.load(verbose=False)
+                done[name] = f"loaded in {time.perf_counter() - t0:.1f} s"
     return done
 
 

@@ -9,8 +9,8 @@ kind           effect at step ``STEP``                             ``VALUE``
 ``nan_loss``   the loss is multiplied by NaN *before* backward,    none
                so the gradients become NaN too (as a real
                overflow in the forward pass would make them)
-``inf_grad``   one element of one gradient is set to +Inf          parameter name (default: the first
-                                                                   parameter that has a gradient)
+``inf_grad``   one element of one gradient is set to +Inf, on      parameter name (default: the first
+               every rank that holds (part of) that gradient       gradient each rank holds)
 ``loss_shift`` from ``STEP`` on, *every* loss is multiplied by     factor, finite and > 0 (default 3)
                ``VALUE`` (a persistent level change, as a data
                switch makes: not a spike, and a roll-back
@@ -143,30 +143,75 @@ class FaultInjector:
 
     def on_grads(self, model: nn.Module, step: int) -> None:
         """Injection point 2, after backward (and after ``GradScaler.unscale_``): scales all
-        gradients for ``grad_scale``; writes +Inf into one gradient element for ``inf_grad``."""
+        gradients for ``grad_scale``; writes +Inf into one gradient element for ``inf_grad``.
+
+        Sharded gradients: ``model`` is what this rank measures (the stabilizer's module), so a
+        named ``inf_grad`` reaches the gradient *this rank holds* of that parameter - its DTensor
+        shard (FSDP2, TP), its ZeRO range (a piece named ``name[a:b]``), its pipeline stage's copy.
+        A rank of a process group that holds none of it (ZeRO-2 frees the gradients it does not
+        own; another stage has the parameter) writes nothing: the owner's Inf reaches every rank
+        through the gradient norm's all-reduce, so all ranks still skip the step together. That some
+        rank did write is checked (one all-reduce on the fault's step): otherwise every rank raises
+        ValueError, never a run that silently goes on as if the fault had fired."""
         due = self._at(step, ("grad_scale", "inf_grad"))
         if not due:
             return
         named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
-        if not named:
+        elsewhere = _in_process_group()  # another rank may hold what this one lacks
+        if not named and not elsewhere:
             raise ValueError(f"fault at step {step}: the model has no gradients; call on_grads after backward")
         for fault in due:
             if fault.kind == "grad_scale":
-                with torch.no_grad():
-                    torch._foreach_mul_([p.grad for _, p in named], float(fault.value))
+                if named:
+                    with torch.no_grad():
+                        torch._foreach_mul_([p.grad for _, p in named], float(fault.value))
             else:
-                by_name = dict(named)
-                name = fault.value if fault.value is not None else named[0][0]
-                if name not in by_name:
+                grads = _gradients_named(named, fault.value)
+                if not (_on_any_rank(bool(grads), named) if elsewhere else grads):
                     some = ", ".join(n for n, _ in named[:8])
-                    raise ValueError(f"inf_grad: no parameter with a gradient named {name!r}; some names: {some}")
-                grad = by_name[name].grad
-                if hasattr(grad, "to_local"):
-                    # A DTensor (FSDP2, TP): item assignment on it does not reach the local shard
-                    # (measured, torch 2.13: the gradient stayed finite); write into every
-                    # non-empty local shard instead - still one gradient, now non-finite.
-                    grad = grad.to_local()
-                if grad.numel():
-                    with torch.no_grad():  # index the first element of any shape, contiguous or not
-                        grad[(0,) * grad.dim()] = float("inf")
+                    raise ValueError(f"inf_grad: {'no rank holds' if elsewhere else 'no'} gradient of a parameter "
+                                     f"named {fault.value!r}; some names here: {some}")
+                for grad in grads:
+                    _write_inf(grad)
             self.fired.append((step, str(fault)))
+
+
+def _in_process_group() -> bool:
+    """True inside a process group of 2+ ranks (gradients may live on other ranks)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _on_any_rank(flag: bool, named: list[tuple[str, nn.Parameter]]) -> bool:
+    """``flag`` OR-ed over all ranks: one all-reduce and one host read, on a fault's step only, so
+    a fault that no rank can inject fails on every rank instead of silently doing nothing."""
+    import torch.distributed as dist
+
+    if named:
+        device = named[0][1].grad.device
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t)
+    return bool(t.item())
+
+
+def _gradients_named(named: list[tuple[str, nn.Parameter]], name: str | None) -> list[torch.Tensor]:
+    """This rank's gradients of parameter ``name`` (None: the first gradient it holds): the whole
+    gradient, or the pieces of it a ZeRO range holds (``name[a:b]``, one per piece)."""
+    if name is None:
+        return [named[0][1].grad] if named else []
+    return [p.grad for n, p in named if n == name or (n.startswith(name + "[") and n.endswith("]"))]
+
+
+def _write_inf(grad: torch.Tensor) -> None:
+    """+Inf into the first element of this rank's part of ``grad``. A DTensor (FSDP2, TP): item
+    assignment on it does not reach the local shard (measured, torch 2.13: the gradient stayed
+    finite), so write into the local shard; an empty shard (a tensor smaller than the mesh) holds
+    nothing to write."""
+    if hasattr(grad, "to_local"):
+        grad = grad.to_local()
+    if grad.numel():
+        with torch.no_grad():  # index the first element of any shape, contiguous or not
+            grad[(0,) * grad.dim()] = float("inf")

@@ -50,6 +50,50 @@ def _json_number(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
+def _without_partial(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient still holding partial sums (``Partial`` placement) made whole on those
+    mesh dims (a collective; counting NaNs in a summand would count the wrong thing)."""
+    placements = getattr(grad, "placements", ())
+    if not any(p.is_partial() for p in placements):
+        return grad
+    from torch.distributed.tensor import Replicate
+
+    return grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in placements])
+
+
+def _local_stats(grad: torch.Tensor) -> torch.Tensor:
+    """``[nan count, inf count, max |finite|]`` (fp32) of this rank's part of ``grad`` (its local
+    shard for a DTensor). An empty part - FSDP2 gives some ranks no rows of a tensor smaller than
+    the mesh - counts zeros: a DTensor ``max()`` would fail on that rank alone and hang the others."""
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    finite_abs = torch.nan_to_num(local.float().abs(), nan=0.0, posinf=0.0, neginf=0.0)
+    peak = finite_abs.max() if local.numel() else finite_abs.new_zeros(())
+    return torch.stack([torch.isnan(local).sum().float(), torch.isinf(local).sum().float(), peak])
+
+
+def _complete_over_shards(grads: list[torch.Tensor], rows: list[torch.Tensor]) -> None:
+    """Turn the local rows of DTensor gradients into whole-tensor rows, in place: counts summed
+    and maxima taken over each mesh dim the tensor is sharded on (replicated dims hold copies).
+    Tensors with the same mesh and placements share one pair of all-reduces; every rank holds
+    the same DTensors in the same order, so every rank issues the same collectives."""
+    import torch.distributed as dist
+
+    sets: dict[tuple, list[int]] = {}
+    for i, g in enumerate(grads):
+        if hasattr(g, "device_mesh"):
+            sets.setdefault((g.device_mesh, tuple(g.placements)), []).append(i)
+    for (mesh, placements), index in sets.items():
+        block = torch.stack([rows[i] for i in index])
+        counts, peaks = block[:, :2].contiguous(), block[:, 2].contiguous()
+        for dim, placement in enumerate(placements):
+            if placement.is_shard():
+                group = mesh.get_group(dim)
+                dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+                dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
+        for j, i in enumerate(index):
+            rows[i] = torch.cat([counts[j], peaks[j:j + 1]])
+
+
 class NonFiniteGuard:
     """Counts bad steps, writes diagnostic bundles into ``diag_dir`` (None: no bundles) and raises
     :class:`NonFiniteError` after ``max_consecutive`` consecutive bad steps (>= 1).
@@ -141,22 +185,17 @@ class NonFiniteGuard:
         return path
 
     def _grad_stats(self, model: nn.Module, param_norms: dict[str, float]) -> dict[str, dict]:
-        """Per-tensor NaN count, Inf count and max |finite value|, in one host transfer."""
+        """Per-tensor NaN count, Inf count and max |finite value|, in one host transfer. DTensor
+        gradients (FSDP2, TP) are counted over the whole tensor (every rank gets the same row);
+        plain gradients are this rank's (under ZeRO-2, only the ones it owns are listed)."""
         named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None] \
             if model is not None else []  # None: an engine keeps the gradients (DeepSpeed)
         if not named:
             return {}
-        rows = []
         with torch.no_grad():
-            for _, g in named:
-                g = g.detach()
-                finite_abs = torch.nan_to_num(g.float().abs(), nan=0.0, posinf=0.0, neginf=0.0)
-                stats = [torch.isnan(g).sum().float(), torch.isinf(g).sum().float(),
-                         finite_abs.max() if g.numel() else finite_abs.new_zeros(())]
-                # DTensor gradients (FSDP2, TP) live on different meshes (dp x tp, or dp only for a
-                # tensor TP left whole) and each reduction is partial over the shards: complete
-                # them one by one (collectives, on this rare path only; every rank is here alike).
-                rows.append(torch.stack([t.full_tensor() if hasattr(t, "full_tensor") else t for t in stats]))
+            grads = [_without_partial(g.detach()) for _, g in named]
+            rows = [_local_stats(g) for g in grads]
+            _complete_over_shards(grads, rows)
             values = torch.stack([r.to(rows[0].device) for r in rows]).tolist()
         self.diagnostic_syncs += 1
         return {name: {"norm": _json_number(param_norms.get(name, math.nan)), "nan": int(v[0]),

@@ -28,6 +28,10 @@ Who does what in one step (the trainer's loop is unchanged):
   does (partitions cleared, no optimizer call), so parameters, optimizer state and the next step
   are exactly as if the skipped micro-batches had never been seen.
 * **checkpoints**: :class:`course_lib.parallel.deepspeed_checkpoints.DeepSpeedCheckpoints`.
+* **start**: ZeRO-0 with bf16/fp16 steps AdamW once while the engine is built; that step is undone
+  (:mod:`course_lib.parallel.deepspeed_init_step`). JIT-op loads run under
+  :func:`course_lib.parallel.op_locks.guard`: a build lock left by a killed build ends the start
+  with a message naming it instead of a silent endless wait.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.parallel.deepspeed_config import build_ds_config, engine_clips, validate_ds_config
+from course_lib.parallel.deepspeed_init_step import undo_build_step
 from course_lib.parallel.launch import DistInfo
 from course_lib.parallel.strategy import Distributed
 from course_lib.train_config import ConfigError
@@ -92,13 +97,19 @@ class DeepSpeedStrategy(Distributed):
         biases) and hyper-parameters are kept, and checked against the config."""
         import deepspeed
 
-        # Adopts the process group the trainer made (gloo on CPU, nccl on GPUs): no second init.
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
-        validate_ds_config(self.ds_config, world_size=self.info.world_size)
+        from course_lib.parallel.op_locks import guard
 
-        groups = self._param_groups(model, make_optimizer)
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
-                                               config=copy.deepcopy(self.ds_config))
+        # Both load JIT ops (shm_comm, cpu_adam): a lock left by a killed build fails with a message
+        # naming it (course_lib/parallel/op_locks.py) instead of waiting forever.
+        with guard():
+            # Adopts the process group the trainer made (gloo on CPU, nccl on GPUs): no second init.
+            deepspeed.init_distributed(dist_backend=dist.get_backend())
+            validate_ds_config(self.ds_config, world_size=self.info.world_size)
+
+            groups = self._param_groups(model, make_optimizer)
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
+                                                   config=copy.deepcopy(self.ds_config))
+        undo_build_step(engine)  # ZeRO-0 with bf16/fp16: the wrapper stepped AdamW once while being built
         self.model, self.module, self.engine = model, engine, engine
         self.optimizer = self._stepped_optimizer(engine)
 
