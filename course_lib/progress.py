@@ -1,9 +1,12 @@
-"""What the trainer (course_lib.train) reports after each optimizer step: the metrics row and the
-progress bar. Host values only: everything here reads numbers the step already brought to the
-host (the stabilizer's decision, timings, the learning rate), never a tensor.
+"""What the trainer (course_lib.train) reports: after each optimizer step the metrics row, the
+progress bar and rare events; at the end, the command line's summary. Host values only: nothing
+here reads a tensor, only numbers the step already brought to the host (the stabilizer's
+decision, timings, the learning rate), so the step keeps its one device-to-host read.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from course_lib.mfu import MfuGuard
@@ -81,3 +84,30 @@ class StepBar:
         """Close the bar (the last redraw stays on screen)."""
         if self.bar is not None:
             self.bar.close()
+
+
+def append_event(out_dir: Path, row: dict, *, enabled: bool) -> None:
+    """Append one rare event (a roll-back, an accepted level) to ``out_dir/events.jsonl`` on the
+    writer rank (``enabled``): metrics.jsonl is rewound by a roll-back, this file never is."""
+    if enabled:
+        with open(out_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def run_summary(result, stop_exit_code: int) -> list[str]:
+    """The command line's closing lines for a finished ``TrainResult``: what was trained and where,
+    the final loss (nats/token), skipped and rolled-back steps, the metrics file, the validation
+    loss if any, and, for a run a signal stopped, how to continue (``stop_exit_code``)."""
+    loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
+    done = result.steps - result.resumed_from
+    origin = f"resumed from step {result.resumed_from}" if result.resumed_from else "from scratch"
+    what = (f"nothing to do: already at step {result.steps}" if done == 0 and result.resumed_from
+            else f"trained {done} steps ({origin})")
+    where = f"on {result.device}" + (f" ({result.backend})" if result.backend else "")
+    lines = [f"{what} {where}, final loss {loss} nats/token, {result.skipped_steps} skipped, "
+             f"{result.rollbacks} rolled back; metrics in {result.out_dir / 'metrics.jsonl'}"
+             + (f"; validation loss {result.val_loss:.4f} nats/token" if result.val_loss is not None else "")]
+    if result.stopped_by:
+        lines.append(f"stopped by {result.stopped_by} after step {result.steps}, checkpoint saved: continue with "
+                     f"--resume auto (exit {stop_exit_code})")
+    return lines

@@ -32,7 +32,7 @@ from course_lib.train_config import ConfigError
 from course_lib.watch import control as watch_control
 from course_lib import profiling, utilization
 from course_lib.mfu import MfuGuard, model_flops_per_token
-from course_lib.progress import StepBar, Throughput, step_row
+from course_lib.progress import StepBar, Throughput, append_event, run_summary, step_row
 # Start-up facts live in train_setup; their names stay importable from here (course_lib.train.
 # choose_device, rank_seed), and train() calls _peak_flops through this module so that tests can
 # monkeypatch course_lib.train._peak_flops to skip measuring the CPU's peak.
@@ -165,8 +165,8 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                 loaded = _roll_back(strategy, policy, checkpoints, state)
                 if loaded is not None:
                     stabilizer.note_rollback(step)
-                    _append_event(out_dir, strategy, {**decision.log_row(), "event": "rollback",
-                                                      "rolled_back_to": loaded.step, "reason": decision.reason})
+                    append_event(out_dir, {**decision.log_row(), "event": "rollback", "rolled_back_to": loaded.step,
+                                           "reason": decision.reason}, enabled=strategy.is_writer)
                     log.close()
                     log = open_log(resume_step=loaded.step)
                     step, saved_at, skipped, rollbacks = loaded.step, loaded.step, skipped + 1, rollbacks + 1
@@ -191,8 +191,8 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             row = step_row(decision, step, lr, seconds, throughput, scaled=scale is not None, strategy=strategy,
                            max_grad_norm=cfg["stability"]["max_grad_norm"], sampler=sampler)
             if decision.rollbacks_accepted:
-                _append_event(out_dir, strategy, {**decision.log_row(), "event": "level_accepted",
-                                                  "after_rollbacks": decision.rollbacks_accepted})
+                append_event(out_dir, {**decision.log_row(), "event": "level_accepted",
+                                       "after_rollbacks": decision.rollbacks_accepted}, enabled=strategy.is_writer)
             log.write(row)
             profiler.step(row)  # after the row: the summary quotes this step's MFU
             skipped += bool(decision.skip)
@@ -250,13 +250,6 @@ def _write_run_files(out_dir: Path, cfg: dict, strategy) -> None:
 def _ckpt_metrics(last_loss: float | None) -> dict:
     """What a checkpoint records: the last finite loss, or nothing (never NaN, never None)."""
     return {"loss": last_loss} if last_loss is not None else {}
-
-
-def _append_event(out_dir: Path, strategy, row: dict) -> None:
-    """Rare events (roll-backs, accepted levels) go to events.jsonl: metrics.jsonl is rewound."""
-    if strategy.is_writer:
-        with open(out_dir / "events.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,19 +312,8 @@ def run_cli(args: argparse.Namespace) -> int:
     from course_lib.parallel.launch import is_main
 
     if is_main():
-        loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
-        done = result.steps - result.resumed_from
-        origin = f"resumed from step {result.resumed_from}" if result.resumed_from else "from scratch"
-        what = (f"nothing to do: already at step {result.steps}" if done == 0 and result.resumed_from
-                else f"trained {done} steps ({origin})")
-        where = f"on {result.device}" + (f" ({result.backend})" if result.backend else "")
-        print(f"{what} {where}, final loss {loss} nats/token, {result.skipped_steps} skipped, "
-              f"{result.rollbacks} rolled back; metrics in {result.out_dir / 'metrics.jsonl'}"
-              + (f"; validation loss {result.val_loss:.4f} nats/token" if result.val_loss is not None else ""),
-              flush=True)
-        if result.stopped_by:
-            print(f"stopped by {result.stopped_by} after step {result.steps}, checkpoint saved: continue with "
-                  f"--resume auto (exit {watch_control.STOP_EXIT_CODE})", flush=True)
+        for line in run_summary(result, watch_control.STOP_EXIT_CODE):
+            print(line, flush=True)
     return watch_control.STOP_EXIT_CODE if result.stopped_by else 0
 
 
