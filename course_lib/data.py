@@ -384,3 +384,12 @@ def dataset_from_config(cfg: dict):
     else:
         options = {"vocab_size": d["vocab_size"]}
     return make_dataset(d["task"], seq_len=d["seq_len"], seed=seed, **options)
+
+
+def stream_from_config(cfg: dict, *, dp_rank: int, dp_size: int, device: torch.device | str) -> BatchStream:
+    """This rank's endless batch stream for the trainer: :func:`dataset_from_config`, micro-batches
+    of ``train.micro_batch`` sequences, sharded over ``dp_size`` data-parallel ranks (tensor- and
+    pipeline-parallel peers pass the same ``dp_rank`` and so read the same batches)."""
+    t = cfg["train"]
+    return BatchStream(dataset_from_config(cfg), t["micro_batch"], rank=dp_rank, world_size=dp_size,
+                       seed=t["seed"], device=device)

@@ -92,3 +92,13 @@ class MfuGuard:
                     "e.g. lab 02's figure")
         return (f"MFU would be {value:.0%}, above 100%: {source} of {self.peak_per_device:.3g} FLOP/s per "
                 f"device is unreliable, so MFU is logged as absent (null) from here on; {fix}.")
+
+
+def model_flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token of TinyGPT ``model`` at ``seq_len`` tokens of context (PaLM's
+    6N + attention count, forward and backward): what MFU multiplies tokens/s by."""
+    from course_lib.estimate.flops import palm_flops_per_token
+
+    mcfg = model.cfg
+    return palm_flops_per_token(model.num_params(), n_layers=mcfg.n_layers, n_heads=mcfg.n_heads,
+                                head_dim=mcfg.head_dim, seq_len=seq_len)

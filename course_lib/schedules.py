@@ -203,3 +203,13 @@ def make_scheduler(optimizer: torch.optim.Optimizer, schedule: Schedule, *, rela
                     "optimizer with lr=max_lr, or pass relative=True for per-group lrs"
                 )
     return ScheduleLR(optimizer, schedule)
+
+
+def schedule_from_config(cfg: dict) -> Schedule:
+    """The trainer's Schedule (lr per optimizer step) from ``[optim]`` (peak and floor lr),
+    ``[schedule]`` (kind, warmup, decay) and ``train.max_steps``; ``schedule.decay_steps`` counts
+    for "wsd" only (0: the Schedule's default)."""
+    o, s = cfg["optim"], cfg["schedule"]
+    return Schedule(o["lr"], cfg["train"]["max_steps"], warmup_steps=s["warmup_steps"], kind=s["kind"],
+                    min_lr=o["min_lr"], warmup_convention=s["warmup_convention"],
+                    decay_steps=(s["decay_steps"] or None) if s["kind"] == "wsd" else None)

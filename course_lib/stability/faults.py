@@ -99,6 +99,20 @@ def parse_faults(items: str | FaultSpec | Iterable[str | FaultSpec] | None) -> l
     return [item if isinstance(item, FaultSpec) else parse_fault(item) for item in items]
 
 
+def check_reachable(faults: Iterable[FaultSpec], strategy: str, *, grads_visible: bool) -> None:
+    """ValueError for faults the training strategy cannot deliver: ``grad_scale`` and ``inf_grad``
+    write into ``p.grad``, which an engine that keeps the gradients to itself (``grads_visible``
+    False, e.g. DeepSpeed with ZeRO > 0) never exposes. ``strategy`` is the ``train.strategy`` name
+    the message quotes."""
+    if grads_visible:
+        return
+    bad = [str(f) for f in faults if f.kind in ("grad_scale", "inf_grad")]
+    if bad:
+        raise ValueError(f"{', '.join(bad)} writes into p.grad, but train.strategy = {strategy!r} keeps "
+                         f"the gradients inside its engine here; use nan_loss or loss_shift (or, for "
+                         f"deepspeed, parallel.zero_stage = 0 with fp32)")
+
+
 class FaultInjector:
     """Applies planned :class:`FaultSpec` faults at their step, each at most once per injector:
     a transient fault, so a rollback past the step inside the same run does not meet it again
