@@ -36,7 +36,7 @@ from course_lib.progress import StepBar, Throughput, append_event, run_summary, 
 # Start-up facts live in train_setup; their names stay importable from here (course_lib.train.
 # choose_device, rank_seed), and train() calls _peak_flops through this module so that tests can
 # monkeypatch course_lib.train._peak_flops to skip measuring the CPU's peak.
-from course_lib.train_setup import choose_device, rank_seed  # noqa: F401
+from course_lib.train_setup import choose_device, rank_seed  # noqa: F401 - re-exported
 from course_lib.train_setup import distributed as _distributed
 from course_lib.train_setup import peak_flops as _peak_flops
 from course_lib.train_setup import stabilizer as _stabilizer
