@@ -2,7 +2,10 @@
 
 Kept in its own module, importing nothing heavy at the top, because the environment (thread
 counts, rank variables) must be in place *before* the user's function is unpickled: unpickling
-imports the user's module, which imports torch, which reads OMP_NUM_THREADS once.
+imports the user's module, which imports torch, which reads OMP_NUM_THREADS once. A rank from the
+fork server already has torch imported (the server preloads it), so the thread count is also set
+with ``torch.set_num_threads`` below; the caller's cwd, environment and ``sys.path`` replace the
+server's before anything of the user's is imported.
 """
 from __future__ import annotations
 
