@@ -18,6 +18,9 @@ The same guarantees as :class:`~course_lib.checkpoint.CheckpointManager`, collec
    (hash and fsync every file, ``manifest.json``, rename, fsync), re-reads it, prunes to
    ``keep_last`` and broadcasts the outcome.
 
+:func:`save_sharded` runs all of this on the calling thread; :mod:`course_lib.checkpoint.dcp_async`
+runs steps 1-2 there on a staged copy and steps 3-4 in the background.
+
 Loading (:func:`load_sharded`): rank 0 picks the newest checkpoint that verifies (checksums, the
 ``.metadata`` through the restricted unpickler, every ``rank{r}.pt`` through
 ``torch.load(weights_only=True)``), falling back past corrupt ones with a warning; every rank then
