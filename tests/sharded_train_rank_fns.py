@@ -26,6 +26,7 @@ def train_killed_in_async_save(rank, world_size, cfg, out_dir, kill_step):
     RankFailedError)."""
     import os
     import signal
+    import time
     from pathlib import Path
 
     from course_lib.checkpoint import io as cio
@@ -41,7 +42,12 @@ def train_killed_in_async_save(rank, world_size, cfg, out_dir, kill_step):
         return real_write(path, data)
 
     cio.write_durable = killing_write
-    train(cfg, out_dir)
+    try:
+        train(cfg, out_dir)
+    except BaseException:  # rank 0 losing its peer: wait to be killed with the group, as torchrun does
+        if rank == 0:
+            time.sleep(120)
+        raise
     raise AssertionError(f"rank {rank} finished a run that should have been killed at step {kill_step}")
 
 

@@ -154,7 +154,7 @@ def resumed(tmp_path_factory):
     runs = [(confs[n], str(root / n / "cut"), True) for n in names] + [(confs[ASYNC], str(killed), True)]
     second = run_ranks(fns.train_many, 2, runs)[0]
     return (root, dict(zip(names, first)), dict(zip(names + ["fsdp-killed"], second)),
-            {"rank": died.value.rank, "left": torn, "torn_files": torn_files})
+            {"rank": died.value.rank, "msg": str(died.value).splitlines()[0], "left": torn, "torn_files": torn_files})
 
 
 
@@ -189,7 +189,7 @@ def test_a_kill_during_the_background_write_loses_nothing_committed(resumed):
     step 4, removes the torn dir at its next save, and ends bit-exact to the uninterrupted sync
     run (every logged loss, the final weights)."""
     root, first, second, kill = resumed
-    assert kill["rank"] == 1
+    assert kill["rank"] == 1 and "exit code -9" in kill["msg"], kill["msg"]
     assert [n for n in kill["left"] if not n.startswith(".")] == ["step_000000004"], kill["left"]
     assert any(n.endswith(".distcp") for n in kill["torn_files"]) and "rank1.pt" not in kill["torn_files"], kill
     got = second["fsdp-killed"]
