@@ -71,8 +71,8 @@ def stage(tree: Any, _memo: dict | None = None) -> Any:
             out = torch.empty_like(tree, device="cpu").copy_(tree)
         memo[id(tree)] = out
         return out
-    if isinstance(tree, dict):
-        return type(tree)((k, stage(v, memo)) for k, v in tree.items())
+    if isinstance(tree, dict):  # a plain dict: DCP reads any mapping, and defaultdict(...) takes no pairs
+        return {k: stage(v, memo) for k, v in tree.items()}
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple
         return type(tree)(*(stage(v, memo) for v in tree))
     if isinstance(tree, (list, tuple)):
