@@ -338,10 +338,10 @@ def sharded_async(rank, world_size, root):
         return real_write(path, data)
 
     final = Path(root) / "step_000000002"
-    stop = threading.Event()
 
-    def watch():  # the moment the commit's rename becomes visible
-        while not stop.is_set() and "seen" not in times:
+    def watch():  # the moment the commit's rename becomes visible (it must, within 60 s)
+        deadline = time.monotonic() + 60
+        while "seen" not in times and time.monotonic() < deadline:
             if final.exists():
                 times["seen"] = time.monotonic()
             time.sleep(0.005)
@@ -365,7 +365,6 @@ def sharded_async(rank, world_size, root):
         out["path"] = saver.wait().name
     finally:
         dcp_async.write_rank_state, cio.write_durable = real_write_rank_state, real_write
-        stop.set()
     dist.barrier()
     if rank == 0:
         watcher.join()
