@@ -51,6 +51,20 @@ def train_killed_in_async_save(rank, world_size, cfg, out_dir, kill_step):
     raise AssertionError(f"rank {rank} finished a run that should have been killed at step {kill_step}")
 
 
+def train_many_then_killed(rank, world_size, runs, report_path, killed_cfg, killed_out, kill_step):
+    """:func:`train_many`, its reports saved by rank 0 to ``report_path`` (``torch.save``), then
+    :func:`train_killed_in_async_save` in the same launch (which ends it): one process start
+    fewer than a launch of its own."""
+    import torch
+    import torch.distributed as dist
+
+    reports = train_many(rank, world_size, runs)
+    if rank == 0:
+        torch.save(reports, report_path)
+    dist.barrier()
+    train_killed_in_async_save(rank, world_size, killed_cfg, killed_out, kill_step)
+
+
 def fsdp_refuses_a_model_without_blocks(rank, world_size):
     """The FSDP2 strategy's error for a module that has no ``blocks`` to shard."""
     import torch
