@@ -303,13 +303,107 @@ def sharded_replicated(rank, world_size, root):
             "lr": sched2.get_last_lr() == sched.get_last_lr(), "wrong_shape": wrong}
 
 
+def sharded_async(rank, world_size, root):
+    """AsyncShardedSaver on 2 ranks. Save at step 2 with the background write held back until
+    the training thread has trained 2 more steps (weights and Adam state changed in place) and
+    rank 1's own file delayed by 1 s more; both ranks then train 2 more steps while the
+    background write and commit run (collectives on both groups at once). A watcher thread on
+    rank 0 notes when the final name appears. Then a save whose background write fails on rank 1
+    (disk full), then a good one."""
+    import threading
+    from pathlib import Path
+
+    import course_lib.checkpoint.dcp_async as dcp_async
+    from course_lib.checkpoint.dcp_async import AsyncShardedSaver
+
+    model, opt, sched = _model_and_opt()
+    _train(model, opt, sched, rank, 2, seed=1)
+    pos = Position(7 + rank)
+    saved_weights, saved_optim = full_state(model), full_optim(model, opt)
+    saved_lr = sched.get_last_lr()
+    trained = threading.Event()
+    times = {}
+    real_write_rank_state, real_write = dcp_async.write_rank_state, cio.write_durable
+
+    def held_write(tmp, prepared, r, group):
+        trained.wait(60)  # a write that read the live tensors would now save the changed ones
+        real_write_rank_state(tmp, prepared, r, group)
+
+    def slow_write(path, data):  # rank 1's rank file, written in the background thread
+        if Path(path).name == "rank1.pt":
+            time.sleep(1.0)
+            real_write(path, data)
+            times["rank1_written"] = time.monotonic()
+            return None
+        return real_write(path, data)
+
+    final = Path(root) / "step_000000002"
+
+    def watch():  # the moment the commit's rename becomes visible (it must, within 60 s)
+        deadline = time.monotonic() + 60
+        while "seen" not in times and time.monotonic() < deadline:
+            if final.exists():
+                times["seen"] = time.monotonic()
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    if rank == 0:
+        watcher.start()
+    dcp_async.write_rank_state = held_write
+    if rank == 1:
+        cio.write_durable = slow_write
+    saver = AsyncShardedSaver()
+    out = {}
+    try:
+        t0 = time.monotonic()
+        saver.save(root, 2, model, opt, shared={"sched": sched}, per_rank={"pos": pos}, keep_last=2)
+        out["save_s"] = time.monotonic() - t0
+        out["in_flight_after_save"] = saver.in_flight
+        _train(model, opt, sched, rank, 2, seed=2)  # the state changes while the save is pending
+        trained.set()
+        _train(model, opt, sched, rank, 2, seed=3)  # training collectives during the background ones
+        out["path"] = saver.wait().name
+    finally:
+        dcp_async.write_rank_state, cio.write_durable = real_write_rank_state, real_write
+    dist.barrier()
+    if rank == 0:
+        watcher.join()
+        out["manifest_files"] = sorted(json.loads((final / "manifest.json").read_text())["files"])
+    out["times"] = times
+    model2, opt2, sched2 = _model_and_opt()
+    pos2 = Position(-1)
+    res = load_sharded(root, model2, opt2, shared={"sched": sched2}, per_rank={"pos": pos2})
+    out["loaded"] = {"step": res.step, "pos": pos2.value, "lr": sched2.get_last_lr() == saved_lr,
+                     "equal": same(saved_weights, full_state(model2)) and same(saved_optim, full_optim(model2, opt2))}
+
+    # a background write that fails on rank 1: every rank's wait() raises, nothing is committed
+    if rank == 1:
+        def broken_write(path, data):
+            if Path(path).name == "rank1.pt":
+                raise OSError(28, "No space left on device")
+            return real_write(path, data)
+        cio.write_durable = broken_write
+    try:
+        saver.save(root, 6, model, opt, shared={"sched": sched}, per_rank={"pos": pos}, keep_last=2)
+        out["failed"] = _expect_error(saver.wait)
+    finally:
+        cio.write_durable = real_write
+    dist.barrier()
+    out["after_failure"] = sorted(p.name for p in Path(root).iterdir()) if rank == 0 else None
+    saver.save(root, 7, model, opt, keep_last=2)
+    saver.close()
+    out["kept"] = sorted(p.name for p in Path(root).iterdir()) if rank == 0 else None
+    return out
+
+
 def sharded_all(rank, world_size, root):
     """Every 2-rank check in one launch (starting ranks is the slow part on 2 cores)."""
     return {"roundtrip": sharded_roundtrip(rank, world_size, os.path.join(root, "a")),
             "corrupt": sharded_corrupt_fallback(rank, world_size, os.path.join(root, "b")),
             "planted": sharded_planted_metadata(rank, world_size, os.path.join(root, "c")),
             "replicated": sharded_replicated(rank, world_size, os.path.join(root, "d")),
-            "fail_fast": sharded_fail_fast(rank, world_size, os.path.join(root, "e"))}
+            "fail_fast": sharded_fail_fast(rank, world_size, os.path.join(root, "e")),
+            "async": sharded_async(rank, world_size, os.path.join(root, "f"))}
 
 
 def sharded_load_one_rank(rank, world_size, root):

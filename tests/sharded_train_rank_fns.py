@@ -19,6 +19,52 @@ def train_many(rank, world_size, runs):
     return [train_and_report(rank, world_size, *run) for run in runs]
 
 
+def train_killed_in_async_save(rank, world_size, cfg, out_dir, kill_step):
+    """A trainer run with async sharded saves whose rank 1 is SIGKILLed in the middle of the
+    background write of the step-``kill_step`` checkpoint: after DCP wrote every shard and
+    ``.metadata``, as rank 1 starts writing its own ``rank1.pt``. Never returns (run_ranks raises
+    RankFailedError)."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    from course_lib.checkpoint import io as cio
+    from course_lib.train import train
+
+    real_write = cio.write_durable
+    torn = f".tmp-step_{kill_step:09d}-"
+
+    def killing_write(path, data):
+        path = Path(path)
+        if rank == 1 and path.name == "rank1.pt" and path.parent.name.startswith(torn):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_write(path, data)
+
+    cio.write_durable = killing_write
+    try:
+        train(cfg, out_dir)
+    except BaseException:  # rank 0 losing its peer: wait to be killed with the group, as torchrun does
+        if rank == 0:
+            time.sleep(120)
+        raise
+    raise AssertionError(f"rank {rank} finished a run that should have been killed at step {kill_step}")
+
+
+def train_many_then_killed(rank, world_size, runs, report_path, killed_cfg, killed_out, kill_step):
+    """:func:`train_many`, its reports saved by rank 0 to ``report_path`` (``torch.save``), then
+    :func:`train_killed_in_async_save` in the same launch (which ends it): one process start
+    fewer than a launch of its own."""
+    import torch
+    import torch.distributed as dist
+
+    reports = train_many(rank, world_size, runs)
+    if rank == 0:
+        torch.save(reports, report_path)
+    dist.barrier()
+    train_killed_in_async_save(rank, world_size, killed_cfg, killed_out, kill_step)
+
+
 def fsdp_refuses_a_model_without_blocks(rank, world_size):
     """The FSDP2 strategy's error for a module that has no ``blocks`` to shard."""
     import torch

@@ -82,6 +82,31 @@ def test_a_failing_rank_fails_the_sharded_save_everywhere_promptly(two_ranks):
     assert results[0]["fail_fast"]["left"] == []  # nothing under a final name, no temp dir left
 
 
+def test_async_sharded_save_stages_then_commits_only_after_every_rank_wrote(two_ranks):
+    """checkpoint.async_save for sharded checkpoints (AsyncShardedSaver): save() returns with the
+    write still pending; the checkpoint holds the state of the save moment although training
+    changed weights and Adam state in place before the background write ran (a staged copy);
+    the final name appears only after rank 1's last file is on disk (the ranks agree before rank
+    0 commits); the manifest lists every rank's files; a failing background write raises on
+    every rank at the next wait and commits nothing, and the saver works again afterwards."""
+    _, results = two_ranks
+    for rank, r in enumerate(results):
+        a = r["async"]
+        assert a["in_flight_after_save"] and a["path"] == "step_000000002"
+        assert a["loaded"] == {"step": 2, "pos": 7 + rank, "lr": True, "equal": True}, a["loaded"]
+        f = a["failed"]
+        assert f["type"] == "CheckpointError" and "rank 1" in f["msg"] and "No space left" in f["msg"], f
+        assert f["seconds"] < 30
+    zero, one = results[0]["async"], results[1]["async"]
+    seen, written = zero["times"].get("seen"), one["times"].get("rank1_written")
+    assert written is not None and seen is not None, (seen, written)
+    assert seen >= written, f"step 2 was committed {written - seen:.3f} s before rank 1's file was written"
+    assert {"rank0.pt", "rank1.pt", ".metadata"} <= set(zero["manifest_files"])
+    assert sum(n.endswith(".distcp") for n in zero["manifest_files"]) == 2
+    assert zero["after_failure"] == ["step_000000002"]  # step 6 not committed, its temp dir removed
+    assert zero["kept"] == ["step_000000002", "step_000000007"]
+
+
 def test_restricted_unpickler_refuses_foreign_globals(tmp_path):
     from course_lib.checkpoint.dcp_trust import read_metadata_file
     marker = tmp_path / "pwned"

@@ -65,11 +65,17 @@ def runs(tmp_path_factory):
                               parallel__reshard_after_forward=False), str(root / "bf16"))]
     fsdp4 = {"train__strategy": "fsdp", "train__micro_batch": MB // 4}
     to_fsdp = (cfg(train__max_steps=STEPS, **fsdp4), cfg(train__max_steps=MORE, **fsdp4), str(root / "fsdp4"))
-    cp_run = (fsdp_cp(train__max_steps=STEPS, checkpoint__save_every=EVERY), str(root / "fsdp_cp"),
+    # The 4-rank runs that save (fsdp x tp, fsdp x cp, the roll-back run) save asynchronously
+    # (checkpoint.async_save: a staged copy, the write in the background); their checkpoints are
+    # loaded bit-exact below, so the async path is held to the same bar as the sync one.
+    cp_run = (fsdp_cp(train__max_steps=STEPS, checkpoint__save_every=EVERY, checkpoint__async_save=True),
+              str(root / "fsdp_cp"),
               fsdp_cp(checkpoint__save_every=0), str(root / "host-cp"))
-    four = run_ranks(fns.fresh_then_loads, 4, (fsdp_tp(train__max_steps=STEPS, checkpoint__save_every=EVERY), main),
+    four = run_ranks(fns.fresh_then_loads, 4, (fsdp_tp(train__max_steps=STEPS, checkpoint__save_every=EVERY,
+                                                      checkpoint__async_save=True), main),
                      short, fsdp_tp(checkpoint__save_every=0), str(root / "host"), to_fsdp,
-                     (fsdp_tp(**faulty), str(root / "faulty"), FAULTS), cp_run, timeout=900)
+                     (fsdp_tp(**faulty, checkpoint__async_save=True), str(root / "faulty"), FAULTS), cp_run,
+                     timeout=900)
     one_cfg = {"train__micro_batch": MB, "checkpoint__format": "sharded"}
     one = run_ranks(fns.single_loads, 1, [
         (cfg(train__max_steps=MORE, **one_cfg), str(root / "fsdp4"), str(root / "single-from-fsdp4")),

@@ -22,6 +22,7 @@ from course_lib.train import train
 
 TINY = Path(__file__).resolve().parents[1] / "labs" / "configs" / "tiny-cpu.toml"
 SHARDED = ["zero1", "zero2", "fsdp-scratch", "fsdp"]
+KILLED = "fsdp-killed"  # fsdp with checkpoint.async_save, SIGKILLed mid-write (the others save synchronously)
 FAULT_STEPS = 7
 # A NaN loss (NaN in every gradient), then an Inf in one element of a gradient ZeRO-2 leaves on
 # rank 1 only (ShardedOptimizer's greedy split; checked below), then one it leaves on rank 0 only.
@@ -130,25 +131,69 @@ def test_bundle_statistics_cover_empty_fsdp_shards(fifty_steps):
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     """Per strategy: 8 steps saving at 4 and 8; then a copy with the step-8 checkpoint removed is
-    resumed from step 4. Two launches in all (every strategy in each)."""
+    resumed from step 4. Two launches in all (every strategy in each). The first launch ends
+    with "fsdp-killed": fsdp with checkpoint.async_save, rank 1 SIGKILLed in the middle of the
+    background write of step 8 (the launch fails there, its reports were saved to a file first);
+    the second launch resumes that folder as the kill left it."""
+    from course_lib.parallel import RankFailedError
+
     root = tmp_path_factory.mktemp("resume")
     confs = {n: cfg(train__max_steps=8, train__micro_batch=8, train__strategy=n, checkpoint__save_every=4,
                     checkpoint__async_save=False) for n in SHARDED}
-    first = run_ranks(fns.train_many, 2, [(confs[n], str(root / n / "full"), False) for n in SHARDED])[0]
+    async_conf = cfg(train__max_steps=8, train__micro_batch=8, train__strategy="fsdp", checkpoint__save_every=4,
+                     checkpoint__async_save=True)
+    killed, report = root / KILLED, root / "first-launch.pt"
+    with pytest.raises(RankFailedError) as died:
+        run_ranks(fns.train_many_then_killed, 2, [(confs[n], str(root / n / "full"), False) for n in SHARDED],
+                  str(report), async_conf, str(killed), 8)
+    first = torch.load(report, weights_only=False)
+    torn = sorted(p.name for p in (killed / "checkpoints").iterdir())
+    torn_files = sorted(f.name for d in (killed / "checkpoints").glob(".tmp-step_000000008-*") for f in d.iterdir())
     for n in SHARDED:
         shutil.copytree(root / n / "full", root / n / "cut")
         shutil.rmtree(sorted((root / n / "cut" / "checkpoints").glob("step_*"))[-1])
-    second = run_ranks(fns.train_many, 2, [(confs[n], str(root / n / "cut"), True) for n in SHARDED])[0]
-    return root, dict(zip(SHARDED, first)), dict(zip(SHARDED, second))
+    runs = [(confs[n], str(root / n / "cut"), True) for n in SHARDED] + [(async_conf, str(killed), True)]
+    second = run_ranks(fns.train_many, 2, runs)[0]
+    return (root, dict(zip(SHARDED, first)), dict(zip(SHARDED + [KILLED], second)),
+            {"rank": died.value.rank, "msg": str(died.value).splitlines()[0], "left": torn, "torn_files": torn_files})
 
 
 @pytest.mark.parametrize("name", SHARDED)
 def test_resume_is_bit_exact(resumed, name):
-    root, first, second = resumed
+    root, first, second, _ = resumed
     assert second[name]["resumed_from"] == 4 and second[name]["steps"] == 8
     for k, v in first[name]["weights"].items():
         assert torch.equal(second[name]["weights"][k], v), f"{name}: {k} differs after resume"
     assert losses(root / name / "cut")[4:] == losses(root / name / "full")[4:]
+
+
+def test_a_kill_during_the_background_write_loses_nothing_committed(resumed):
+    """Rank 1 SIGKILLed while the async step-8 save was being written (every shard already on
+    disk, its own rank file not): no step 8 under a final name (committing before every rank's
+    files are written would have made one), the torn temp dir left; the resumed run starts from
+    the step-4 checkpoint and removes the torn dir at its next save."""
+    root, first, second, kill = resumed
+    assert kill["rank"] == 1 and "exit code -9" in kill["msg"], kill["msg"]
+    assert [n for n in kill["left"] if not n.startswith(".")] == ["step_000000004"], kill["left"]
+    assert any(n.endswith(".distcp") for n in kill["torn_files"]) and "rank1.pt" not in kill["torn_files"], kill
+    assert second[KILLED]["resumed_from"] == 4 and second[KILLED]["steps"] == 8
+    left = sorted(p.name for p in (root / KILLED / "checkpoints").iterdir())
+    assert left == ["step_000000004", "step_000000008"], left
+
+
+def test_async_sharded_saves_are_bit_exact_to_sync_ones(resumed):
+    """fsdp with checkpoint.async_save (the step-4 save written while steps 5-8 ran) against the
+    same run saving synchronously: the step-4 checkpoints hold the same weights bit for bit, and
+    the run resumed from the async one (after the kill) logs the same losses at every step and
+    ends with the same weights as the uninterrupted sync run."""
+    from course_lib.checkpoint.dcp import consolidate_sharded
+
+    root, first, second, _ = resumed
+    step4 = [consolidate_sharded(root / n / "checkpoints" / "step_000000004") for n in ("fsdp/full", KILLED)]
+    assert step4[0].keys() == step4[1].keys() and all(torch.equal(step4[0][k], step4[1][k]) for k in step4[0])
+    assert losses(root / KILLED) == losses(root / "fsdp" / "full")
+    for k, v in first["fsdp"]["weights"].items():
+        assert torch.equal(second[KILLED]["weights"][k], v), f"async, killed and resumed: {k} differs from the sync run"
 
 
 def test_fsdp_checkpoint_moves_between_world_sizes_and_into_a_plain_model(tmp_path):

@@ -10,6 +10,8 @@ One module per job:
 * :mod:`.mirror` - a second storage tier (any fsspec URL);
 * :mod:`.dcp` - sharded checkpoints through ``torch.distributed.checkpoint`` (every rank writes its
   shards);
+* :mod:`.dcp_async` - the same, async: a staged copy, then the write and the commit in the background;
+* :mod:`.collective` - the multi-rank save protocol both share with DeepSpeed's checkpoints;
 * :mod:`.dcp_trust` - what DCP files are read with (a restricted unpickler, a weights-only planner).
 
 Users import from here: ``from course_lib.checkpoint import CheckpointManager``. Errors:

@@ -18,6 +18,9 @@ The same guarantees as :class:`~course_lib.checkpoint.CheckpointManager`, collec
    (hash and fsync every file, ``manifest.json``, rename, fsync), re-reads it, prunes to
    ``keep_last`` and broadcasts the outcome.
 
+:func:`save_sharded` runs all of this on the calling thread; :mod:`course_lib.checkpoint.dcp_async`
+runs steps 1-2 there on a staged copy and steps 3-4 in the background.
+
 Loading (:func:`load_sharded`): rank 0 picks the newest checkpoint that verifies (checksums, the
 ``.metadata`` through the restricted unpickler, every ``rank{r}.pt`` through
 ``torch.load(weights_only=True)``), falling back past corrupt ones with a warning; every rank then
@@ -62,12 +65,39 @@ def _sharded_dirs(root: Path) -> tuple[list[tuple[int, str, dict]], dict[str, st
 _broadcast, _agree, _describe = broadcast, agree, describe  # used by the loader below
 
 
-def _dcp_exceptions() -> tuple:
+def dcp_exceptions() -> tuple:
+    """The exception types a DCP call may raise (its CheckpointException is a BaseException)."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
     return (Exception, CheckpointException)
 
 
 # ----------------------------------------------------------------------------- save
+
+def prepare_rank_state(model: torch.nn.Module, optimizer: Any, rank: int, *,
+                       shared: dict[str, Any] | None, per_rank: dict[str, Any] | None) -> tuple:
+    """Local only (no collective): ``(model state dict, optimizer state dict, rank{r}.pt bytes)``.
+    The state dicts hold the live tensors (DTensor shards under FSDP2); the bytes (this rank's
+    RNG, ``per_rank`` objects' state, rank 0's ``shared`` state) are a copy taken now."""
+    from torch.distributed.checkpoint import state_dict as sd
+
+    model_sd, optim_sd = sd.get_state_dict(model, optimizer if optimizer is not None else [])
+    buf = io.BytesIO()
+    torch.save({"rng": capture_rng(),
+                "per_rank": {k: v.state_dict() for k, v in (per_rank or {}).items()},
+                "shared": {k: v.state_dict() for k, v in (shared or {}).items()} if rank == 0 else {}}, buf)
+    return model_sd, optim_sd, buf.getvalue()
+
+
+def write_rank_state(tmp: Path, prepared: tuple, rank: int, process_group: Any = None) -> None:
+    """Collective over ``process_group``: ``dcp.save`` of the prepared state dicts into ``tmp``,
+    then this rank's ``rank{r}.pt``. DCP exchanges its own errors between ranks: a failure inside
+    it raises on every rank."""
+    from torch.distributed.checkpoint import save as dcp_save
+
+    model_sd, optim_sd, mine = prepared
+    dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), process_group=process_group)
+    cio.write_durable(tmp / _rank_file(rank), mine)
+
 
 def save_sharded(root: str | Path, step: int, model: torch.nn.Module, optimizer: Any = None, *,
                  shared: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
@@ -76,6 +106,8 @@ def save_sharded(root: str | Path, step: int, model: torch.nn.Module, optimizer:
     directory every rank can see). ``shared``: state_dict-able objects equal on all ranks (the
     scheduler), saved once by rank 0; ``per_rank``: objects whose state differs per rank (data
     position); ``keep_last`` >= 1 sharded checkpoints are kept. Returns the final path.
+    Synchronous: training waits for the commit (:class:`course_lib.checkpoint.dcp_async.AsyncShardedSaver`
+    overlaps the write with training).
 
     A failure on any rank raises CheckpointError on every rank, naming the rank(s) that failed,
     as soon as the ranks next exchange their status; nothing appears under a final name."""
@@ -83,28 +115,13 @@ def save_sharded(root: str | Path, step: int, model: torch.nn.Module, optimizer:
         raise RuntimeError("save_sharded needs an initialised process group (course_lib.parallel.launch)")
     check_int("step", step, 0)
     check_int("keep_last", keep_last, 1)
-    from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint import state_dict as sd
-
     rank = dist.get_rank(process_group)
-
-    def prepare():  # local only: the state dicts and this rank's RNG, data position, shared state
-        model_sd, optim_sd = sd.get_state_dict(model, optimizer if optimizer is not None else [])
-        buf = io.BytesIO()
-        torch.save({"rng": capture_rng(),
-                    "per_rank": {k: v.state_dict() for k, v in (per_rank or {}).items()},
-                    "shared": {k: v.state_dict() for k, v in (shared or {}).items()} if rank == 0 else {}}, buf)
-        return model_sd, optim_sd, buf.getvalue()
-
-    def write(tmp: Path, prepared) -> None:
-        model_sd, optim_sd, mine = prepared
-        # DCP exchanges its own errors between ranks: a failure inside it raises on every rank.
-        dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), process_group=process_group)
-        cio.write_durable(tmp / _rank_file(rank), mine)
-
-    return collective_save(root, step, what="sharded", format=DCP_FORMAT, prepare=prepare, write=write,
-                           manifest={"metrics": dict(metrics or {})}, keep_last=keep_last,
-                           group=process_group, write_errors=_dcp_exceptions())
+    return collective_save(
+        root, step, what="sharded", format=DCP_FORMAT,
+        prepare=lambda: prepare_rank_state(model, optimizer, rank, shared=shared, per_rank=per_rank),
+        write=lambda tmp, prepared: write_rank_state(tmp, prepared, rank, process_group),
+        manifest={"metrics": dict(metrics or {})}, keep_last=keep_last, group=process_group,
+        write_errors=dcp_exceptions())
 
 
 # ----------------------------------------------------------------------------- load
@@ -218,7 +235,7 @@ def load_sharded(root: str | Path, model: torch.nn.Module, optimizer: Any = None
             obj.load_state_dict(mine["per_rank"][key])
         if restore_rng and own:
             restore_rng_state(mine["rng"])
-    except _dcp_exceptions() as e:
+    except dcp_exceptions() as e:
         raise CheckpointLoadError(f"cannot load sharded checkpoint {name} on rank {rank}: {_describe(e)}",
                                   [(name, _describe(e))]) from e
     return LoadResult(manifest["step"], path, "local", manifest.get("metrics", {}), manifest.get("seq", 0), manifest)

@@ -107,8 +107,11 @@ class FullCheckpoints:
 
 
 class ShardedCheckpoints:
-    """Every rank saves and loads its own shards through DCP (see the module docstring). Saves are
-    synchronous and go to the local folder only: ``mirror`` is refused, ``async_save`` ignored."""
+    """Every rank saves and loads its own shards through DCP (see the module docstring), to the
+    local folder only (``mirror`` is refused). ``async_save``: a save returns once every rank has
+    staged a CPU copy of its shards; the write and the commit run in the background
+    (:class:`~course_lib.checkpoint.dcp_async.AsyncShardedSaver`), and the next save, a load and
+    :meth:`close` wait for it."""
 
     format = "sharded"
 
@@ -123,6 +126,11 @@ class ShardedCheckpoints:
                               f"checkpoint folder with your storage tools, or use {advice}")
         self.strategy, self.root = strategy, Path(root)
         self.every_steps, self.keep_last = every_steps, keep_last
+        self._async = None
+        if async_save:
+            from course_lib.checkpoint.dcp_async import AsyncShardedSaver
+
+            self._async = AsyncShardedSaver()
 
     def should_save(self, step: int) -> bool:
         """Whether the step policy saves after ``step`` optimizer steps."""
@@ -133,25 +141,31 @@ class ShardedCheckpoints:
         return {k: v for k, v in shared.items() if v is not None}
 
     def save(self, step: int, state: TrainState, metrics: dict) -> None:
-        """Collective: every rank writes its shards, RNG and data position."""
+        """Collective: every rank writes its shards, RNG and data position (async: returns once
+        they are staged; the previous async save is committed first)."""
         from course_lib.checkpoint.dcp import save_sharded
 
-        save_sharded(self.root, step, state.model, state.optimizer, shared=self._shared(state),
-                     per_rank={"data": state.data} if state.data is not None else {},
-                     metrics=metrics, keep_last=self.keep_last)
+        save = self._async.save if self._async is not None else save_sharded
+        save(self.root, step, state.model, state.optimizer, shared=self._shared(state),
+             per_rank={"data": state.data} if state.data is not None else {},
+             metrics=metrics, keep_last=self.keep_last)
 
     def load(self, state: TrainState, *, restore_data: bool = True):
         """Collective: rank 0 picks the newest sharded checkpoint that verifies; every rank loads
         its shards of it (resharded by DCP if the world size changed)."""
         from course_lib.checkpoint.dcp import load_sharded
 
+        self.flush()  # a save in flight is committed first: rank 0 must be able to choose it
         per_rank = {"data": state.data} if restore_data and state.data is not None else {}
         return load_sharded(self.root, state.model, state.optimizer, shared=self._shared(state),
                             per_rank=per_rank)
 
     def flush(self) -> None:
-        """Nothing in flight: sharded saves are synchronous."""
+        """Wait for the async save in flight to be committed (raises its error, if any)."""
+        if self._async is not None:
+            self._async.wait()
 
     def close(self) -> None:
-        """Nothing to finish (synchronous saves)."""
+        """Finish the last async save: the last checkpoint is never lost."""
+        self.flush()
 
