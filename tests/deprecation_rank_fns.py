@@ -51,8 +51,15 @@ def kit_warnings_are_errors(found: list | None = None) -> list:
 
 def train_each(rank, world_size, runs):
     """Run every ``(cfg, out_dir)`` through the in-process trainer with the kit's deprecations as
-    errors; returns (the steps each ran, the kit deprecations seen)."""
+    errors; returns (the steps each ran, the kit deprecations seen, wall seconds per run)."""
     from course_lib.train import train
 
+    import time
+
     found = kit_warnings_are_errors()
-    return [train(cfg, out).steps for cfg, out in runs], found
+    steps, seconds = [], []
+    for cfg, out in runs:
+        t0 = time.perf_counter()
+        steps.append(train(cfg, out).steps)
+        seconds.append(round(time.perf_counter() - t0, 1))
+    return steps, found, seconds

@@ -1,8 +1,8 @@
 """What `course plan`, `course estimate` and `course launch`'s scripts print, as the README promises.
 
-* `course plan`: the best layout first, then the runners-up in the order of the step time printed;
-  no DeepSpeed log line in the report (DeepSpeed's parser checks ds_config.json; importing it on a
-  machine without a GPU logged "Setting accelerator to CPU" to stdout).
+* `course plan`: the best layout first, then the runners-up in the order of the step time printed
+  (that its report holds no DeepSpeed log line is checked by tests/test_readme.py, which runs the
+  README's plan commands).
 * `course estimate --units GB --json`: bytes stay bytes, ``per_rank_GB`` carries the GB.
 * `launch_accelerate.sh` without accelerate installed: exit 127 with what to install.
 """
@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 from course_lib.estimate.cli import main as estimate_main
@@ -43,18 +41,6 @@ def test_plan_table_lists_runners_up_by_the_step_time_printed():
     assert text.splitlines()[2].startswith(p.best.layout.label()), "the chosen layout must stay first"
     widths = {line.index(" GiB") for line in text.splitlines()[2:] if " GiB" in line}
     assert len(widths) == 1, f"columns out of line:\n{text}"
-
-
-def test_plan_report_has_no_deepspeed_log_line(tmp_path):
-    out = tmp_path / "plan"
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("DS_ACCELERATOR", None)
-    res = subprocess.run([sys.executable, "-m", "course_lib.cli", "plan", "--model", "llama2-7b", "--gpu", "h100",
-                          "--gpus", "8", "--tokens", "1T", "--seq", "8192", "--attention", "flash",
-                          "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert (out / "ds_config.json").is_file(), "this plan must go through DeepSpeed's parser to prove anything"
-    assert "[WARNING]" not in res.stdout and "accelerator" not in res.stdout, res.stdout
 
 
 def test_estimate_json_carries_the_asked_units(capsys):

@@ -81,7 +81,8 @@ def test_distributed_paths_warn_nothing_of_ours(tmp_path):
         "fsdp-tp2": ["train.strategy=fsdp", "parallel.tp=2"],
     }
     runs = [(cfg("train.micro_batch=8", *sets), str(tmp_path / name)) for name, sets in layouts.items()]
-    (steps, found), (_, found1) = run_ranks(fns.train_each, 2, runs, timeout=600)
+    (steps, found, seconds), (_, found1, _) = run_ranks(fns.train_each, 2, runs, timeout=600)
+    print("seconds per layout:", dict(zip(layouts, seconds)))
     assert not found and not found1, found + found1
     assert steps == [STEPS] * len(runs), dict(zip(layouts, steps))
     assert json.loads((tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()[-1])["step"] >= 1
