@@ -258,7 +258,7 @@ def format_report(report: dict) -> str:
             secs = row.get("full_size_seconds")
             took = (f"full size {secs / 60:4.1f} min" if secs is not None else "full size not timed yet")
             took += f" ({extra})" if extra else ""
-            lines.append(f"  {row['lab']:<32}{took:<34}{row['verdict']}")
+            lines.append(f"  {row['lab']:<32}{took:<34} {row['verdict']}")  # the space: a long stamp fills the column
         lines.append("  (full-size times as recorded by `course labs run NN --in-place` or `--record-time`"
                      + (f"; measured on {common}" if common else "")
                      + ("; load: the 1-minute load average as the run ended, above the core count the lab "

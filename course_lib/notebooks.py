@@ -11,7 +11,10 @@ name the source line and every exercise keeps the cells (and cell ids) of its so
 * ``### BEGIN SOLUTION <hint>`` ... ``### END SOLUTION`` becomes ``raise NotImplementedError(<hint>)``
 * ``### BEGIN HIDDEN TESTS`` ... ``### END HIDDEN TESTS`` is removed (kept for grading)
 
-Cell ids are positional (``cell-000``, ...) so building twice gives identical bytes. A lab keeps the
+Cell ids are positional (``cell-000``, ...) so building twice gives identical bytes. The metadata's
+``language_info`` is the one the course-kit kernel reports (:func:`language_info`): JupyterLab writes
+the kernel's into the notebook when the kernel connects, so a notebook holding anything else shows
+as modified (the unsaved-changes dot) right after it is opened. A lab keeps the
 outputs of every code cell whose id and source are unchanged; its metadata records the hash of the
 code it was executed with, so a lab whose code changed since its last execution is reported stale.
 """
@@ -20,12 +23,38 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 
 KERNELSPEC = {"name": "course-kit", "display_name": "Python (course kit)", "language": "python"}
+
+
+def language_info() -> dict:
+    """The ``language_info`` that ipykernel on this Python (the course-kit kernel runs the kit's
+    venv Python) sends to JupyterLab, which stores it in the notebook's metadata when the kernel
+    connects: a notebook that already holds exactly this opens unmodified. Only ``version`` (the
+    Python version, e.g. "3.11.7") depends on the machine; :func:`same_notebook` ignores it."""
+    major = sys.version_info[0]
+    return {"codemirror_mode": {"name": "ipython", "version": major}, "file_extension": ".py",
+            "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
+            "pygments_lexer": f"ipython{major}", "version": sys.version.split()[0]}
+
+
+def same_notebook(text_a: str, text_b: str) -> bool:
+    """Whether two notebook files are the same but for ``language_info.version``: notebooks built on
+    another Python patch release are not stale (and are not rewritten for it)."""
+    if text_a == text_b:
+        return True
+    try:
+        a, b = json.loads(text_a), json.loads(text_b)
+        for nb in (a, b):
+            nb.get("metadata", {}).get("language_info", {}).pop("version", None)
+    except (ValueError, AttributeError):
+        return False
+    return a == b
 SOURCE_DIRS = ("labs", "solutions")
 _SOURCE_NAME = re.compile(r"^\d\d_[a-z0-9_]+\.py$")
 _MARKER = re.compile(r"^(\s*)### (BEGIN|END) (SOLUTION|HIDDEN TESTS)\b(.*)$")
@@ -144,8 +173,7 @@ def to_notebook(text: str, filename: str):
     import jupytext
 
     nb = jupytext.reads(text, fmt="py:percent")
-    nb.metadata = {"kernelspec": dict(KERNELSPEC),
-                   "language_info": {"name": "python"}}
+    nb.metadata = {"kernelspec": dict(KERNELSPEC), "language_info": language_info()}
     code_cells = [c for c in nb.cells if c.cell_type == "code"]
     if not code_cells:
         raise NotebookSourceError(f"{filename}: has no code cell")
@@ -239,7 +267,7 @@ def write_all(root: Path) -> list[Path]:
     """Build and write every generated notebook; returns the paths whose bytes changed."""
     changed = []
     for item in build_all(root):
-        if not item.path.exists() or item.path.read_text() != item.text:
+        if not item.path.exists() or not same_notebook(item.path.read_text(), item.text):
             item.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = item.path.with_suffix(".ipynb.tmp")
             tmp.write_text(item.text)
@@ -257,7 +285,7 @@ def check_all(root: Path) -> list[str]:
         rel = item.path.relative_to(root)
         if not item.path.exists():
             problems.append(f"{rel}: missing (run `course notebooks build`)")
-        elif item.path.read_text() != item.text:
+        elif not same_notebook(item.path.read_text(), item.text):
             problems.append(f"{rel}: differs from its source (run `course notebooks build`)")
         if item.path.parent.name == "labs":
             problems += [f"{rel}: cell {cell.id} marks itself with a '# NBVAL_...' comment, which the learner "
@@ -346,5 +374,5 @@ def to_notebook_like(executed_nb):
         # to_notebook writes only non-empty tags; papermill adds run metadata and empty tags
         tags = [t for t in cell.metadata.get("tags", []) if t != "injected-parameters"]
         cell.metadata = {"tags": tags} if tags else {}
-    nb.metadata = {"kernelspec": dict(KERNELSPEC), "language_info": {"name": "python"}}
+    nb.metadata = {"kernelspec": dict(KERNELSPEC), "language_info": language_info()}
     return nb

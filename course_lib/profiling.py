@@ -9,8 +9,9 @@ never runs again in that process. Disabled, nothing of the profiler is imported 
 Files, under ``OUT/profile/``:
 
 * ``trace_rank{R}.json``: the Chrome trace of rank R (chrome://tracing, https://ui.perfetto.dev);
-  the same file as the TensorBoard profiler's ``tensorboard/rank{R}.*.pt.trace.json`` (a hard link
-  when the file system allows it): ``tensorboard --logdir OUT/profile/tensorboard``.
+  the same file as ``tensorboard/rank{R}.*.pt.trace.json`` (a hard link when the file system allows
+  it), the layout of TensorBoard's profiler plugin ``torch-tb-profiler``: retired upstream and not
+  installed by the kit, so plain ``tensorboard`` shows no dashboard for it; open the Chrome trace.
 * ``summary_rank{R}.json`` / ``.md``: per rank, the top operators by self time (CPU, and CUDA on
   GPUs), each profiled step split into compute / exposed communication / idle (seconds, defined in
   :mod:`course_lib.profile_summary`), the step's MFU from the trainer's metrics row, and the

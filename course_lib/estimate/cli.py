@@ -5,7 +5,8 @@
     python -m course_lib.estimate.cli --model gpt2-small --recompute selective --units GB
 
 `add_arguments(parser)` and `run(args) -> int` plug into the `course` CLI; `main()` runs it alone.
-Every number printed carries its unit; `--json` prints bytes (and FLOPs) as plain numbers.
+Every number printed carries its unit; `--json` prints bytes (and FLOPs) as plain numbers, plus
+the per-rank memory in the `--units` unit as ``per_rank_GiB`` (default) or ``per_rank_GB``.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o = parser.add_argument_group("output")
     o.add_argument("--units", default="GiB", choices=("GB", "GiB"), help="GB = 1e9 bytes, GiB = 2**30 bytes")
     o.add_argument("--device", choices=sorted(ACCELERATORS), help="say whether the total fits its memory")
-    o.add_argument("--json", action="store_true", help="machine-readable output (bytes, FLOPs)")
+    o.add_argument("--json", action="store_true", help="machine-readable output (bytes, FLOPs; per-rank memory also in --units)")
 
 
 def _shape(args) -> ModelShape:
@@ -205,8 +206,19 @@ def run(args) -> int:
     except (ValueError, TypeError) as exc:
         print(f"course estimate: error: {exc}", file=sys.stderr)
         return 2
+    if args.json:
+        result = with_display_units(result, args.units)
     print(json.dumps(result, indent=2) if args.json else _text(result, args.units))
     return 0
+
+
+def with_display_units(result: dict, unit: str) -> dict:
+    """``result`` plus ``per_rank_<unit>``: the per-rank memory rows of ``per_rank_bytes`` in
+    ``unit`` (GB = 1e9 bytes, GiB = 2**30 bytes, 3 decimals). The byte counts stay as they are:
+    they are what a program should read; ``--units`` chooses the unit of this extra block."""
+    div = 1e9 if unit == "GB" else 2**30
+    converted = {k: round(v / div, 3) for k, v in result["per_rank_bytes"].items() if isinstance(v, (int, float))}
+    return {**result, f"per_rank_{unit}": converted}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from course_lib.labs.exercise_harness import _first_problem, _guard, _launch, im
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32: sums over ranks and matmul shards add in another order
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "all_gather_single", "reduce_scatter_single",
                "broadcast", "send", "recv", "isend", "irecv")
 
 

@@ -337,9 +337,9 @@ def replay_collectives(rank: int, world_size: int, calls, repeats: int = 10, war
             if kind == "all-reduce":
                 dist.all_reduce(full)
             elif kind == "all-gather":
-                dist.all_gather_into_tensor(full, shard)
+                dist.all_gather_single(full, shard)
             elif kind == "reduce-scatter":
-                dist.reduce_scatter_tensor(shard, full)
+                dist.reduce_scatter_single(shard, full)
             else:
                 raise ValueError(f"replay_collectives: no replay for {kind!r}")
         if i >= warmup:

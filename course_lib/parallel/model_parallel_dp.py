@@ -188,7 +188,7 @@ class FlatZero(DataParallelMode):
         flat = torch.cat(grads)
         del grads
         mine = flat.new_empty(self.shard)
-        dist.reduce_scatter_tensor(mine, flat, op=dist.ReduceOp.SUM, group=self.group)
+        dist.reduce_scatter_single(mine, flat, op=dist.ReduceOp.SUM, group=self.group)
         del flat
         mine /= self.size
         if self.stage == 1:  # keep the full buffers; this rank's range gets the mean
@@ -223,7 +223,7 @@ class FlatZero(DataParallelMode):
         if mine.numel() < self.shard:  # the last range's padding
             mine = torch.cat([mine, mine.new_zeros(self.shard - mine.numel())])
         full = mine.new_empty(self.padded)
-        dist.all_gather_into_tensor(full, mine, group=self.group)
+        dist.all_gather_single(full, mine, group=self.group)
         torch._foreach_copy_(self.params, [f.view_as(p) for f, p in zip(full[:self.numel].split(
             [p.numel() for p in self.params]), self.params)])
 
@@ -257,7 +257,7 @@ class FlatZero(DataParallelMode):
             if mine.numel() < self.shard:
                 mine = torch.cat([mine, mine.new_zeros(self.shard - mine.numel())])
             full = mine.new_empty(self.padded)
-            dist.all_gather_into_tensor(full, mine, group=self.group)
+            dist.all_gather_single(full, mine, group=self.group)
             for p, f in zip(self.params, full[:self.numel].split([p.numel() for p in self.params])):
                 out[p][k] = f.view_as(p).cpu().clone()
         for p in out:

@@ -11,6 +11,9 @@
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+
 from course_lib.planner.checkpoint_plan import CheckpointPlan
 from course_lib.planner.costs import Candidate
 from course_lib.planner.spec import JobSpec
@@ -179,8 +182,25 @@ def deepspeed_json(spec: JobSpec, c: Candidate, *, validate: bool = True) -> dic
         ds["activation_checkpointing"] = {"partition_activations": lay.tp > 1,
                                           "contiguous_memory_optimization": False, "cpu_checkpointing": False}
     if validate:
-        validate_ds_config(ds, world_size=lay.dp)
+        with _deepspeed_quiet():
+            validate_ds_config(ds, world_size=lay.dp)
     return ds
+
+
+@contextlib.contextmanager
+def _deepspeed_quiet():
+    """DeepSpeed's logger below ERROR off while its parser runs: importing it on a machine without
+    a GPU logs "Setting accelerator to CPU" to stdout, in the middle of ``course plan``'s report."""
+    ds_logger = logging.getLogger("DeepSpeed")  # the logger deepspeed.utils.logging creates
+
+    def drop(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+    ds_logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        ds_logger.removeFilter(drop)
 
 
 def fsdp_settings(spec: JobSpec, c: Candidate) -> dict:

@@ -13,16 +13,21 @@ from course_lib.planner.spec import JobSpec
 def table(plan: Plan, n: int = 6) -> str:
     """Best plan and runners-up: layout, memory/GPU, step split, tokens/s, why each lost."""
     best = plan.best
-    head = (f"{'layout':<40} {'mem/GPU':>10} {'step s':>8} {'compute':>8} {'comm':>7} {'bubble':>7} "
+    shown = plan.runners_up(n)
+    # The chosen layout first; the runners-up by the step time printed (the ranking breaks
+    # near-ties by simplicity, which would list a 202.8 s row above a 202.4 s one).
+    shown = shown[:1] + sorted(shown[1:], key=lambda c: round(c.step_s, 1))
+    w = max([40] + [len(c.layout.label()) for c in shown + list(plan.closest_misses)])
+    head = (f"{'layout':<{w}} {'mem/GPU':>10} {'step s':>8} {'compute':>8} {'comm':>7} {'bubble':>7} "
             f"{'tokens/s':>9}  reason")
     rows = [head, "-" * len(head)]
-    for c in plan.runners_up(n):
+    for c in shown:
         t = c.time
-        rows.append(f"{c.layout.label():<40} {format_bytes(c.memory_total):>10} {c.step_s:>8.1f} "
+        rows.append(f"{c.layout.label():<{w}} {format_bytes(c.memory_total):>10} {c.step_s:>8.1f} "
                     f"{t['compute']:>8.1f} {c.comm_s:>7.2f} {t['bubble']:>7.2f} {c.tokens_per_s:>9,.0f}  "
                     f"{why_lost(c, best)}")
     for c in plan.closest_misses:
-        rows.append(f"{c.layout.label():<40} {format_bytes(c.memory_total):>10} {'-':>8} {'':>8} {'':>7} "
+        rows.append(f"{c.layout.label():<{w}} {format_bytes(c.memory_total):>10} {'-':>8} {'':>8} {'':>7} "
                     f"{'':>7} {'':>9}  {why_not_fit(c)}")
     return "\n".join(rows)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -28,8 +29,10 @@ class StallReport:
     heartbeat announced (None if no summary was written); ``stacks``: rank -> text of
     ``hang/rank{r}.txt``; ``seconds_to_detect``: from the start of the stall to the detection;
     ``seconds_to_abort``: from the start of the stall until the whole job had exited (both wall
-    seconds on this machine); ``exit_code``: torchrun's; ``hang_exit_code``: what the ranks exit
-    with (86); ``log``: the job's output."""
+    seconds on this machine); ``exit_code``: torchrun's own, which is 1 whenever a rank failed,
+    whatever code the rank exited with; ``rank_exit_codes``: rank -> the code torchrun's failure
+    report gives for it (a rank the watchdog ended exits with ``hang_exit_code``, 86; a rank
+    torchrun had to stop shows minus its signal); ``log``: the job's output."""
 
     stalled_rank: int | None
     last_step: int | None
@@ -42,6 +45,17 @@ class StallReport:
     summary: dict = field(default_factory=dict, repr=False)
     log: str = field(default="", repr=False)
     hang_exit_code: int = HANG_EXIT_CODE
+    rank_exit_codes: dict[int, int] = field(default_factory=dict)
+
+
+# torchrun's failure report has one block per failed rank: "rank      : 1 (local_rank: 1)" then
+# "exitcode  : 86 (pid: 1234)".
+_RANK_EXIT = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def rank_exit_codes(log: str) -> dict[int, int]:
+    """Rank -> exit code, read from torchrun's failure report in ``log`` (empty when none)."""
+    return {int(rank): int(code) for rank, code in _RANK_EXIT.findall(log)}
 
 
 def kill_tree(pid: int) -> None:
@@ -101,4 +115,5 @@ def run_stall_demo(world_size: int = 2, stall_rank: int = 1, timeout_s: float = 
     return StallReport(stalled_rank=stalled[0].get("rank"), last_step=stalled[0].get("step"), stacks=stacks,
                        seconds_to_detect=summary["detected_at"] - started if started and summary else None,
                        seconds_to_abort=ended - started if started else None, exit_code=proc.returncode,
-                       timeout_s=timeout_s, out_dir=out, summary=summary, log=log)
+                       timeout_s=timeout_s, out_dir=out, summary=summary, log=log,
+                       rank_exit_codes=rank_exit_codes(log or ""))

@@ -160,7 +160,7 @@ class _FullOptimizerView:
                 if key in st:
                     v = st[key]
                     out = torch.empty(v.numel() * world, dtype=v.dtype, device=v.device)
-                    dist.all_gather_into_tensor(out, v.contiguous(), group=pg)
+                    dist.all_gather_single(out, v.contiguous(), group=pg)
                     st[key] = out[:e.numel].view(e.shape).clone()
         return sd
 

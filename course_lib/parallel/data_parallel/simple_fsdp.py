@@ -10,14 +10,14 @@ parameter stay replicated; their gradients are averaged in :meth:`finish_gradien
 
 Per sharded layer and step:
 
-* forward pre-hook: all-gather the full weight (``all_gather_into_tensor``, supported by gloo) and
+* forward pre-hook: all-gather the full weight (``all_gather_single``, supported by gloo) and
   put it in the layer's ``__dict__`` as a plain tensor, which ``self.weight`` finds before the
   registered shard; the gather is a custom autograd Function, so gradients flow to the shard;
 * while the layer runs, a ``saved_tensors_hooks`` context replaces every tensor autograd wants to
   save that lives in the gathered storage by a note "re-gather me"; the forward hook drops the
   full weight, so between forward and backward only the shard is held;
 * backward: the layer's own backward re-gathers the weight when it unpacks it; the Function's
-  backward reduce-scatters (``reduce_scatter_tensor``, SUM, on gloo) the full fp32 gradient and
+  backward reduce-scatters (``reduce_scatter_single``, SUM, on gloo) the full fp32 gradient and
   divides by N: the shard's ``.grad`` is its slice of the rank-mean gradient.
 
 Tied weights (one Parameter in an Embedding and a Linear, as GPT-2 ties them) are sharded once; each
@@ -142,7 +142,7 @@ class SimpleFSDP(nn.Module):
         """All ranks' shards of ``entry`` cast to ``dtype`` -> full tensor (padding dropped)."""
         shard = entry.param.detach().to(dtype)
         full = torch.empty(shard.numel() * self.world_size, dtype=dtype, device=shard.device)
-        dist.all_gather_into_tensor(full, shard, group=self.process_group)
+        dist.all_gather_single(full, shard, group=self.process_group)
         return full[:entry.numel].view(entry.shape)
 
     def _reduce_scatter(self, flat_grad: torch.Tensor) -> torch.Tensor:
@@ -151,7 +151,7 @@ class SimpleFSDP(nn.Module):
         padded = torch.zeros(per * self.world_size, device=flat_grad.device)
         padded[:flat_grad.numel()] = flat_grad
         out = torch.empty(per, device=flat_grad.device)
-        dist.reduce_scatter_tensor(out, padded, op=dist.ReduceOp.SUM, group=self.process_group)
+        dist.reduce_scatter_single(out, padded, op=dist.ReduceOp.SUM, group=self.process_group)
         return out.div_(self.world_size)
 
     # ---- hooks -------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ class SimpleFSDP(nn.Module):
         for _, entry in self._layer_entries[layer]:
             shard = entry.param.detach().to(dtype)
             flat = torch.empty(shard.numel() * self.world_size, dtype=dtype, device=shard.device)
-            work = dist.all_gather_into_tensor(flat, shard, group=self.process_group, async_op=True)
+            work = dist.all_gather_single(flat, shard, group=self.process_group, async_op=True)
             works.append((flat[:entry.numel].view(entry.shape), work))
         self._pending[layer] = works
 
@@ -262,7 +262,7 @@ class SimpleFSDP(nn.Module):
             v = value(e.param)
             if v is not None:
                 gathered = torch.empty(v.numel() * self.world_size, dtype=torch.float32, device=v.device)
-                dist.all_gather_into_tensor(gathered, v.detach().float(), group=self.process_group)
+                dist.all_gather_single(gathered, v.detach().float(), group=self.process_group)
                 full[key] = gathered[:e.numel].view(e.shape)
         out = {}
         for name, p in self.module.named_parameters(remove_duplicate=False):

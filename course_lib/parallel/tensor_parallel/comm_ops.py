@@ -30,7 +30,8 @@ rank *within* that group. Shapes: activations are batch-first ``[B, T, C]`` as i
 dim 0, which makes its gathers contiguous; here a gathered tensor is re-assembled with one copy).
 Collectives go through ``dist.<name>`` looked up at call time, so
 :func:`course_lib.parallel.wire.count_collectives` sees them; gloo supports
-``all_gather_into_tensor`` and ``reduce_scatter_tensor``.
+``all_gather_single`` and ``reduce_scatter_single`` (torch 2.13 deprecates their old names,
+``all_gather_into_tensor`` and ``reduce_scatter_tensor``).
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Concatenate every rank's x along dim, in rank order."""
     n = _size(group)
     flat = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(flat, x.contiguous(), group=group)  # rank slices stacked on dim 0
+    dist.all_gather_single(flat, x.contiguous(), group=group)  # rank slices stacked on dim 0
     return flat if dim == 0 else torch.cat(flat.chunk(n, dim=0), dim=dim)
 
 
@@ -85,7 +86,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     parts = x.chunk(n, dim=dim)
     stacked = torch.cat(parts, dim=0)  # slice r of dim becomes block r of dim 0, as the ring wants
     out = torch.empty_like(parts[0], memory_format=torch.contiguous_format)
-    dist.reduce_scatter_tensor(out, stacked, op=dist.ReduceOp.SUM, group=group)
+    dist.reduce_scatter_single(out, stacked, op=dist.ReduceOp.SUM, group=group)
     return out
 
 
