@@ -18,7 +18,14 @@ Step time (seconds), the model in words:
   (a conservative choice: real ring attention hides part of it behind the attention math);
 * pp = point-to-point sends: one activation forward and one gradient backward per micro-batch
   per stage boundary (s/cp x b x h x 2 bytes each), over whichever link the neighbours share;
-* bubble = ``bubble_fraction(pp, m)`` (1F1B, relative to ideal) x (compute + tp + cp + pp);
+  interleaved 1F1B sends v times as many (every micro-batch passes each rank v times);
+* bubble = ``bubble_fraction(pp, m)`` (1F1B, relative to ideal; interleaved 1F1B with v virtual
+  stages per rank: (pp - 1)/(m v)) x (compute + tp + cp + pp);
+* stages: a pipeline runs at its busiest rank's pace, so compute is the balanced time x the
+  busiest rank's forward FLOPs over the mean rank's (``stages.stage_imbalance``: blocks, plus the
+  LM head on the last stage; 1 without a pipeline), and tp/cp traffic counts the busiest rank's
+  blocks. Memory: the busiest rank's parameters and activations (``stages``; uneven splits
+  ``parallel.pp_split``, explicit or balanced with the end stages' weights);
 * dp = data-parallel / ZeRO traffic (``comm_elements_per_step`` over dp x cp ranks, bf16) over
   NVLink if the group fits in a node, InfiniBand otherwise. DDP and ZeRO-1 reduce once per step;
   ZeRO-2 reduce-scatters every micro-batch (it keeps no full gradient to accumulate into); ZeRO-3
@@ -36,7 +43,10 @@ from course_lib.estimate import (activation_breakdown_per_layer, activation_byte
                                  cp_comm_bytes_per_layer, model_flops_per_iteration, model_state_bytes,
                                  output_backward_transient_bytes, resolve_recipe, tp_comm_bytes_per_layer,
                                  training_step_peak_bytes)
+from course_lib.estimate.activations import activation_bytes_per_layer
+from course_lib.estimate.stage_split import even_blocks
 from course_lib.planner.spec import JobSpec
+from course_lib.planner.stages import compact_counts, in_flight_layers, rank_blocks, stage_imbalance
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -53,6 +63,17 @@ class Layout:
     recompute: str
     micro_batch: int
     grad_accum: int  # micro-batches per optimizer step per data-parallel rank
+    virtual_stages: int = 1  # stages per pipeline rank: > 1 is interleaved 1F1B (Narayanan et al. 2021)
+    split: tuple = ()        # blocks per stage (pp x virtual_stages ints); () = as even as possible
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule: "interleaved" with virtual stages, "1f1b" otherwise."""
+        return "interleaved" if self.virtual_stages > 1 else "1f1b"
+
+    def blocks_per_stage(self, n_layers: int) -> tuple:
+        """Blocks on each of the pp x virtual_stages stages (the split, or as even as possible)."""
+        return tuple(self.split) if self.split else tuple(even_blocks(n_layers, self.pp * self.virtual_stages))
 
     @property
     def sequence_parallel(self) -> bool:
@@ -65,8 +86,11 @@ class Layout:
         return {0: "replicated (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 / FSDP full shard"}[self.zero_stage]
 
     def label(self) -> str:
-        """Compact text, e.g. ``tp8 pp1 dp8 cp1 Z1 rc=selective mb1x128``."""
-        return (f"tp{self.tp} pp{self.pp} dp{self.dp} cp{self.cp} Z{self.zero_stage} "
+        """Compact text, e.g. ``tp8 pp1 dp8 cp1 Z1 rc=selective mb1x128``; virtual stages and an
+        explicit split show on pp: ``pp16v2[7,8*14,7]``."""
+        pp = f"pp{self.pp}" + (f"v{self.virtual_stages}" if self.virtual_stages > 1 else "") \
+            + (f"[{compact_counts(self.split)}]" if self.split else "")
+        return (f"tp{self.tp} {pp} dp{self.dp} cp{self.cp} Z{self.zero_stage} "
                 f"rc={self.recompute} mb{self.micro_batch}x{self.grad_accum}")
 
 
@@ -81,6 +105,7 @@ class Candidate:
     tokens_per_step: int = 0
     model_flops: float = 0.0
     links: dict = field(default_factory=dict)    # group -> "NVLink" / "inter-node"
+    stage_blocks: tuple = ()                     # blocks per pipeline stage (pp x virtual_stages)
 
     @property
     def memory_total(self) -> float:
@@ -144,15 +169,39 @@ def recompute_working_bytes(spec: JobSpec, lay: Layout) -> float:
     return sum(parts.values()) if lay.recompute == "full" else parts["attention_core"]
 
 
+def busiest_rank_params_and_activations(spec: JobSpec, lay: Layout) -> tuple[float, float, list[int]]:
+    """(parameters, activation bytes, blocks per pipeline rank) of the busiest pipeline rank, per GPU.
+
+    Equal blocks on every stage: ``params_on_busiest_rank`` and the first stage's activations
+    (``activation_bytes_first_stage``, Korthikanti et al.; with virtual stages their interleaved
+    factor). Uneven ranks (an explicit or balanced split): the largest ``params_on_rank`` and the
+    largest ``in_flight_layers`` x one layer's activations over the ranks (``params_on_rank``
+    replicates a learned position table over tp, ``params_on_busiest_rank`` divides it). The two maxima may sit on
+    different ranks: their sum is a bound on the busiest rank, as the even case's (heaviest
+    end-stage weights plus the first stage's activations) always was."""
+    sh = spec.shape
+    kw = layer_kwargs(spec, lay)
+    counts = lay.blocks_per_stage(sh.n_layers)
+    per_rank = rank_blocks(counts, lay.pp)
+    if len(set(counts)) == 1:
+        params = sh.params_on_busiest_rank(tp=lay.tp, pp=lay.pp)
+        acts = activation_bytes_first_stage(n_layers=sh.n_layers, pp=lay.pp, virtual_stages=lay.virtual_stages,
+                                            micro_batches=lay.grad_accum, vocab_size=sh.vocab_size, **kw)
+        return params, acts, per_rank
+    per_layer = activation_bytes_per_layer(**kw)
+    params = max(sh.params_on_rank(tp=lay.tp, pp=lay.pp, stage=r, blocks=b) for r, b in enumerate(per_rank))
+    acts = max(per_layer * in_flight_layers(b, lay.pp, lay.virtual_stages, lay.grad_accum, r)
+               for r, b in enumerate(per_rank))
+    return params, acts, per_rank
+
+
 def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
     """Memory per GPU and step time of ``lay`` for ``spec`` (no feasibility filtering here)."""
     sh = spec.shape
     recipe = resolve_recipe(spec.recipe)
     shard_group = lay.dp * lay.cp
-    rank_params = sh.params_on_busiest_rank(tp=lay.tp, pp=lay.pp)
+    rank_params, acts, per_rank = busiest_rank_params_and_activations(spec, lay)
     states = model_state_bytes(rank_params, recipe=recipe, zero_stage=lay.zero_stage, dp=shard_group)
-    acts = activation_bytes_first_stage(n_layers=sh.n_layers, pp=lay.pp, micro_batches=lay.grad_accum,
-                                        vocab_size=sh.vocab_size, **layer_kwargs(spec, lay))
     transient = output_backward_transient_bytes(seq_len=spec.seq // lay.cp, micro_batch=lay.micro_batch,
                                                 vocab_size=sh.vocab_size, tp=lay.tp, bytes_per_element=2)
     if lay.zero_stage == 3:  # the layer computing plus the one prefetched, gathered in bf16
@@ -170,10 +219,13 @@ def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
               "activations": acts, "transient": transient + bucket, "accumulated_grads": live_grads,
               "peak": peak.peak, "peak_at": peak.where}
 
-    layers, m, s_local = sh.n_layers // lay.pp, lay.grad_accum, spec.seq // lay.cp
+    layers, m, s_local = max(per_rank), lay.grad_accum, spec.seq // lay.cp
     hw_flops = model_flops_per_iteration(sh, batch=spec.global_batch, seq_len=spec.seq, recompute=lay.recompute)
     model_flops = model_flops_per_iteration(sh, batch=spec.global_batch, seq_len=spec.seq)
-    compute = hw_flops / (spec.gpus * spec.gpu_peak_flops * spec.mfu)
+    # The pipeline runs at its busiest rank's pace: the mean rank's compute x max/mean load.
+    imbalance = stage_imbalance(sh, lay.blocks_per_stage(sh.n_layers), lay.pp, spec.seq)
+    ideal = spec.gpus * spec.gpu_peak_flops * spec.mfu
+    compute = hw_flops / ideal * imbalance
 
     gpn, nvlink, ib = spec.gpus_per_node, spec.intra_node_bytes_per_s, spec.inter_node_bytes_per_s
     links = {"tp": spans_nodes(1, lay.tp, gpn), "cp": spans_nodes(lay.tp, lay.cp, gpn),
@@ -196,8 +248,10 @@ def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
     pp_s = 0.0
     if lay.pp > 1:  # one activation forward + one gradient backward per micro-batch (bf16)
         message = s_local * lay.micro_batch * sh.d_model * 2 / (lay.tp if lay.sequence_parallel else 1)
-        pp_s = 2 * message * m / bw["pp"]
-    bubble = bubble_fraction(lay.pp, m) if lay.pp > 1 else 0.0
+        # interleaved: each micro-batch crosses pp x v - 1 stage boundaries, v per rank and direction
+        pp_s = 2 * message * m * lay.virtual_stages / bw["pp"]
+    bubble = bubble_fraction(lay.pp, m, schedule=lay.schedule, virtual_stages=lay.virtual_stages) \
+        if lay.pp > 1 else 0.0
     dp_bytes = 0.0
     if shard_group > 1:
         strategy = "ddp" if lay.zero_stage == 0 else f"zero{lay.zero_stage}"
@@ -212,8 +266,10 @@ def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
     dp_exposed = max(0.0, dp_s - spec.overlap * compute)
     busy = compute + tp_s + cp_s + pp_s
     bubble_s = bubble * busy
-    time = {"compute": compute, "recompute": compute - model_flops / (spec.gpus * spec.gpu_peak_flops * spec.mfu),
+    time = {"compute": compute, "recompute": (hw_flops - model_flops) / ideal * imbalance,
+            "stage_imbalance": imbalance,
             "tp": tp_s, "cp": cp_s, "pp": pp_s, "bubble": bubble_s, "bubble_fraction": bubble,
             "dp_total": dp_s, "dp_exposed": dp_exposed, "step": busy + bubble_s + dp_exposed}
     return Candidate(lay, memory, time, spec.usable_bytes, spec.global_batch_tokens, model_flops,
-                     {k: ("inter-node" if v else "NVLink") if getattr(lay, k) > 1 else "-" for k, v in links.items()})
+                     {k: ("inter-node" if v else "NVLink") if getattr(lay, k) > 1 else "-" for k, v in links.items()},
+                     lay.blocks_per_stage(sh.n_layers))

@@ -5,7 +5,11 @@ Rules a layout must follow (each one a reason real frameworks refuse the alterna
 * tp divides the attention heads, the KV heads and the MLP width, and stays inside a node
   (tp <= gpus per node): TP talks four times per layer per micro-batch, NVLink-only traffic;
 * tp x cp <= gpus per node (context parallelism's ring also stays on NVLink);
-* pp divides the layers (equal stages); cp divides the sequence;
+* pp divides gpus / (tp cp) and is at most the layers; stages are equal where pp divides the
+  layers, otherwise (and also when it is faster) balanced: the end stages hold fewer blocks for the
+  embedding and the head (``stages.balanced_counts``). cp divides the sequence;
+* interleaved 1F1B: v in (2, 4, 8) virtual stages per rank when pp x v <= layers and the
+  micro-batches per step are a multiple of pp (Megatron-LM's condition);
 * dp = gpus / (tp pp cp), and the global batch (sequences) is a multiple of dp x micro_batch;
 * pipeline parallelism composes with ZeRO-0/1 only (Megatron's distributed optimizer and
   DeepSpeed's pipeline engine shard optimizer state, not gradients or weights, across pipelines).
@@ -20,43 +24,80 @@ from dataclasses import dataclass, field
 
 from course_lib.estimate import format_bytes
 from course_lib.planner.costs import RECOMPUTE, Candidate, Layout, evaluate
+from course_lib.estimate.stage_split import even_blocks
 from course_lib.planner.spec import JobSpec
+from course_lib.planner.stages import balanced_counts, compact_counts
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 CONTEXT_PARALLEL = (1, 2, 4, 8)
+VIRTUAL_STAGES = (1, 2, 4, 8)
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def tensor_parallel_sizes(spec: JobSpec) -> list[int]:
+    """tp values allowed: divisors of the GPUs per node that divide heads, KV heads and MLP width."""
+    sh = spec.shape
+    return [t for t in _divisors(spec.gpus_per_node)
+            if sh.n_heads % t == 0 and sh.kv_heads % t == 0 and sh.ffn_dim % t == 0]
+
+
+def stage_splits(spec: JobSpec, pp: int, v: int) -> list[tuple]:
+    """Splits searched for pp ranks x v virtual stages: as even as possible (``()``; equal when
+    the stages divide the layers) and the balanced split of ``stage_split`` when it differs (the
+    end stages carry the embedding and the head)."""
+    sh = spec.shape
+    stages = pp * v
+    if stages == 1:
+        return [()]
+    balanced = balanced_counts(sh, stages, spec.seq)
+    even = tuple(even_blocks(sh.n_layers, stages))
+    if sh.n_layers % stages:
+        return [balanced]  # no equal split: the balanced one (the even one overloads a stage)
+    return [()] if balanced == even else [(), balanced]
+
+
+def pipeline_sizes(spec: JobSpec, tp: int, cp: int) -> list[int]:
+    """pp values: every divisor of gpus / (tp cp) up to the number of layers (stages need not be
+    equal: a pp that does not divide the layers gets the balanced split)."""
+    if spec.gpus % (tp * cp):
+        return []
+    return [p for p in _divisors(spec.gpus // (tp * cp)) if p <= spec.shape.n_layers]
+
+
 def layouts(spec: JobSpec, *, recomputes=RECOMPUTE, micro_batches=MICRO_BATCHES,
-            context_parallel=CONTEXT_PARALLEL) -> list[Layout]:
+            context_parallel=CONTEXT_PARALLEL, virtual_stages=VIRTUAL_STAGES) -> list[Layout]:
     """Every layout the rules above allow for ``spec`` (before any memory check)."""
     sh, gpn, out = spec.shape, spec.gpus_per_node, []
-    tps = [t for t in _divisors(gpn) if sh.n_heads % t == 0 and sh.kv_heads % t == 0 and sh.ffn_dim % t == 0]
-    for tp in tps:
+    for tp in tensor_parallel_sizes(spec):
         for cp in context_parallel:
             if tp * cp > gpn or spec.seq % cp:
                 continue
-            for pp in _divisors(sh.n_layers):
-                if spec.gpus % (tp * cp * pp):
-                    continue
+            for pp in pipeline_sizes(spec, tp, cp):
                 dp = spec.gpus // (tp * cp * pp)
                 for mb in micro_batches:
                     if spec.global_batch % (dp * mb):
                         continue
-                    for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
-                        if dp * cp == 1 and zero > 0:
-                            continue  # nothing to shard over
-                        for rc in recomputes:
-                            out.append(Layout(tp, pp, dp, cp, zero, rc, mb, spec.global_batch // (dp * mb)))
+                    m = spec.global_batch // (dp * mb)
+                    for v in virtual_stages:
+                        # interleaving needs a pipeline, a block per stage, and (Megatron) m a multiple of pp
+                        if v > 1 and (pp == 1 or pp * v > sh.n_layers or m % pp):
+                            continue
+                        for split in stage_splits(spec, pp, v):
+                            for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
+                                if dp * cp == 1 and zero > 0:
+                                    continue  # nothing to shard over
+                                for rc in recomputes:
+                                    out.append(Layout(tp, pp, dp, cp, zero, rc, mb, m, v, split))
     return out
 
 
 def _rank_key(c: Candidate):
     lay = c.layout
-    return (round(c.step_s, 6), lay.tp * lay.pp * lay.cp, -lay.micro_batch, lay.zero_stage, c.memory_total)
+    return (round(c.step_s, 6), lay.tp * lay.pp * lay.cp, lay.virtual_stages, -lay.micro_batch, lay.zero_stage,
+            c.memory_total)
 
 
 def rank(cands: list[Candidate]) -> list[Candidate]:
@@ -70,11 +111,12 @@ def rank(cands: list[Candidate]) -> list[Candidate]:
 
 
 def distinct(cands: list[Candidate], n: int) -> list[Candidate]:
-    """The first ``n`` candidates with different (tp, pp, cp, ZeRO, recompute): one row per idea."""
+    """The first ``n`` candidates with different (tp, pp, cp, ZeRO, recompute, virtual stages,
+    split): one row per idea."""
     seen, out = set(), []
     for c in cands:
         lay = c.layout
-        key = (lay.tp, lay.pp, lay.cp, lay.zero_stage, lay.recompute)
+        key = (lay.tp, lay.pp, lay.cp, lay.zero_stage, lay.recompute, lay.virtual_stages, lay.split)
         if key not in seen:
             seen.add(key)
             out.append(c)
@@ -92,6 +134,8 @@ def why_lost(c: Candidate, best: Candidate) -> str:
     if c is best:
         return "best: fastest modelled step that fits"
     deltas = {k: c.time[k] - best.time[k] for k in ("recompute", "tp", "cp", "pp", "bubble", "dp_exposed")}
+    # compute beyond recomputation differs only by the busiest pipeline stage's extra load
+    deltas["stages"] = (c.time["compute"] - c.time["recompute"]) - (best.time["compute"] - best.time["recompute"])
     term = max(deltas, key=deltas.get)
     lay, slower = c.layout, c.step_s / best.step_s - 1
     if abs(slower) < 0.005 or deltas[term] <= 0.001 * best.step_s:
@@ -101,7 +145,10 @@ def why_lost(c: Candidate, best: Candidate) -> str:
         "tp": f"tp={lay.tp}: {c.time['tp']:.2f} s of activation all-reduces per step",
         "cp": f"cp={lay.cp}: {c.time['cp']:.2f} s of K/V ring traffic per step",
         "pp": f"pp={lay.pp}: {c.time['pp']:.2f} s of stage-to-stage sends ({c.links['pp']})",
-        "bubble": f"pp={lay.pp} with {lay.grad_accum} micro-batches idles {c.time['bubble_fraction']:.1%}",
+        "bubble": (f"pp={lay.pp}" + (f" x {lay.virtual_stages} virtual stages" if lay.virtual_stages > 1 else "")
+                   + f" with {lay.grad_accum} micro-batches idles {c.time['bubble_fraction']:.1%}"),
+        "stages": (f"pp={lay.pp} blocks {compact_counts(c.stage_blocks)}: the busiest stage "
+                   f"computes {c.time['stage_imbalance'] - 1:.1%} more than the mean, the others wait for it"),
         "dp_exposed": (f"{lay.sharding} over {lay.dp * lay.cp} ranks ({c.links['dp']}): "
                        f"{c.time['dp_total']:.1f} s of traffic, {c.time['dp_exposed']:.1f} s not hidden"),
     }[term]
@@ -112,6 +159,8 @@ def _tie_breaker(c: Candidate, best: Candidate) -> str:
     a, b = c.layout, best.layout
     if a.tp * a.pp * a.cp != b.tp * b.pp * b.cp:
         return f"simplicity ({a.tp * a.pp * a.cp} vs {b.tp * b.pp * b.cp} model-parallel ranks per replica)"
+    if a.virtual_stages != b.virtual_stages:
+        return f"simplicity ({a.virtual_stages} vs {b.virtual_stages} virtual stages per pipeline rank)"
     if a.micro_batch != b.micro_batch:
         return f"micro-batch size ({a.micro_batch} vs {b.micro_batch}: bigger matmuls run closer to peak)"
     if a.zero_stage != b.zero_stage:
@@ -169,7 +218,8 @@ def search(spec: JobSpec) -> Plan:
 
 
 def _min_memory(spec: JobSpec) -> Candidate | None:
-    cands = [evaluate(spec, lay) for lay in layouts(spec, recomputes=("full",), micro_batches=(1,))]
+    cands = [evaluate(spec, lay) for lay in layouts(spec, recomputes=("full",), micro_batches=(1,),
+                                                     virtual_stages=(1,))]
     return min(cands, key=lambda c: c.memory_total) if cands else None
 
 
