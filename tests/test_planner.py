@@ -37,8 +37,9 @@ def peak_from_estimator(spec, lay: Layout) -> float:
     sh = spec.shape
     states = model_state_bytes(sh.params_on_busiest_rank(tp=lay.tp, pp=lay.pp), recipe=spec.recipe,
                                zero_stage=lay.zero_stage, dp=lay.dp * lay.cp)
-    acts = activation_bytes_first_stage(n_layers=sh.n_layers, pp=lay.pp, micro_batches=lay.grad_accum,
-                                        vocab_size=sh.vocab_size, **layer_kwargs(spec, lay))
+    acts = activation_bytes_first_stage(n_layers=sh.n_layers, pp=lay.pp, virtual_stages=lay.virtual_stages,
+                                        micro_batches=lay.grad_accum, vocab_size=sh.vocab_size,
+                                        **layer_kwargs(spec, lay))
     transient = output_backward_transient_bytes(seq_len=spec.seq // lay.cp, micro_batch=lay.micro_batch,
                                                 vocab_size=sh.vocab_size, tp=lay.tp)
     if lay.zero_stage == 3:
@@ -59,7 +60,8 @@ def assert_valid_layout(p, c):
     sh = spec.shape
     assert lay.tp * lay.pp * lay.dp * lay.cp == spec.gpus
     assert lay.tp <= spec.gpus_per_node and sh.n_heads % lay.tp == 0 and sh.kv_heads % lay.tp == 0
-    assert sh.n_layers % lay.pp == 0 and spec.seq % lay.cp == 0
+    assert not lay.split and sh.n_layers % (lay.pp * lay.virtual_stages) == 0 and spec.seq % lay.cp == 0
+    assert lay.virtual_stages == 1 or lay.grad_accum % lay.pp == 0  # Megatron's interleaving condition
     assert spec.global_batch == lay.dp * lay.micro_batch * lay.grad_accum
     assert c.memory_total <= spec.gpu_memory_bytes * (1 - spec.headroom)
     # The winner on paper, checked against the estimator directly.
