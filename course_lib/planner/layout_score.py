@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from course_lib.estimate import format_bytes
 from course_lib.estimate.stage_split import check_counts
 from course_lib.planner.costs import RECOMPUTE, Candidate, Layout, evaluate
-from course_lib.planner.search import MICRO_BATCHES, Plan, rank, search, stage_splits, why_lost, why_not_fit
+from course_lib.planner.search import MICRO_BATCHES, VIRTUAL_STAGES, Plan, rank, search, stage_splits, why_lost, why_not_fit
 from course_lib.planner.spec import JobSpec, PlanError
 from course_lib.planner.stages import balanced_counts, compact_counts
 
@@ -112,7 +112,7 @@ def candidate_layouts(spec: JobSpec, fields: dict) -> list[Layout]:
     if not mbs:
         what = f"dp{dp} x mb{fields['mb']}" if "mb" in fields else f"dp{dp} x every micro-batch in {MICRO_BATCHES}"
         raise _fail(f"{what} does not divide the global batch of {spec.global_batch} sequences")
-    vs = [fields["v"]] if "v" in fields else [1, 2, 4, 8]
+    vs = [fields["v"]] if "v" in fields else list(VIRTUAL_STAGES)
     if fields.get("v", 1) > 1 and pp == 1:
         raise _fail(f"v{fields['v']} needs a pipeline (pp > 1): virtual stages interleave pipeline ranks")
     zero_ok = (0, 1) if pp > 1 else (0, 1, 2, 3)

@@ -8,7 +8,7 @@ Rules a layout must follow (each one a reason real frameworks refuse the alterna
 * pp divides gpus / (tp cp) and is at most the layers; stages are equal where pp divides the
   layers, otherwise (and also when it is faster) balanced: the end stages hold fewer blocks for the
   embedding and the head (``stages.balanced_counts``). cp divides the sequence;
-* interleaved 1F1B: v in (2, 4, 8) virtual stages per rank when pp x v <= layers and the
+* interleaved 1F1B: v in 2..8 virtual stages per rank when pp x v <= layers and the
   micro-batches per step are a multiple of pp (Megatron-LM's condition);
 * dp = gpus / (tp pp cp), and the global batch (sequences) is a multiple of dp x micro_batch;
 * pipeline parallelism composes with ZeRO-0/1 only (Megatron's distributed optimizer and
@@ -30,7 +30,7 @@ from course_lib.planner.stages import balanced_counts, compact_counts
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 CONTEXT_PARALLEL = (1, 2, 4, 8)
-VIRTUAL_STAGES = (1, 2, 4, 8)
+VIRTUAL_STAGES = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 def _divisors(n: int) -> list[int]:
