@@ -60,11 +60,15 @@ def assert_valid_layout(p, c):
     sh = spec.shape
     assert lay.tp * lay.pp * lay.dp * lay.cp == spec.gpus
     assert lay.tp <= spec.gpus_per_node and sh.n_heads % lay.tp == 0 and sh.kv_heads % lay.tp == 0
-    assert not lay.split and sh.n_layers % (lay.pp * lay.virtual_stages) == 0 and spec.seq % lay.cp == 0
+    assert sum(lay.blocks_per_stage(sh.n_layers)) == sh.n_layers and spec.seq % lay.cp == 0
+    assert lay.split or sh.n_layers % (lay.pp * lay.virtual_stages) == 0  # uneven stages carry their split
     assert lay.virtual_stages == 1 or lay.grad_accum % lay.pp == 0  # Megatron's interleaving condition
     assert spec.global_batch == lay.dp * lay.micro_batch * lay.grad_accum
     assert c.memory_total <= spec.gpu_memory_bytes * (1 - spec.headroom)
-    # The winner on paper, checked against the estimator directly.
+    # The winner on paper, checked against the estimator directly (equal stages here; uneven ones:
+    # tests/test_planner_layouts.py).
+    if lay.split:
+        return
     assert c.memory_total == pytest.approx(peak_from_estimator(spec, lay), rel=1e-9)
 
 

@@ -189,3 +189,36 @@ def test_uneven_interleaved_plan_writes_a_toml_the_trainer_accepts(bloom_spec, t
         assert par["pp_schedule"] == cand.layout.schedule
         if cand.layout.split:
             assert list(par["pp_split"]) == list(cand.layout.split)
+
+
+def test_multi_node_accelerate_takes_the_main_node_and_rank_from_the_job(tmp_path):
+    """launch_accelerate.sh with accelerate and scontrol faked: under SLURM and with MASTER_ADDR /
+    NODE_RANK it passes the job's main node and machine rank (never 127.0.0.1); without either it stops."""
+    import os
+    import stat
+    import subprocess
+
+    from course_lib.planner import plan_files
+
+    files = plan_files(plan(model="llama2-70b", gpu="a100-80gb", gpus=64, gpus_per_node=8, tokens=2e12), tmp_path,
+                       validate_ds=False)
+    script = tmp_path / "launch_accelerate.sh"
+    script.write_text(files["launch_accelerate.sh"])
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, body in (("accelerate", 'echo "ARGS $*"'), ("scontrol", 'printf "gpu-a17\\ngpu-a18\\n"')):
+        (fake / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (fake / name).chmod(stat.S_IRWXU)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "MASTER_", "NODE_RANK"))}
+    base["PATH"] = f"{fake}:{base['PATH']}"
+
+    def run(**env):
+        return subprocess.run(["bash", str(script)], env={**base, **env}, capture_output=True, text=True)
+
+    slurm = run(SLURM_JOB_NODELIST="gpu-a[17-18]", SLURM_NODEID="3")
+    assert slurm.returncode == 0, slurm.stderr
+    args = slurm.stdout.split("ARGS ")[1]
+    assert "--main_process_ip gpu-a17" in args and "--machine_rank 3" in args and "127.0.0.1" not in args
+    manual = run(MASTER_ADDR="10.0.0.5", NODE_RANK="1")
+    assert "--main_process_ip 10.0.0.5" in manual.stdout and "--machine_rank 1" in manual.stdout
+    assert run().returncode != 0
