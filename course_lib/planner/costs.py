@@ -37,6 +37,7 @@ step = (compute + tp + cp + pp) x (1 + bubble) + exposed dp.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from course_lib.estimate import (activation_breakdown_per_layer, activation_bytes_first_stage, bubble_fraction, comm_elements_per_step,
                                  engine_accumulation,
@@ -179,51 +180,138 @@ def busiest_rank_params_and_activations(spec: JobSpec, lay: Layout) -> tuple[flo
     replicates a learned position table over tp, ``params_on_busiest_rank`` divides it). The two maxima may sit on
     different ranks: their sum is a bound on the busiest rank, as the even case's (heaviest
     end-stage weights plus the first stage's activations) always was."""
-    sh = spec.shape
-    kw = layer_kwargs(spec, lay)
-    counts = lay.blocks_per_stage(sh.n_layers)
-    per_rank = rank_blocks(counts, lay.pp)
-    if len(set(counts)) == 1:
-        params = sh.params_on_busiest_rank(tp=lay.tp, pp=lay.pp)
-        acts = activation_bytes_first_stage(n_layers=sh.n_layers, pp=lay.pp, virtual_stages=lay.virtual_stages,
-                                            micro_batches=lay.grad_accum, vocab_size=sh.vocab_size, **kw)
-        return params, acts, per_rank
-    per_layer = activation_bytes_per_layer(**kw)
-    params = max(sh.params_on_rank(tp=lay.tp, pp=lay.pp, stage=r, blocks=b) for r, b in enumerate(per_rank))
-    acts = max(per_layer * in_flight_layers(b, lay.pp, lay.virtual_stages, lay.grad_accum, r)
-               for r, b in enumerate(per_rank))
-    return params, acts, per_rank
+    memo = _memo(spec)
+    params, per_rank = _rank_params(spec, lay, memo)
+    return params, _busiest_activations(spec, lay, memo), list(per_rank)
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces of a layout's memory and time that depend on a few of its fields only. The search asks
+# for thousands of layouts that differ in one field (ZeRO stage, micro-batch, recomputation), so
+# each piece is computed once per job and reused: the same calls with the same arguments, hence
+# bit-for-bit the same numbers as computing them afresh.
+# --------------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=64)
+def _memo(spec: JobSpec) -> dict:
+    """The cache of one job's layout pieces (keyed by the fields each piece reads). Specs are
+    frozen, so equal specs share it; the 64 most recent jobs are kept."""
+    return {}
+
+
+def _once(memo: dict, key, make):
+    try:
+        return memo[key]
+    except KeyError:
+        value = memo[key] = make()
+        return value
+
+
+def _counts(spec: JobSpec, lay: Layout, memo: dict) -> tuple:
+    """Blocks per stage (``Layout.blocks_per_stage``), keyed by (pp, v, split)."""
+    return _once(memo, ("counts", lay.pp, lay.virtual_stages, lay.split),
+                 lambda: tuple(lay.blocks_per_stage(spec.shape.n_layers)))
+
+
+def _rank_params(spec: JobSpec, lay: Layout, memo: dict) -> tuple[float, tuple]:
+    """(parameters on the busiest pipeline rank, blocks per rank), keyed by (tp, pp, v, split)."""
+    def make():
+        sh = spec.shape
+        counts = _counts(spec, lay, memo)
+        per_rank = tuple(rank_blocks(counts, lay.pp))
+        if len(set(counts)) == 1:
+            return sh.params_on_busiest_rank(tp=lay.tp, pp=lay.pp), per_rank
+        return max(sh.params_on_rank(tp=lay.tp, pp=lay.pp, stage=r, blocks=b) for r, b in enumerate(per_rank)), per_rank
+    return _once(memo, ("params", lay.tp, lay.pp, lay.virtual_stages, lay.split), make)
+
+
+def _per_layer(spec: JobSpec, lay: Layout, memo: dict) -> float:
+    """One layer's activation bytes for one micro-batch, keyed by (tp, cp, mb, recompute)."""
+    return _once(memo, ("layer", lay.tp, lay.cp, lay.micro_batch, lay.recompute),
+                 lambda: activation_bytes_per_layer(**layer_kwargs(spec, lay)))
+
+
+def _busiest_activations(spec: JobSpec, lay: Layout, memo: dict) -> float:
+    """The busiest rank's saved activation bytes (see ``busiest_rank_params_and_activations``)."""
+    def make():
+        sh = spec.shape
+        counts = _counts(spec, lay, memo)
+        if len(set(counts)) == 1:
+            return activation_bytes_first_stage(n_layers=sh.n_layers, pp=lay.pp, virtual_stages=lay.virtual_stages,
+                                                micro_batches=lay.grad_accum, vocab_size=sh.vocab_size,
+                                                **layer_kwargs(spec, lay))
+        per_layer = _per_layer(spec, lay, memo)
+        _, per_rank = _rank_params(spec, lay, memo)
+        return max(per_layer * in_flight_layers(b, lay.pp, lay.virtual_stages, lay.grad_accum, r)
+                   for r, b in enumerate(per_rank))
+    return _once(memo, ("acts", lay.tp, lay.pp, lay.virtual_stages, lay.split, lay.cp, lay.micro_batch,
+                        lay.recompute, lay.grad_accum), make)
+
+
+def _transient(spec: JobSpec, lay: Layout, memo: dict) -> float:
+    """Transient bytes before the ZeRO-2 bucket: the output layer's backward, ZeRO-3's two gathered
+    layers, the layer being recomputed; keyed by (tp, cp, mb, zero-3 or not, recompute)."""
+    def make():
+        sh = spec.shape
+        transient = output_backward_transient_bytes(seq_len=spec.seq // lay.cp, micro_batch=lay.micro_batch,
+                                                    vocab_size=sh.vocab_size, tp=lay.tp, bytes_per_element=2)
+        if lay.zero_stage == 3:  # the layer computing plus the one prefetched, gathered in bf16
+            transient += 2 * 2 * sh.layer_params() / lay.tp
+        transient += recompute_working_bytes(spec, lay)
+        return transient
+    return _once(memo, ("transient", lay.tp, lay.cp, lay.micro_batch, lay.zero_stage == 3, lay.recompute), make)
+
+
+def _memory(spec: JobSpec, lay: Layout, memo: dict) -> tuple[dict, float]:
+    """(memory dict of ``evaluate``, parameters on the busiest rank), keyed by the whole layout."""
+    def make():
+        recipe = resolve_recipe(spec.recipe)
+        rank_params, _ = _rank_params(spec, lay, memo)
+        acts = _busiest_activations(spec, lay, memo)
+        states = _once(memo, ("states", rank_params, lay.zero_stage, lay.dp * lay.cp),
+                       lambda: model_state_bytes(rank_params, recipe=recipe, zero_stage=lay.zero_stage,
+                                                 dp=lay.dp * lay.cp))
+        transient = _transient(spec, lay, memo)
+        # Accumulation keeps the gradients summed so far live from the second micro-batch on: full
+        # tensors for DDP / ZeRO-1 (one reduce per step), the shard for ZeRO-2/3, which reduce-scatter
+        # every micro-batch (as the dp traffic below assumes) through a bucket of DeepSpeed's default size.
+        accumulation = engine_accumulation(lay.zero_stage)
+        bucket = (min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, rank_params) * recipe.grad_bytes if lay.zero_stage == 2
+                  else 0.0)
+        peak = training_step_peak_bytes(states, acts, transient_bytes=transient, grad_accum=lay.grad_accum,
+                                        accumulation=accumulation, reduce_bucket_bytes=bucket)
+        live_grads = peak.backward_start - (states.total - states.grads + acts + transient + bucket)
+        memory = {"params": states.params, "grads": states.grads, "optimizer": states.optimizer,
+                  "activations": acts, "transient": transient + bucket, "accumulated_grads": live_grads,
+                  "peak": peak.peak, "peak_at": peak.where}
+        return memory, rank_params
+    return _once(memo, ("memory", lay), make)
+
+
+def layout_memory(spec: JobSpec, lay: Layout) -> dict:
+    """The memory half of :func:`evaluate` (bytes per GPU by component, ``"peak"`` the step's peak):
+    what the search needs to drop a layout that cannot fit before modelling its step time."""
+    return dict(_memory(spec, lay, _memo(spec))[0])
 
 
 def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
     """Memory per GPU and step time of ``lay`` for ``spec`` (no feasibility filtering here)."""
     sh = spec.shape
-    recipe = resolve_recipe(spec.recipe)
+    memo = _memo(spec)
+    memory, rank_params = _memory(spec, lay, memo)
+    memory = dict(memory)
     shard_group = lay.dp * lay.cp
-    rank_params, acts, per_rank = busiest_rank_params_and_activations(spec, lay)
-    states = model_state_bytes(rank_params, recipe=recipe, zero_stage=lay.zero_stage, dp=shard_group)
-    transient = output_backward_transient_bytes(seq_len=spec.seq // lay.cp, micro_batch=lay.micro_batch,
-                                                vocab_size=sh.vocab_size, tp=lay.tp, bytes_per_element=2)
-    if lay.zero_stage == 3:  # the layer computing plus the one prefetched, gathered in bf16
-        transient += 2 * 2 * sh.layer_params() / lay.tp
-    transient += recompute_working_bytes(spec, lay)
-    # Accumulation keeps the gradients summed so far live from the second micro-batch on: full
-    # tensors for DDP / ZeRO-1 (one reduce per step), the shard for ZeRO-2/3, which reduce-scatter
-    # every micro-batch (as the dp traffic below assumes) through a bucket of DeepSpeed's default size.
-    accumulation = engine_accumulation(lay.zero_stage)
-    bucket = (min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, rank_params) * recipe.grad_bytes if lay.zero_stage == 2 else 0.0)
-    peak = training_step_peak_bytes(states, acts, transient_bytes=transient, grad_accum=lay.grad_accum,
-                                    accumulation=accumulation, reduce_bucket_bytes=bucket)
-    live_grads = peak.backward_start - (states.total - states.grads + acts + transient + bucket)
-    memory = {"params": states.params, "grads": states.grads, "optimizer": states.optimizer,
-              "activations": acts, "transient": transient + bucket, "accumulated_grads": live_grads,
-              "peak": peak.peak, "peak_at": peak.where}
+    _, per_rank = _rank_params(spec, lay, memo)
 
     layers, m, s_local = max(per_rank), lay.grad_accum, spec.seq // lay.cp
-    hw_flops = model_flops_per_iteration(sh, batch=spec.global_batch, seq_len=spec.seq, recompute=lay.recompute)
-    model_flops = model_flops_per_iteration(sh, batch=spec.global_batch, seq_len=spec.seq)
+    hw_flops = _once(memo, ("flops", lay.recompute), lambda: model_flops_per_iteration(
+        sh, batch=spec.global_batch, seq_len=spec.seq, recompute=lay.recompute))
+    model_flops = _once(memo, ("model_flops",), lambda: model_flops_per_iteration(
+        sh, batch=spec.global_batch, seq_len=spec.seq))
     # The pipeline runs at its busiest rank's pace: the mean rank's compute x max/mean load.
-    imbalance = stage_imbalance(sh, lay.blocks_per_stage(sh.n_layers), lay.pp, spec.seq)
+    counts = _counts(spec, lay, memo)
+    imbalance = _once(memo, ("imbalance", lay.pp, lay.virtual_stages, lay.split),
+                      lambda: stage_imbalance(sh, counts, lay.pp, spec.seq))
     ideal = spec.gpus * spec.gpu_peak_flops * spec.mfu
     compute = hw_flops / ideal * imbalance
 
@@ -235,33 +323,36 @@ def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
 
     tp_s = 0.0
     if lay.tp > 1:
-        per_layer = tp_comm_bytes_per_layer(seq_len=s_local, micro_batch=lay.micro_batch, d_model=sh.d_model,
-                                            tp=lay.tp, sequence_parallel=lay.sequence_parallel,
-                                            recompute=lay.recompute).bytes_per_rank
+        per_layer = _once(memo, ("tp_comm", lay.tp, lay.cp, lay.micro_batch, lay.recompute), lambda: tp_comm_bytes_per_layer(
+            seq_len=s_local, micro_batch=lay.micro_batch, d_model=sh.d_model, tp=lay.tp,
+            sequence_parallel=lay.sequence_parallel, recompute=lay.recompute).bytes_per_rank)
         tp_s = per_layer * layers * m / bw["tp"]
     cp_s = 0.0
     if lay.cp > 1:
-        per_layer = cp_comm_bytes_per_layer(seq_len=spec.seq, micro_batch=lay.micro_batch,
-                                            n_kv_heads=max(1, sh.kv_heads // lay.tp), head_dim=sh.head_dim,
-                                            cp=lay.cp).bytes_per_rank
+        per_layer = _once(memo, ("cp_comm", lay.tp, lay.cp, lay.micro_batch), lambda: cp_comm_bytes_per_layer(
+            seq_len=spec.seq, micro_batch=lay.micro_batch, n_kv_heads=max(1, sh.kv_heads // lay.tp),
+            head_dim=sh.head_dim, cp=lay.cp).bytes_per_rank)
         cp_s = per_layer * layers * m / bw["cp"]
     pp_s = 0.0
     if lay.pp > 1:  # one activation forward + one gradient backward per micro-batch (bf16)
         message = s_local * lay.micro_batch * sh.d_model * 2 / (lay.tp if lay.sequence_parallel else 1)
         # interleaved: each micro-batch crosses pp x v - 1 stage boundaries, v per rank and direction
         pp_s = 2 * message * m * lay.virtual_stages / bw["pp"]
-    bubble = bubble_fraction(lay.pp, m, schedule=lay.schedule, virtual_stages=lay.virtual_stages) \
-        if lay.pp > 1 else 0.0
+    bubble = _once(memo, ("bubble", lay.pp, m, lay.virtual_stages), lambda: bubble_fraction(
+        lay.pp, m, schedule=lay.schedule, virtual_stages=lay.virtual_stages)) if lay.pp > 1 else 0.0
     dp_bytes = 0.0
     if shard_group > 1:
+        def comm(strategy):
+            return _once(memo, ("dp_comm", rank_params, strategy, shard_group), lambda: comm_elements_per_step(
+                rank_params, strategy, world_size=shard_group).bytes_per_rank(2))
         strategy = "ddp" if lay.zero_stage == 0 else f"zero{lay.zero_stage}"
-        one_pass = comm_elements_per_step(rank_params, "zero1", world_size=shard_group).bytes_per_rank(2) / 2
+        one_pass = comm("zero1") / 2
         if lay.zero_stage == 3:
             dp_bytes = 3 * one_pass * m          # reduce-scatter + 2 all-gathers, every micro-batch
         elif lay.zero_stage == 2:
             dp_bytes = one_pass * m + one_pass   # reduce-scatter per micro-batch, one all-gather
         else:
-            dp_bytes = comm_elements_per_step(rank_params, strategy, world_size=shard_group).bytes_per_rank(2)
+            dp_bytes = comm(strategy)
     dp_s = dp_bytes / bw["dp"]
     dp_exposed = max(0.0, dp_s - spec.overlap * compute)
     busy = compute + tp_s + cp_s + pp_s
@@ -272,4 +363,4 @@ def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
             "dp_total": dp_s, "dp_exposed": dp_exposed, "step": busy + bubble_s + dp_exposed}
     return Candidate(lay, memory, time, spec.usable_bytes, spec.global_batch_tokens, model_flops,
                      {k: ("inter-node" if v else "NVLink") if getattr(lay, k) > 1 else "-" for k, v in links.items()},
-                     lay.blocks_per_stage(sh.n_layers))
+                     counts)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from course_lib.estimate import format_bytes
-from course_lib.planner.costs import RECOMPUTE, Candidate, Layout, evaluate
+from course_lib.planner.costs import RECOMPUTE, Candidate, Layout, _memo, _once, evaluate, layout_memory
 from course_lib.estimate.stage_split import even_blocks
 from course_lib.planner.spec import JobSpec
 from course_lib.planner.stages import balanced_counts, compact_counts
@@ -48,15 +48,19 @@ def stage_splits(spec: JobSpec, pp: int, v: int) -> list[tuple]:
     """Splits searched for pp ranks x v virtual stages: as even as possible (``()``; equal when
     the stages divide the layers) and the balanced split of ``stage_split`` when it differs (the
     end stages carry the embedding and the head)."""
+    return list(_once(_memo(spec), ("splits", pp, v), lambda: _stage_splits(spec, pp, v)))
+
+
+def _stage_splits(spec: JobSpec, pp: int, v: int) -> tuple:
     sh = spec.shape
     stages = pp * v
     if stages == 1:
-        return [()]
+        return ((),)
     balanced = balanced_counts(sh, stages, spec.seq)
     even = tuple(even_blocks(sh.n_layers, stages))
     if sh.n_layers % stages:
-        return [balanced]  # no equal split: the balanced one (the even one overloads a stage)
-    return [()] if balanced == even else [(), balanced]
+        return (balanced,)  # no equal split: the balanced one (the even one overloads a stage)
+    return ((),) if balanced == even else ((), balanced)
 
 
 def pipeline_sizes(spec: JobSpec, tp: int, cp: int) -> list[int]:
@@ -115,14 +119,18 @@ def distinct(cands: list[Candidate], n: int) -> list[Candidate]:
     split): one row per idea."""
     seen, out = set(), []
     for c in cands:
-        lay = c.layout
-        key = (lay.tp, lay.pp, lay.cp, lay.zero_stage, lay.recompute, lay.virtual_stages, lay.split)
+        key = _idea(c.layout)
         if key not in seen:
             seen.add(key)
             out.append(c)
         if len(out) == n:
             break
     return out
+
+
+def _idea(lay: Layout) -> tuple:
+    """What makes two layouts different ideas (the table's rows): all but micro-batch and dp."""
+    return (lay.tp, lay.pp, lay.cp, lay.zero_stage, lay.recompute, lay.virtual_stages, lay.split)
 
 
 _TERMS = {"compute": "compute", "recompute": "recomputation", "tp": "TP traffic", "cp": "CP ring traffic",
@@ -205,22 +213,53 @@ CP_MIN_SEQ = 8192
 
 def search(spec: JobSpec) -> Plan:
     """Evaluate every allowed layout, keep those that fit, rank them (see module docstring).
-    Context parallelism is searched from ``CP_MIN_SEQ`` tokens, or when no layout without it fits."""
-    cands = [evaluate(spec, lay) for lay in layouts(spec, context_parallel=(1,))]
-    if spec.seq >= CP_MIN_SEQ or not any(c.fits for c in cands):
-        cands += [evaluate(spec, lay) for lay in layouts(spec, context_parallel=CONTEXT_PARALLEL[1:])]
-    fitting = [c for c in cands if c.fits]
-    misses = sorted((c for c in cands if not c.fits), key=lambda c: c.memory_total)
-    plan = Plan(spec, rank(fitting), len(cands), distinct(misses, 3))
+    Context parallelism is searched from ``CP_MIN_SEQ`` tokens, or when no layout without it fits.
+
+    A layout whose memory (``layout_memory``, cheap: its pieces are shared between layouts) is
+    over the usable bytes cannot fit, so its step time is modelled only if it becomes one of the
+    closest misses the plan shows; the others get the full ``evaluate``. The answer is the one
+    evaluating every layout gives."""
+    fitting, misses = [], []  # misses: (peak bytes, layout, Candidate or None), in search order
+
+    def scan(lays):
+        for lay in lays:
+            peak = layout_memory(spec, lay)["peak"]
+            if peak > spec.usable_bytes:
+                misses.append((peak, lay, None))
+                continue
+            c = evaluate(spec, lay)
+            if c.fits:
+                fitting.append(c)
+            else:
+                misses.append((c.memory_total, lay, c))
+
+    lays = layouts(spec, context_parallel=(1,))
+    scan(lays)
+    n = len(lays)
+    if spec.seq >= CP_MIN_SEQ or not fitting:
+        lays = layouts(spec, context_parallel=CONTEXT_PARALLEL[1:])
+        scan(lays)
+        n += len(lays)
+    misses.sort(key=lambda x: x[0])  # stable: ties keep the search order
+    closest, seen = [], set()
+    for _, lay, c in misses:
+        if _idea(lay) not in seen:
+            seen.add(_idea(lay))
+            closest.append(c if c is not None else evaluate(spec, lay))
+            if len(closest) == 3:
+                break
+    plan = Plan(spec, rank(fitting), n, closest)
     if not fitting:
         plan.advice = what_would_fit(spec)
     return plan
 
 
 def _min_memory(spec: JobSpec) -> Candidate | None:
-    cands = [evaluate(spec, lay) for lay in layouts(spec, recomputes=("full",), micro_batches=(1,),
-                                                     virtual_stages=(1,))]
-    return min(cands, key=lambda c: c.memory_total) if cands else None
+    """The leanest layout (full recomputation, micro-batch 1, no interleaving), evaluated."""
+    lays = layouts(spec, recomputes=("full",), micro_batches=(1,), virtual_stages=(1,))
+    if not lays:
+        return None
+    return evaluate(spec, min(lays, key=lambda lay: layout_memory(spec, lay)["peak"]))
 
 
 def what_would_fit(spec: JobSpec) -> list[str]:
