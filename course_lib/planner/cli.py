@@ -4,7 +4,8 @@
 
 Prints the comparison table (best and runners-up with why they lost) and writes the plan's files to
 ``--out`` (see ``course_lib.planner.output.PLAN_FILES``). Bad input: exit code 2, nothing written.
-No layout fits: the table of closest misses and what would fit, exit code 1.
+No layout fits: the table of closest misses and what would fit, exit code 1. ``--layout tp8,pp16,dp128``
+scores that layout instead (breakdown, fits or not, rank against the best; exit 1 if it does not fit).
 """
 from __future__ import annotations
 
@@ -51,6 +52,10 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--attention", default="eager", help="eager (keeps s x s scores, default) or flash")
     p.add_argument("--mirror", default="", help="second checkpoint tier URL for checkpoint.mirror (optional)")
     p.add_argument("--top", type=int, default=6, help="rows in the comparison table (default 6)")
+    p.add_argument("--layout", help="score this layout instead of writing a plan: tp8,pp16,dp128[,cp2,v4,zero1,"
+                                    "recompute=full,mb1,split=7:8*14:7]; fields left out are chosen (fastest fitting)")
+    p.add_argument("--round-batch", action="store_true",
+                   help="allow rounding --global-batch-tokens to the nearest batch a layout divides (default: refuse)")
     p.add_argument("--out", help="folder for the plan's files (default: print only)")
     p.set_defaults(func=run_plan)
     return p
@@ -64,7 +69,8 @@ def spec_from_args(args: argparse.Namespace):
                      inter_node_gbps=args.inter_node_gbps, gpu_memory_gib=args.gpu_memory_gib,
                      gpu_tflops=args.gpu_tflops, mfu=args.mfu, overlap=args.overlap, headroom=args.headroom,
                      mtbf_hours=args.mtbf_hours, storage_gbps=args.storage_gbps, recipe=args.recipe,
-                     attention=args.attention, shape_overrides={k: getattr(args, k) for k in _SHAPE})
+                     attention=args.attention, shape_overrides={k: getattr(args, k) for k in _SHAPE},
+                     allow_batch_rounding=getattr(args, "round_batch", False))
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -73,9 +79,23 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.top < 1:
             raise PlanError(f"--top: must be >= 1, got {args.top}")
         spec = spec_from_args(args)
+        if args.layout is not None:
+            if args.out:
+                raise PlanError("--layout: scores a layout and writes nothing; leave out --out (plan without "
+                                "--layout to write files)")
+            from course_lib.planner.layout_score import score_layout
+
+            score = score_layout(spec, args.layout)
     except PlanError as exc:
         print(f"course plan: {exc}", file=sys.stderr)
         return 2
+    if args.layout is not None:
+        print(f"course plan --layout: {spec.model_name} on {spec.gpus} x {spec.gpu_name} ({spec.nodes} node(s)), "
+              f"seq {spec.seq}, batch {spec.global_batch} sequences")
+        if spec.batch_note:
+            print(f"note: {spec.batch_note}")
+        print(score)
+        return 0 if score.candidate.fits else 1
     plan = search(spec)
     print(f"course plan: {spec.model_name} on {spec.gpus} x {spec.gpu_name} ({spec.nodes} node(s)), "
           f"{spec.tokens:.3g} tokens, seq {spec.seq}, batch {spec.global_batch} sequences; "

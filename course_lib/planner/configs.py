@@ -117,7 +117,7 @@ def trainer_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan, mirror: st
             "dp": (dp if mp else 0, ("data-parallel replicas" + (f" (the plan's dp {lay.dp} x cp {lay.cp}: cp does not "
                                                                f"compose with pp here)" if dp != lay.dp else ""))
                    if mp else "0 = all ranks"),
-            "pp_schedule": ("1f1b", "micro-batches per step = train.grad_accum"),
+            "pp_schedule": (lay.schedule, "micro-batches per step = train.grad_accum"),
             "sequence_parallel": (lay.sequence_parallel, ""),
             "cp": (lay.cp if cp_here else 1,
                    "context parallel: ring attention over zig-zag sequence chunks" if cp_here else
@@ -128,6 +128,13 @@ def trainer_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan, mirror: st
             "reshard_after_forward": (lay.zero_stage == 3, "fsdp: true = full shard (ZeRO-3)"),
         },
     }
+    if lay.virtual_stages > 1 or lay.split:  # only where the plan needs them: other plans' files stay as they were
+        extra = {"virtual_stages": (lay.virtual_stages, "stages per pipeline rank (interleaved 1F1B)")}
+        if lay.split:
+            extra["pp_split"] = (list(lay.split), "blocks per stage: the end stages also hold the embedding / the head")
+        keys = list(sections["parallel"].items())
+        at = [k for k, _ in keys].index("pp_schedule") + 1
+        sections["parallel"] = dict(keys[:at] + list(extra.items()) + keys[at:])
     if mirror and strategy in ("fsdp", "deepspeed"):  # checkpoint.mirror copies full checkpoints only
         sections["checkpoint"]["format"] = (sections["checkpoint"]["format"][0],
                                             f"{sections['checkpoint']['format'][1] or 'DeepSpeed shards'}; the kit "

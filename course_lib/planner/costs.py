@@ -18,7 +18,14 @@ Step time (seconds), the model in words:
   (a conservative choice: real ring attention hides part of it behind the attention math);
 * pp = point-to-point sends: one activation forward and one gradient backward per micro-batch
   per stage boundary (s/cp x b x h x 2 bytes each), over whichever link the neighbours share;
-* bubble = ``bubble_fraction(pp, m)`` (1F1B, relative to ideal) x (compute + tp + cp + pp);
+  interleaved 1F1B sends v times as many (every micro-batch passes each rank v times);
+* bubble = ``bubble_fraction(pp, m)`` (1F1B, relative to ideal; interleaved 1F1B with v virtual
+  stages per rank: (pp - 1)/(m v)) x (compute + tp + cp + pp);
+* stages: a pipeline runs at its busiest rank's pace, so compute is the balanced time x the
+  busiest rank's forward FLOPs over the mean rank's (``stages.stage_imbalance``: blocks, plus the
+  LM head on the last stage; 1 without a pipeline), and tp/cp traffic counts the busiest rank's
+  blocks. Memory: the busiest rank's parameters and activations (``stages``; uneven splits
+  ``parallel.pp_split``, explicit or balanced with the end stages' weights);
 * dp = data-parallel / ZeRO traffic (``comm_elements_per_step`` over dp x cp ranks, bf16) over
   NVLink if the group fits in a node, InfiniBand otherwise. DDP and ZeRO-1 reduce once per step;
   ZeRO-2 reduce-scatters every micro-batch (it keeps no full gradient to accumulate into); ZeRO-3
@@ -30,13 +37,17 @@ step = (compute + tp + cp + pp) x (1 + bubble) + exposed dp.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from course_lib.estimate import (activation_breakdown_per_layer, activation_bytes_first_stage, bubble_fraction, comm_elements_per_step,
                                  engine_accumulation,
                                  cp_comm_bytes_per_layer, model_flops_per_iteration, model_state_bytes,
                                  output_backward_transient_bytes, resolve_recipe, tp_comm_bytes_per_layer,
                                  training_step_peak_bytes)
+from course_lib.estimate.activations import activation_bytes_per_layer
+from course_lib.estimate.stage_split import even_blocks
 from course_lib.planner.spec import JobSpec
+from course_lib.planner.stages import compact_counts, in_flight_layers, rank_blocks, stage_imbalance
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -53,6 +64,17 @@ class Layout:
     recompute: str
     micro_batch: int
     grad_accum: int  # micro-batches per optimizer step per data-parallel rank
+    virtual_stages: int = 1  # stages per pipeline rank: > 1 is interleaved 1F1B (Narayanan et al. 2021)
+    split: tuple = ()        # blocks per stage (pp x virtual_stages ints); () = as even as possible
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule: "interleaved" with virtual stages, "1f1b" otherwise."""
+        return "interleaved" if self.virtual_stages > 1 else "1f1b"
+
+    def blocks_per_stage(self, n_layers: int) -> tuple:
+        """Blocks on each of the pp x virtual_stages stages (the split, or as even as possible)."""
+        return tuple(self.split) if self.split else tuple(even_blocks(n_layers, self.pp * self.virtual_stages))
 
     @property
     def sequence_parallel(self) -> bool:
@@ -65,8 +87,11 @@ class Layout:
         return {0: "replicated (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 / FSDP full shard"}[self.zero_stage]
 
     def label(self) -> str:
-        """Compact text, e.g. ``tp8 pp1 dp8 cp1 Z1 rc=selective mb1x128``."""
-        return (f"tp{self.tp} pp{self.pp} dp{self.dp} cp{self.cp} Z{self.zero_stage} "
+        """Compact text, e.g. ``tp8 pp1 dp8 cp1 Z1 rc=selective mb1x128``; virtual stages and an
+        explicit split show on pp: ``pp16v2[7,8*14,7]``."""
+        pp = f"pp{self.pp}" + (f"v{self.virtual_stages}" if self.virtual_stages > 1 else "") \
+            + (f"[{compact_counts(self.split)}]" if self.split else "")
+        return (f"tp{self.tp} {pp} dp{self.dp} cp{self.cp} Z{self.zero_stage} "
                 f"rc={self.recompute} mb{self.micro_batch}x{self.grad_accum}")
 
 
@@ -81,6 +106,7 @@ class Candidate:
     tokens_per_step: int = 0
     model_flops: float = 0.0
     links: dict = field(default_factory=dict)    # group -> "NVLink" / "inter-node"
+    stage_blocks: tuple = ()                     # blocks per pipeline stage (pp x virtual_stages)
 
     @property
     def memory_total(self) -> float:
@@ -144,36 +170,150 @@ def recompute_working_bytes(spec: JobSpec, lay: Layout) -> float:
     return sum(parts.values()) if lay.recompute == "full" else parts["attention_core"]
 
 
+def busiest_rank_params_and_activations(spec: JobSpec, lay: Layout) -> tuple[float, float, list[int]]:
+    """(parameters, activation bytes, blocks per pipeline rank) of the busiest pipeline rank, per GPU.
+
+    Equal blocks on every stage: ``params_on_busiest_rank`` and the first stage's activations
+    (``activation_bytes_first_stage``, Korthikanti et al.; with virtual stages their interleaved
+    factor). Uneven ranks (an explicit or balanced split): the largest ``params_on_rank`` and the
+    largest ``in_flight_layers`` x one layer's activations over the ranks (``params_on_rank``
+    replicates a learned position table over tp, ``params_on_busiest_rank`` divides it). The two maxima may sit on
+    different ranks: their sum is a bound on the busiest rank, as the even case's (heaviest
+    end-stage weights plus the first stage's activations) always was."""
+    memo = _memo(spec)
+    params, per_rank = _rank_params(spec, lay, memo)
+    return params, _busiest_activations(spec, lay, memo), list(per_rank)
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces of a layout's memory and time that depend on a few of its fields only. The search asks
+# for thousands of layouts that differ in one field (ZeRO stage, micro-batch, recomputation), so
+# each piece is computed once per job and reused: the same calls with the same arguments, hence
+# bit-for-bit the same numbers as computing them afresh.
+# --------------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=64)
+def _memo(spec: JobSpec) -> dict:
+    """The cache of one job's layout pieces (keyed by the fields each piece reads). Specs are
+    frozen, so equal specs share it; the 64 most recent jobs are kept."""
+    return {}
+
+
+def _once(memo: dict, key, make):
+    try:
+        return memo[key]
+    except KeyError:
+        value = memo[key] = make()
+        return value
+
+
+def _counts(spec: JobSpec, lay: Layout, memo: dict) -> tuple:
+    """Blocks per stage (``Layout.blocks_per_stage``), keyed by (pp, v, split)."""
+    return _once(memo, ("counts", lay.pp, lay.virtual_stages, lay.split),
+                 lambda: tuple(lay.blocks_per_stage(spec.shape.n_layers)))
+
+
+def _rank_params(spec: JobSpec, lay: Layout, memo: dict) -> tuple[float, tuple]:
+    """(parameters on the busiest pipeline rank, blocks per rank), keyed by (tp, pp, v, split)."""
+    def make():
+        sh = spec.shape
+        counts = _counts(spec, lay, memo)
+        per_rank = tuple(rank_blocks(counts, lay.pp))
+        if len(set(counts)) == 1:
+            return sh.params_on_busiest_rank(tp=lay.tp, pp=lay.pp), per_rank
+        return max(sh.params_on_rank(tp=lay.tp, pp=lay.pp, stage=r, blocks=b) for r, b in enumerate(per_rank)), per_rank
+    return _once(memo, ("params", lay.tp, lay.pp, lay.virtual_stages, lay.split), make)
+
+
+def _per_layer(spec: JobSpec, lay: Layout, memo: dict) -> float:
+    """One layer's activation bytes for one micro-batch, keyed by (tp, cp, mb, recompute)."""
+    return _once(memo, ("layer", lay.tp, lay.cp, lay.micro_batch, lay.recompute),
+                 lambda: activation_bytes_per_layer(**layer_kwargs(spec, lay)))
+
+
+def _busiest_activations(spec: JobSpec, lay: Layout, memo: dict) -> float:
+    """The busiest rank's saved activation bytes (see ``busiest_rank_params_and_activations``)."""
+    def make():
+        sh = spec.shape
+        counts = _counts(spec, lay, memo)
+        if len(set(counts)) == 1:
+            return activation_bytes_first_stage(n_layers=sh.n_layers, pp=lay.pp, virtual_stages=lay.virtual_stages,
+                                                micro_batches=lay.grad_accum, vocab_size=sh.vocab_size,
+                                                **layer_kwargs(spec, lay))
+        per_layer = _per_layer(spec, lay, memo)
+        _, per_rank = _rank_params(spec, lay, memo)
+        return max(per_layer * in_flight_layers(b, lay.pp, lay.virtual_stages, lay.grad_accum, r)
+                   for r, b in enumerate(per_rank))
+    return _once(memo, ("acts", lay.tp, lay.pp, lay.virtual_stages, lay.split, lay.cp, lay.micro_batch,
+                        lay.recompute, lay.grad_accum), make)
+
+
+def _transient(spec: JobSpec, lay: Layout, memo: dict) -> float:
+    """Transient bytes before the ZeRO-2 bucket: the output layer's backward, ZeRO-3's two gathered
+    layers, the layer being recomputed; keyed by (tp, cp, mb, zero-3 or not, recompute)."""
+    def make():
+        sh = spec.shape
+        transient = output_backward_transient_bytes(seq_len=spec.seq // lay.cp, micro_batch=lay.micro_batch,
+                                                    vocab_size=sh.vocab_size, tp=lay.tp, bytes_per_element=2)
+        if lay.zero_stage == 3:  # the layer computing plus the one prefetched, gathered in bf16
+            transient += 2 * 2 * sh.layer_params() / lay.tp
+        transient += recompute_working_bytes(spec, lay)
+        return transient
+    return _once(memo, ("transient", lay.tp, lay.cp, lay.micro_batch, lay.zero_stage == 3, lay.recompute), make)
+
+
+def _memory(spec: JobSpec, lay: Layout, memo: dict) -> tuple[dict, float]:
+    """(memory dict of ``evaluate``, parameters on the busiest rank), keyed by the whole layout."""
+    def make():
+        recipe = resolve_recipe(spec.recipe)
+        rank_params, _ = _rank_params(spec, lay, memo)
+        acts = _busiest_activations(spec, lay, memo)
+        states = _once(memo, ("states", rank_params, lay.zero_stage, lay.dp * lay.cp),
+                       lambda: model_state_bytes(rank_params, recipe=recipe, zero_stage=lay.zero_stage,
+                                                 dp=lay.dp * lay.cp))
+        transient = _transient(spec, lay, memo)
+        # Accumulation keeps the gradients summed so far live from the second micro-batch on: full
+        # tensors for DDP / ZeRO-1 (one reduce per step), the shard for ZeRO-2/3, which reduce-scatter
+        # every micro-batch (as the dp traffic below assumes) through a bucket of DeepSpeed's default size.
+        accumulation = engine_accumulation(lay.zero_stage)
+        bucket = (min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, rank_params) * recipe.grad_bytes if lay.zero_stage == 2
+                  else 0.0)
+        peak = training_step_peak_bytes(states, acts, transient_bytes=transient, grad_accum=lay.grad_accum,
+                                        accumulation=accumulation, reduce_bucket_bytes=bucket)
+        live_grads = peak.backward_start - (states.total - states.grads + acts + transient + bucket)
+        memory = {"params": states.params, "grads": states.grads, "optimizer": states.optimizer,
+                  "activations": acts, "transient": transient + bucket, "accumulated_grads": live_grads,
+                  "peak": peak.peak, "peak_at": peak.where}
+        return memory, rank_params
+    return _once(memo, ("memory", lay), make)
+
+
+def layout_memory(spec: JobSpec, lay: Layout) -> dict:
+    """The memory half of :func:`evaluate` (bytes per GPU by component, ``"peak"`` the step's peak):
+    what the search needs to drop a layout that cannot fit before modelling its step time."""
+    return dict(_memory(spec, lay, _memo(spec))[0])
+
+
 def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
     """Memory per GPU and step time of ``lay`` for ``spec`` (no feasibility filtering here)."""
     sh = spec.shape
-    recipe = resolve_recipe(spec.recipe)
+    memo = _memo(spec)
+    memory, rank_params = _memory(spec, lay, memo)
+    memory = dict(memory)
     shard_group = lay.dp * lay.cp
-    rank_params = sh.params_on_busiest_rank(tp=lay.tp, pp=lay.pp)
-    states = model_state_bytes(rank_params, recipe=recipe, zero_stage=lay.zero_stage, dp=shard_group)
-    acts = activation_bytes_first_stage(n_layers=sh.n_layers, pp=lay.pp, micro_batches=lay.grad_accum,
-                                        vocab_size=sh.vocab_size, **layer_kwargs(spec, lay))
-    transient = output_backward_transient_bytes(seq_len=spec.seq // lay.cp, micro_batch=lay.micro_batch,
-                                                vocab_size=sh.vocab_size, tp=lay.tp, bytes_per_element=2)
-    if lay.zero_stage == 3:  # the layer computing plus the one prefetched, gathered in bf16
-        transient += 2 * 2 * sh.layer_params() / lay.tp
-    transient += recompute_working_bytes(spec, lay)
-    # Accumulation keeps the gradients summed so far live from the second micro-batch on: full
-    # tensors for DDP / ZeRO-1 (one reduce per step), the shard for ZeRO-2/3, which reduce-scatter
-    # every micro-batch (as the dp traffic below assumes) through a bucket of DeepSpeed's default size.
-    accumulation = engine_accumulation(lay.zero_stage)
-    bucket = (min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, rank_params) * recipe.grad_bytes if lay.zero_stage == 2 else 0.0)
-    peak = training_step_peak_bytes(states, acts, transient_bytes=transient, grad_accum=lay.grad_accum,
-                                    accumulation=accumulation, reduce_bucket_bytes=bucket)
-    live_grads = peak.backward_start - (states.total - states.grads + acts + transient + bucket)
-    memory = {"params": states.params, "grads": states.grads, "optimizer": states.optimizer,
-              "activations": acts, "transient": transient + bucket, "accumulated_grads": live_grads,
-              "peak": peak.peak, "peak_at": peak.where}
+    _, per_rank = _rank_params(spec, lay, memo)
 
-    layers, m, s_local = sh.n_layers // lay.pp, lay.grad_accum, spec.seq // lay.cp
-    hw_flops = model_flops_per_iteration(sh, batch=spec.global_batch, seq_len=spec.seq, recompute=lay.recompute)
-    model_flops = model_flops_per_iteration(sh, batch=spec.global_batch, seq_len=spec.seq)
-    compute = hw_flops / (spec.gpus * spec.gpu_peak_flops * spec.mfu)
+    layers, m, s_local = max(per_rank), lay.grad_accum, spec.seq // lay.cp
+    hw_flops = _once(memo, ("flops", lay.recompute), lambda: model_flops_per_iteration(
+        sh, batch=spec.global_batch, seq_len=spec.seq, recompute=lay.recompute))
+    model_flops = _once(memo, ("model_flops",), lambda: model_flops_per_iteration(
+        sh, batch=spec.global_batch, seq_len=spec.seq))
+    # The pipeline runs at its busiest rank's pace: the mean rank's compute x max/mean load.
+    counts = _counts(spec, lay, memo)
+    imbalance = _once(memo, ("imbalance", lay.pp, lay.virtual_stages, lay.split),
+                      lambda: stage_imbalance(sh, counts, lay.pp, spec.seq))
+    ideal = spec.gpus * spec.gpu_peak_flops * spec.mfu
+    compute = hw_flops / ideal * imbalance
 
     gpn, nvlink, ib = spec.gpus_per_node, spec.intra_node_bytes_per_s, spec.inter_node_bytes_per_s
     links = {"tp": spans_nodes(1, lay.tp, gpn), "cp": spans_nodes(lay.tp, lay.cp, gpn),
@@ -183,37 +323,44 @@ def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
 
     tp_s = 0.0
     if lay.tp > 1:
-        per_layer = tp_comm_bytes_per_layer(seq_len=s_local, micro_batch=lay.micro_batch, d_model=sh.d_model,
-                                            tp=lay.tp, sequence_parallel=lay.sequence_parallel,
-                                            recompute=lay.recompute).bytes_per_rank
+        per_layer = _once(memo, ("tp_comm", lay.tp, lay.cp, lay.micro_batch, lay.recompute), lambda: tp_comm_bytes_per_layer(
+            seq_len=s_local, micro_batch=lay.micro_batch, d_model=sh.d_model, tp=lay.tp,
+            sequence_parallel=lay.sequence_parallel, recompute=lay.recompute).bytes_per_rank)
         tp_s = per_layer * layers * m / bw["tp"]
     cp_s = 0.0
     if lay.cp > 1:
-        per_layer = cp_comm_bytes_per_layer(seq_len=spec.seq, micro_batch=lay.micro_batch,
-                                            n_kv_heads=max(1, sh.kv_heads // lay.tp), head_dim=sh.head_dim,
-                                            cp=lay.cp).bytes_per_rank
+        per_layer = _once(memo, ("cp_comm", lay.tp, lay.cp, lay.micro_batch), lambda: cp_comm_bytes_per_layer(
+            seq_len=spec.seq, micro_batch=lay.micro_batch, n_kv_heads=max(1, sh.kv_heads // lay.tp),
+            head_dim=sh.head_dim, cp=lay.cp).bytes_per_rank)
         cp_s = per_layer * layers * m / bw["cp"]
     pp_s = 0.0
     if lay.pp > 1:  # one activation forward + one gradient backward per micro-batch (bf16)
         message = s_local * lay.micro_batch * sh.d_model * 2 / (lay.tp if lay.sequence_parallel else 1)
-        pp_s = 2 * message * m / bw["pp"]
-    bubble = bubble_fraction(lay.pp, m) if lay.pp > 1 else 0.0
+        # interleaved: each micro-batch crosses pp x v - 1 stage boundaries, v per rank and direction
+        pp_s = 2 * message * m * lay.virtual_stages / bw["pp"]
+    bubble = _once(memo, ("bubble", lay.pp, m, lay.virtual_stages), lambda: bubble_fraction(
+        lay.pp, m, schedule=lay.schedule, virtual_stages=lay.virtual_stages)) if lay.pp > 1 else 0.0
     dp_bytes = 0.0
     if shard_group > 1:
+        def comm(strategy):
+            return _once(memo, ("dp_comm", rank_params, strategy, shard_group), lambda: comm_elements_per_step(
+                rank_params, strategy, world_size=shard_group).bytes_per_rank(2))
         strategy = "ddp" if lay.zero_stage == 0 else f"zero{lay.zero_stage}"
-        one_pass = comm_elements_per_step(rank_params, "zero1", world_size=shard_group).bytes_per_rank(2) / 2
+        one_pass = comm("zero1") / 2
         if lay.zero_stage == 3:
             dp_bytes = 3 * one_pass * m          # reduce-scatter + 2 all-gathers, every micro-batch
         elif lay.zero_stage == 2:
             dp_bytes = one_pass * m + one_pass   # reduce-scatter per micro-batch, one all-gather
         else:
-            dp_bytes = comm_elements_per_step(rank_params, strategy, world_size=shard_group).bytes_per_rank(2)
+            dp_bytes = comm(strategy)
     dp_s = dp_bytes / bw["dp"]
     dp_exposed = max(0.0, dp_s - spec.overlap * compute)
     busy = compute + tp_s + cp_s + pp_s
     bubble_s = bubble * busy
-    time = {"compute": compute, "recompute": compute - model_flops / (spec.gpus * spec.gpu_peak_flops * spec.mfu),
+    time = {"compute": compute, "recompute": (hw_flops - model_flops) / ideal * imbalance,
+            "stage_imbalance": imbalance,
             "tp": tp_s, "cp": cp_s, "pp": pp_s, "bubble": bubble_s, "bubble_fraction": bubble,
             "dp_total": dp_s, "dp_exposed": dp_exposed, "step": busy + bubble_s + dp_exposed}
     return Candidate(lay, memory, time, spec.usable_bytes, spec.global_batch_tokens, model_flops,
-                     {k: ("inter-node" if v else "NVLink") if getattr(lay, k) > 1 else "-" for k, v in links.items()})
+                     {k: ("inter-node" if v else "NVLink") if getattr(lay, k) > 1 else "-" for k, v in links.items()},
+                     counts)

@@ -8,6 +8,7 @@ from course_lib.planner.checkpoint_plan import CheckpointPlan
 from course_lib.planner.costs import Candidate, evaluate
 from course_lib.planner.search import Plan, why_lost, why_not_fit
 from course_lib.planner.spec import JobSpec
+from course_lib.planner.stages import compact_counts
 
 
 def table(plan: Plan, n: int = 6) -> str:
@@ -32,6 +33,25 @@ def table(plan: Plan, n: int = 6) -> str:
     return "\n".join(rows)
 
 
+def breakdown(spec: JobSpec, c: Candidate) -> list[str]:
+    """A candidate's memory per GPU (GiB by component, the busiest pipeline rank) and step time
+    (seconds by term), as printed by ``course plan --layout``."""
+    m, t, lay = c.memory, c.time, c.layout
+    gib = 2**30
+    mem = ", ".join(f"{k} {m[k] / gib:.2f}" for k in ("params", "grads", "optimizer", "activations", "transient",
+                                                      "accumulated_grads"))
+    lines = [f"memory per GPU (GiB): {mem}; peak {m['peak'] / gib:.2f} at {m['peak_at']}"]
+    if lay.pp > 1:
+        lines.append(f"pipeline: {lay.pp} ranks x {lay.virtual_stages} stage(s) ({lay.schedule}), blocks per stage "
+                     f"{compact_counts(c.stage_blocks)}; busiest rank computes {t['stage_imbalance']:.3f}x the mean; "
+                     f"bubble {t['bubble_fraction']:.1%} of the ideal step")
+    lines.append(f"step {c.step_s:.2f} s = (compute {t['compute']:.2f} [recompute {t['recompute']:.2f}] + tp {t['tp']:.2f} "
+                 f"+ cp {t['cp']:.2f} + pp sends {t['pp']:.2f}) x (1 + bubble {t['bubble_fraction']:.3f}) "
+                 f"+ exposed dp {t['dp_exposed']:.2f} (of {t['dp_total']:.2f}); {c.tokens_per_s:,.0f} tokens/s, "
+                 f"modelled MFU {c.mfu(spec):.1%}")
+    return lines
+
+
 def _dimension_reasons(spec: JobSpec, c: Candidate, plan: Plan) -> list[str]:
     lay, t = c.layout, c.time
     others = plan.ranked
@@ -44,7 +64,11 @@ def _dimension_reasons(spec: JobSpec, c: Candidate, plan: Plan) -> list[str]:
         "all-reduces on the critical path of every layer.")
         + (f" Best layout with another tp: {alt_tp[0].layout.label()} ({why_lost(alt_tp[0], c)})." if alt_tp else ""))
     out.append(f"- **pp = {lay.pp}**: " + (
-        f"{spec.shape.n_layers // lay.pp} layers per stage, 1F1B with {lay.grad_accum} micro-batches: the bubble "
+        (f"{spec.shape.n_layers // lay.pp} layers per stage, 1F1B" if not lay.split and lay.virtual_stages == 1 else
+         f"blocks per stage {compact_counts(c.stage_blocks)}, {lay.schedule}"
+         + (f" with {lay.virtual_stages} virtual stages per rank" if lay.virtual_stages > 1 else "")
+         + f" (busiest rank {t['stage_imbalance']:.3f}x the mean compute)")
+        + f" with {lay.grad_accum} micro-batches: the bubble "
         f"is {t['bubble_fraction']:.1%} of the ideal step ({t['bubble']:.2f} s)." if lay.pp > 1 else
         "no pipeline: no bubble and no stage-to-stage sends."))
     out.append(f"- **cp = {lay.cp}**: " + (

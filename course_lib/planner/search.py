@@ -5,7 +5,11 @@ Rules a layout must follow (each one a reason real frameworks refuse the alterna
 * tp divides the attention heads, the KV heads and the MLP width, and stays inside a node
   (tp <= gpus per node): TP talks four times per layer per micro-batch, NVLink-only traffic;
 * tp x cp <= gpus per node (context parallelism's ring also stays on NVLink);
-* pp divides the layers (equal stages); cp divides the sequence;
+* pp divides gpus / (tp cp) and is at most the layers; stages are equal where pp divides the
+  layers, otherwise (and also when it is faster) balanced: the end stages hold fewer blocks for the
+  embedding and the head (``stages.balanced_counts``). cp divides the sequence;
+* interleaved 1F1B: v in 2..8 virtual stages per rank when pp x v <= layers and the
+  micro-batches per step are a multiple of pp (Megatron-LM's condition);
 * dp = gpus / (tp pp cp), and the global batch (sequences) is a multiple of dp x micro_batch;
 * pipeline parallelism composes with ZeRO-0/1 only (Megatron's distributed optimizer and
   DeepSpeed's pipeline engine shard optimizer state, not gradients or weights, across pipelines).
@@ -19,44 +23,85 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from course_lib.estimate import format_bytes
-from course_lib.planner.costs import RECOMPUTE, Candidate, Layout, evaluate
+from course_lib.planner.costs import RECOMPUTE, Candidate, Layout, _memo, _once, evaluate, layout_memory
+from course_lib.estimate.stage_split import even_blocks
 from course_lib.planner.spec import JobSpec
+from course_lib.planner.stages import balanced_counts, compact_counts
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 CONTEXT_PARALLEL = (1, 2, 4, 8)
+VIRTUAL_STAGES = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def tensor_parallel_sizes(spec: JobSpec) -> list[int]:
+    """tp values allowed: divisors of the GPUs per node that divide heads, KV heads and MLP width."""
+    sh = spec.shape
+    return [t for t in _divisors(spec.gpus_per_node)
+            if sh.n_heads % t == 0 and sh.kv_heads % t == 0 and sh.ffn_dim % t == 0]
+
+
+def stage_splits(spec: JobSpec, pp: int, v: int) -> list[tuple]:
+    """Splits searched for pp ranks x v virtual stages: as even as possible (``()``; equal when
+    the stages divide the layers) and the balanced split of ``stage_split`` when it differs (the
+    end stages carry the embedding and the head)."""
+    return list(_once(_memo(spec), ("splits", pp, v), lambda: _stage_splits(spec, pp, v)))
+
+
+def _stage_splits(spec: JobSpec, pp: int, v: int) -> tuple:
+    sh = spec.shape
+    stages = pp * v
+    if stages == 1:
+        return ((),)
+    balanced = balanced_counts(sh, stages, spec.seq)
+    even = tuple(even_blocks(sh.n_layers, stages))
+    if sh.n_layers % stages:
+        return (balanced,)  # no equal split: the balanced one (the even one overloads a stage)
+    return ((),) if balanced == even else ((), balanced)
+
+
+def pipeline_sizes(spec: JobSpec, tp: int, cp: int) -> list[int]:
+    """pp values: every divisor of gpus / (tp cp) up to the number of layers (stages need not be
+    equal: a pp that does not divide the layers gets the balanced split)."""
+    if spec.gpus % (tp * cp):
+        return []
+    return [p for p in _divisors(spec.gpus // (tp * cp)) if p <= spec.shape.n_layers]
+
+
 def layouts(spec: JobSpec, *, recomputes=RECOMPUTE, micro_batches=MICRO_BATCHES,
-            context_parallel=CONTEXT_PARALLEL) -> list[Layout]:
+            context_parallel=CONTEXT_PARALLEL, virtual_stages=VIRTUAL_STAGES) -> list[Layout]:
     """Every layout the rules above allow for ``spec`` (before any memory check)."""
     sh, gpn, out = spec.shape, spec.gpus_per_node, []
-    tps = [t for t in _divisors(gpn) if sh.n_heads % t == 0 and sh.kv_heads % t == 0 and sh.ffn_dim % t == 0]
-    for tp in tps:
+    for tp in tensor_parallel_sizes(spec):
         for cp in context_parallel:
             if tp * cp > gpn or spec.seq % cp:
                 continue
-            for pp in _divisors(sh.n_layers):
-                if spec.gpus % (tp * cp * pp):
-                    continue
+            for pp in pipeline_sizes(spec, tp, cp):
                 dp = spec.gpus // (tp * cp * pp)
                 for mb in micro_batches:
                     if spec.global_batch % (dp * mb):
                         continue
-                    for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
-                        if dp * cp == 1 and zero > 0:
-                            continue  # nothing to shard over
-                        for rc in recomputes:
-                            out.append(Layout(tp, pp, dp, cp, zero, rc, mb, spec.global_batch // (dp * mb)))
+                    m = spec.global_batch // (dp * mb)
+                    for v in virtual_stages:
+                        # interleaving needs a pipeline, a block per stage, and (Megatron) m a multiple of pp
+                        if v > 1 and (pp == 1 or pp * v > sh.n_layers or m % pp):
+                            continue
+                        for split in stage_splits(spec, pp, v):
+                            for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
+                                if dp * cp == 1 and zero > 0:
+                                    continue  # nothing to shard over
+                                for rc in recomputes:
+                                    out.append(Layout(tp, pp, dp, cp, zero, rc, mb, m, v, split))
     return out
 
 
 def _rank_key(c: Candidate):
     lay = c.layout
-    return (round(c.step_s, 6), lay.tp * lay.pp * lay.cp, -lay.micro_batch, lay.zero_stage, c.memory_total)
+    return (round(c.step_s, 6), lay.tp * lay.pp * lay.cp, lay.virtual_stages, -lay.micro_batch, lay.zero_stage,
+            c.memory_total)
 
 
 def rank(cands: list[Candidate]) -> list[Candidate]:
@@ -70,17 +115,22 @@ def rank(cands: list[Candidate]) -> list[Candidate]:
 
 
 def distinct(cands: list[Candidate], n: int) -> list[Candidate]:
-    """The first ``n`` candidates with different (tp, pp, cp, ZeRO, recompute): one row per idea."""
+    """The first ``n`` candidates with different (tp, pp, cp, ZeRO, recompute, virtual stages,
+    split): one row per idea."""
     seen, out = set(), []
     for c in cands:
-        lay = c.layout
-        key = (lay.tp, lay.pp, lay.cp, lay.zero_stage, lay.recompute)
+        key = _idea(c.layout)
         if key not in seen:
             seen.add(key)
             out.append(c)
         if len(out) == n:
             break
     return out
+
+
+def _idea(lay: Layout) -> tuple:
+    """What makes two layouts different ideas (the table's rows): all but micro-batch and dp."""
+    return (lay.tp, lay.pp, lay.cp, lay.zero_stage, lay.recompute, lay.virtual_stages, lay.split)
 
 
 _TERMS = {"compute": "compute", "recompute": "recomputation", "tp": "TP traffic", "cp": "CP ring traffic",
@@ -92,6 +142,8 @@ def why_lost(c: Candidate, best: Candidate) -> str:
     if c is best:
         return "best: fastest modelled step that fits"
     deltas = {k: c.time[k] - best.time[k] for k in ("recompute", "tp", "cp", "pp", "bubble", "dp_exposed")}
+    # compute beyond recomputation differs only by the busiest pipeline stage's extra load
+    deltas["stages"] = (c.time["compute"] - c.time["recompute"]) - (best.time["compute"] - best.time["recompute"])
     term = max(deltas, key=deltas.get)
     lay, slower = c.layout, c.step_s / best.step_s - 1
     if abs(slower) < 0.005 or deltas[term] <= 0.001 * best.step_s:
@@ -101,7 +153,10 @@ def why_lost(c: Candidate, best: Candidate) -> str:
         "tp": f"tp={lay.tp}: {c.time['tp']:.2f} s of activation all-reduces per step",
         "cp": f"cp={lay.cp}: {c.time['cp']:.2f} s of K/V ring traffic per step",
         "pp": f"pp={lay.pp}: {c.time['pp']:.2f} s of stage-to-stage sends ({c.links['pp']})",
-        "bubble": f"pp={lay.pp} with {lay.grad_accum} micro-batches idles {c.time['bubble_fraction']:.1%}",
+        "bubble": (f"pp={lay.pp}" + (f" x {lay.virtual_stages} virtual stages" if lay.virtual_stages > 1 else "")
+                   + f" with {lay.grad_accum} micro-batches idles {c.time['bubble_fraction']:.1%}"),
+        "stages": (f"pp={lay.pp} blocks {compact_counts(c.stage_blocks)}: the busiest stage "
+                   f"computes {c.time['stage_imbalance'] - 1:.1%} more than the mean, the others wait for it"),
         "dp_exposed": (f"{lay.sharding} over {lay.dp * lay.cp} ranks ({c.links['dp']}): "
                        f"{c.time['dp_total']:.1f} s of traffic, {c.time['dp_exposed']:.1f} s not hidden"),
     }[term]
@@ -112,6 +167,8 @@ def _tie_breaker(c: Candidate, best: Candidate) -> str:
     a, b = c.layout, best.layout
     if a.tp * a.pp * a.cp != b.tp * b.pp * b.cp:
         return f"simplicity ({a.tp * a.pp * a.cp} vs {b.tp * b.pp * b.cp} model-parallel ranks per replica)"
+    if a.virtual_stages != b.virtual_stages:
+        return f"simplicity ({a.virtual_stages} vs {b.virtual_stages} virtual stages per pipeline rank)"
     if a.micro_batch != b.micro_batch:
         return f"micro-batch size ({a.micro_batch} vs {b.micro_batch}: bigger matmuls run closer to peak)"
     if a.zero_stage != b.zero_stage:
@@ -156,21 +213,53 @@ CP_MIN_SEQ = 8192
 
 def search(spec: JobSpec) -> Plan:
     """Evaluate every allowed layout, keep those that fit, rank them (see module docstring).
-    Context parallelism is searched from ``CP_MIN_SEQ`` tokens, or when no layout without it fits."""
-    cands = [evaluate(spec, lay) for lay in layouts(spec, context_parallel=(1,))]
-    if spec.seq >= CP_MIN_SEQ or not any(c.fits for c in cands):
-        cands += [evaluate(spec, lay) for lay in layouts(spec, context_parallel=CONTEXT_PARALLEL[1:])]
-    fitting = [c for c in cands if c.fits]
-    misses = sorted((c for c in cands if not c.fits), key=lambda c: c.memory_total)
-    plan = Plan(spec, rank(fitting), len(cands), distinct(misses, 3))
+    Context parallelism is searched from ``CP_MIN_SEQ`` tokens, or when no layout without it fits.
+
+    A layout whose memory (``layout_memory``, cheap: its pieces are shared between layouts) is
+    over the usable bytes cannot fit, so its step time is modelled only if it becomes one of the
+    closest misses the plan shows; the others get the full ``evaluate``. The answer is the one
+    evaluating every layout gives."""
+    fitting, misses = [], []  # misses: (peak bytes, layout, Candidate or None), in search order
+
+    def scan(lays):
+        for lay in lays:
+            peak = layout_memory(spec, lay)["peak"]
+            if peak > spec.usable_bytes:
+                misses.append((peak, lay, None))
+                continue
+            c = evaluate(spec, lay)
+            if c.fits:
+                fitting.append(c)
+            else:
+                misses.append((c.memory_total, lay, c))
+
+    lays = layouts(spec, context_parallel=(1,))
+    scan(lays)
+    n = len(lays)
+    if spec.seq >= CP_MIN_SEQ or not fitting:
+        lays = layouts(spec, context_parallel=CONTEXT_PARALLEL[1:])
+        scan(lays)
+        n += len(lays)
+    misses.sort(key=lambda x: x[0])  # stable: ties keep the search order
+    closest, seen = [], set()
+    for _, lay, c in misses:
+        if _idea(lay) not in seen:
+            seen.add(_idea(lay))
+            closest.append(c if c is not None else evaluate(spec, lay))
+            if len(closest) == 3:
+                break
+    plan = Plan(spec, rank(fitting), n, closest)
     if not fitting:
         plan.advice = what_would_fit(spec)
     return plan
 
 
 def _min_memory(spec: JobSpec) -> Candidate | None:
-    cands = [evaluate(spec, lay) for lay in layouts(spec, recomputes=("full",), micro_batches=(1,))]
-    return min(cands, key=lambda c: c.memory_total) if cands else None
+    """The leanest layout (full recomputation, micro-batch 1, no interleaving), evaluated."""
+    lays = layouts(spec, recomputes=("full",), micro_batches=(1,), virtual_stages=(1,))
+    if not lays:
+        return None
+    return evaluate(spec, min(lays, key=lambda lay: layout_memory(spec, lay)["peak"]))
 
 
 def what_would_fit(spec: JobSpec) -> list[str]:

@@ -128,9 +128,12 @@ def make_spec(*, model: str | None = None, gpu: str, gpus: int, gpus_per_node: i
               gpu_memory_gib: float | None = None, gpu_tflops: float | None = None, mfu: float = 0.5,
               overlap: float = 0.5, headroom: float = 0.10, mtbf_hours: float = 5000.0,
               storage_gbps: float = 10.0, recipe: str = "mixed-adam", attention: str = "eager",
-              shape_overrides: dict | None = None) -> JobSpec:
+              shape_overrides: dict | None = None, allow_batch_rounding: bool = False) -> JobSpec:
     """Validate the planner's inputs (units as the CLI flags: GiB, TFLOP/s, GB/s, hours) and
-    return a JobSpec in base units. Raises PlanError naming the flag; see ``course plan --help``."""
+    return a JobSpec in base units. Raises PlanError naming the flag; see ``course plan --help``.
+    The global batch is kept exactly: one that is not whole sequences or that no layout's
+    data-parallel degree divides is refused (``--global-batch-tokens``, with the nearest batches
+    that work) unless ``allow_batch_rounding`` (``--round-batch``), and then the note says so."""
     name, shape = _shape(model, shape_overrides or {})
     key = resolve_gpu(gpu) if isinstance(gpu, str) else None
     if key is None and (gpu_memory_gib is None or gpu_tflops is None):
@@ -163,7 +166,8 @@ def make_spec(*, model: str | None = None, gpu: str, gpus: int, gpus_per_node: i
     if raw < 1:
         raise PlanError(f"--global-batch-tokens: {batch_tokens:g} tokens is less than one sequence "
                         f"of --seq {seq_len}")
-    batch, note = round_batch(raw, gpus, gpus_per_node)
+    batch, note = exact_batch(raw, batch_tokens, seq_len, data_parallel_degrees(shape, seq_len, gpus, gpus_per_node),
+                              allow_batch_rounding)
     if interconnect is None:
         interconnect = default_interconnect(key or "")
     if interconnect not in INTERCONNECTS:
@@ -198,3 +202,51 @@ def round_batch(sequences: float, gpus: int, gpus_per_node: int) -> tuple[int, s
         f"global batch rounded from {sequences:.1f} to {batch} sequences (a multiple of {unit}) "
         "so that the data-parallel degrees divide it")
     return batch, note
+
+
+def data_parallel_degrees(shape: ModelShape, seq: int, gpus: int, gpus_per_node: int) -> list[int]:
+    """Every dp = gpus / (tp pp cp) the search's rules allow (tp and cp as in
+    ``search.layouts``, pp any divisor up to the layers), sorted."""
+    from course_lib.planner.search import CONTEXT_PARALLEL  # search imports this module
+
+    out = set()
+    for tp in range(1, gpus_per_node + 1):
+        if gpus_per_node % tp or shape.n_heads % tp or shape.kv_heads % tp or shape.ffn_dim % tp:
+            continue
+        for cp in CONTEXT_PARALLEL:
+            if tp * cp > gpus_per_node or seq % cp or gpus % (tp * cp):
+                continue
+            rest = gpus // (tp * cp)
+            out.update(rest // pp for pp in range(1, min(rest, shape.n_layers) + 1) if rest % pp == 0)
+    return sorted(out)
+
+
+def exact_batch(sequences: float, batch_tokens: float, seq: int, dps: list[int], allow_rounding: bool) -> tuple[int, str]:
+    """The global batch in sequences when it is whole and some data-parallel degree in ``dps``
+    divides it: (sequences, ""). Otherwise PlanError naming --global-batch-tokens with the
+    nearest batches below and above that work, or, with ``allow_rounding``, the nearer of the two
+    (the lower on a tie) and a note that says so."""
+    def works(b: int) -> bool:
+        return b >= 1 and any(b % d == 0 for d in dps)
+
+    whole = abs(sequences - round(sequences)) < 1e-9
+    if whole and works(int(round(sequences))):
+        return int(round(sequences)), ""
+    lo = int(sequences) if not whole else int(round(sequences)) - 1
+    while lo >= 1 and not works(lo):
+        lo -= 1
+    hi = int(sequences) + 1
+    while not works(hi):
+        hi += 1
+    why = ("is not a whole number of sequences" if not whole else
+           f"is not divisible by any data-parallel degree a layout can have ({', '.join(map(str, dps[:8]))}"
+           f"{', ...' if len(dps) > 8 else ''})")
+    options = ([lo] if lo >= 1 else []) + [hi]
+    nearest = " or ".join(f"{b * seq:,} tokens ({b} sequences)" for b in options)
+    if not allow_rounding:
+        raise PlanError(f"--global-batch-tokens: {batch_tokens:,.0f} tokens = {sequences:g} sequences of {seq} tokens, "
+                        f"which {why}; nearest that work: {nearest}. Pass one of them with --global-batch-tokens, "
+                        f"or --round-batch to let the planner round")
+    batch = min(options, key=lambda b: (abs(b - sequences), b))
+    return batch, (f"global batch rounded from {sequences:g} to {batch} sequences ({batch * seq:,} tokens) because "
+                   f"--round-batch was given: {sequences:g} {why}; --global-batch-tokens {batch * seq} keeps it exact")
