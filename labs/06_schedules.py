@@ -357,8 +357,9 @@ wsd_drop = eval_at("WSD", wsd_start) - logs["WSD"]["eval"][-1]
 const_drop = eval_at("constant", wsd_start) - logs["constant"]["eval"][-1]
 check(wsd_drop > const_drop,
       "over WSD's decay phase its loss should fall further than the constant-lr run's over the same steps")
-check(eval_at("WSD", wsd_start) > eval_at("cosine", wsd_start),
-      "before WSD's decay starts, WSD (still at the peak lr) should sit above cosine, whose lr is already falling")
+if not SMOKE:  # a run of 60 steps (the smoke size) is too short for this: its cosine is at low lr almost at once
+    check(eval_at("WSD", wsd_start) > eval_at("cosine", wsd_start),
+          "before WSD's decay starts, WSD (still at the peak lr) should sit above cosine, whose lr is already falling")
 check(logs["WSD"]["eval"][-1] < logs["cosine"]["eval"][-1] + 0.02,
       "WSD should end level with (or below) cosine: a short final decay is enough")
 print(f"during the last {RUN_STEPS - wsd_start} steps WSD's loss fell by {wsd_drop:.4f}, the constant run's by "
@@ -370,8 +371,9 @@ print(f"during the last {RUN_STEPS - wsd_start} steps WSD's loss fell by {wsd_dr
 # loss bouncing above the minimum. Then WSD's short decay drops its loss quickly to about
 # where cosine ends, while the constant run stays up. This is the WSD argument: you can train at
 # the peak for as long as you like and pay for the decay only at the end (or at each point where
-# you want a finished model). In a very short run (the smoke-test size) the story tilts further
-# towards WSD, since cosine spends most of its run at low lr.
+# you want a finished model). In a very short run (the smoke-test size, 60 steps) the story tilts
+# further towards WSD: cosine spends most of its run at low lr, and it need not even be ahead
+# when WSD's decay starts (the cell above checks that order only at full size).
 #
 # ## 5. Resuming: what the scheduler must restore
 #
