@@ -146,21 +146,20 @@ for n in sizes:
 per_thread = max(peaks.values()) / torch.get_num_threads()
 print(f"best per thread: {format_si(per_thread, 'FLOP/s')}; an H100's fp32 datasheet peak is "
       f"{estimate.accelerator('h100-sxm5-80gb').peak_flops('fp32') / per_thread:,.0f} times that")
-check(peaks[sizes[-1]] > peaks[sizes[0]],
-      f"the largest matmul ({sizes[-1]}) should beat the smallest ({sizes[0]}) per FLOP; if another program "
-      "held a core in every pass, run the cell again")
-check(1e10 <= per_thread <= 5e11, f"one CPU thread should do tens to a few hundred GFLOP/s in fp32, measured "
-      f"{format_si(per_thread, 'FLOP/s')}: was the machine fully busy?")
+check(estimate.accelerator("h100-sxm5-80gb").peak_flops("fp32") >= 100 * per_thread,
+      f"an H100's fp32 peak should be at least a hundred times one CPU thread's, measured "
+      f"{format_si(per_thread, 'FLOP/s')} per thread")
 
 # %% [markdown]
-# **What you should see:** the largest matrices beat the smallest (small matmuls spend more of
-# their time on start-up and data movement per FLOP); the peak is read at the largest size, and
-# where the best column is still rising there it is a lower bound of what the chip can do. What
-# varies between runs: a single pass can come out several times slower when another program
-# holds a core (compare the "each pass" columns), and on a small shared machine the whole curve
-# moves from run to run; the best of the passes is the steadiest number. One CPU thread does
-# tens to a few hundred GFLOP/s in fp32 (the line under the table); an H100 does about
-# 67 TFLOP/s in fp32, hundreds of times more, and 990 in bf16 on its tensor cores.
+# **What you should see:** a best column that, on a quiet machine, rises with the matrix size
+# (small matmuls spend more of their time on start-up and data movement per FLOP), which is why
+# the peak is read from a large matmul; where it is still rising at the largest size, the peak is
+# a lower bound of what the chip can do. What varies between runs: a single pass can come out
+# several times slower when another program holds a core (compare the "each pass" columns), and
+# on a small shared machine the whole curve moves from run to run, enough to reorder neighbouring
+# sizes; the best of the passes is the steadiest number. A CPU thread with a core to itself does
+# tens to a couple of hundred GFLOP/s in fp32 (the line under the table); an H100 does about
+# 67 TFLOP/s in fp32, at least a hundred times more, and 990 in bf16 on its tensor cores.
 #
 # ## 4. MFU of a training run on this CPU
 #
