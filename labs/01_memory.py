@@ -252,6 +252,13 @@ for preset in ("tiny", "llama-tiny"):
                 print(f"{preset:<11}{recompute:<11}{r['component']:<26}{r['estimated']:>12,.0f}"
                       f"{r['measured']:>12,}{r['ratio']:>10.5f}")
                 worst = max(worst, abs(r["ratio"] - 1))
+            if r["component"] == "token ids (int64)":  # 8 bytes per input and per target token,
+                learned = cfg.position == "learned"    # + 8 per position id of a learned-position model
+                tokens = TINY_SEQ * TINY_BATCH
+                check(r["measured"] == 16 * tokens + (8 * TINY_SEQ if learned else 0),
+                      f"{preset}: the token ids should be 16 bytes per token (int64 inputs and targets)"
+                      + (f" plus 8 bytes per position id ({TINY_SEQ} of them)" if learned else "")
+                      + f", got {r['measured']:,} bytes for {tokens:,} tokens")
 print(f"\nlargest |measured / estimated - 1|: {worst:.1e}")
 check(worst < 0.02, "the estimate should be within 2% of what autograd saves: a keyword in "
       "measure.tinygpt_activation_kwargs no longer describes TinyGPT")
@@ -259,8 +266,10 @@ check(worst < 0.02, "the estimate should be within 2% of what autograd saves: a 
 # %% [markdown]
 # **What you should see:** ratios of 1.00000 for every block: the estimate is exact to the byte
 # once its assumptions are the model's. The only difference is 4 bytes in the output layer
-# (cross-entropy keeps one fp32 scalar). The int64 token ids (inputs and targets, 8 bytes per
-# token) are outside Korthikanti's accounting; they are a closed form of their own here.
+# (cross-entropy keeps one fp32 scalar). The int64 token ids are outside Korthikanti's
+# accounting; they are a closed form of their own here: inputs and targets, 8 bytes each, so 16
+# bytes per token (`llama-tiny` at seq 128, micro-batch 8: 16 x 128 x 8 = 16,384), plus, for `tiny` with its learned
+# position table, the position ids of one sequence, 8 bytes each (17,408 = 16,384 + 8 x 128).
 # `benchmarks/bench_activation_memory.py` runs 24 such configurations and adds the assumptions one
 # at a time.
 #

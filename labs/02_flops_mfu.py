@@ -69,10 +69,26 @@ ax.set_title("What 6N leaves out grows with the context")
 ax.legend()
 ax.grid(alpha=0.3)
 plt.show()
+# The share at each model's own training context, as in the table above: per token the attention
+# term is 12 L h T against 6N ~ 72 L h^2 (N ~ 12 L h^2 without embeddings), about T / (6 h) of 6N.
+trained = {}
+for name in ("gpt2-small", "gpt2-xl", "llama2-7b", "llama3-70b", "gpt3-175b"):
+    shape = estimate.ModelShape.preset(name)
+    six_n, palm = (estimate.flops_per_token(shape, formula=f) for f in ("6n", "palm"))
+    trained[name] = (shape.seq_len / shape.d_model, (palm - six_n) / palm)
+check(min(trained, key=lambda n: trained[n][1]) == "gpt3-175b" and trained["gpt3-175b"][1] < 0.05,
+      "GPT-3 (the widest model, d_model 12,288, at a 2,048-token context) should have the smallest attention "
+      "share, a few percent")
+check(all(share > 0.10 for ratio, share in trained.values() if ratio >= 1),
+      "every model trained at a context at least as long as its width (T >= d_model) should spend more than "
+      "10% of its FLOPs per token on attention scores")
+check(all(a < b for a, b in zip(share[:-1], share[1:])), "the attention share should grow with the context")
 
 # %% [markdown]
-# **What you should see:** at their training contexts the attention term is a few percent for
-# large models and more for small ones (it grows with T and shrinks with N / (L h)). At long
+# **What you should see:** at their training contexts the attention term ranges from about 3%
+# (GPT-3: very wide, d_model 12,288, at 2,048 tokens) to about 14% (Llama 2 7B: as wide as its
+# context). It is not the parameter count that decides but the context against the width: per
+# token the term is about T / (6 d_model) of 6N, so it grows with T and shrinks with the width. At long
 # contexts it stops being a correction: 6N then underestimates the work, and an MFU computed with
 # 6N looks worse than the run really is.
 #
@@ -127,16 +143,23 @@ print(f"  {'size':<13}{'best':>14}   {'each pass':<40}")
 for n in sizes:
     each = "  ".join(format_si(p[n], "FLOP/s") for p in passes)
     print(f"  {n:>5} x {n:<5}{format_si(peaks[n], 'FLOP/s'):>14}   {each}")
+per_thread = max(peaks.values()) / torch.get_num_threads()
+print(f"best per thread: {format_si(per_thread, 'FLOP/s')}; an H100's fp32 datasheet peak is "
+      f"{estimate.accelerator('h100-sxm5-80gb').peak_flops('fp32') / per_thread:,.0f} times that")
+check(estimate.accelerator("h100-sxm5-80gb").peak_flops("fp32") >= 100 * per_thread,
+      f"an H100's fp32 peak should be at least a hundred times one CPU thread's, measured "
+      f"{format_si(per_thread, 'FLOP/s')} per thread")
 
 # %% [markdown]
-# **What you should see:** the best column rising with the matrix size (small matmuls spend more
-# of their time on start-up and data movement per FLOP), with the gains shrinking at the largest
-# sizes: that is where the peak is read. What varies between runs: a single pass can come out
+# **What you should see:** a best column that, on a quiet machine, rises with the matrix size
+# (small matmuls spend more of their time on start-up and data movement per FLOP), which is why
+# the peak is read from a large matmul; where it is still rising at the largest size, the peak is
+# a lower bound of what the chip can do. What varies between runs: a single pass can come out
 # several times slower when another program holds a core (compare the "each pass" columns), and
-# on a small shared machine the whole curve moves from run to run; the best of the passes is the
-# steadiest number. A laptop core
-# does a few tens of GFLOP/s in fp32; an H100 does about 67 TFLOP/s in fp32 and 990 in bf16 on its
-# tensor cores.
+# on a small shared machine the whole curve moves from run to run, enough to reorder neighbouring
+# sizes; the best of the passes is the steadiest number. A CPU thread with a core to itself does
+# tens to a couple of hundred GFLOP/s in fp32 (the line under the table); an H100 does about
+# 67 TFLOP/s in fp32, at least a hundred times more, and 990 in bf16 on its tensor cores.
 #
 # ## 4. MFU of a training run on this CPU
 #
@@ -228,20 +251,48 @@ print(f"at the measured MFU of {mfu_cpu:.1%}:")
 print(f"{'device':<24}{'dtype':<6}{'peak':>16}{'tokens/s':>16}{'x this CPU':>12}")
 for name, dtype, peak, tps in rows:
     print(f"{name:<24}{dtype:<6}{format_si(peak, 'FLOP/s'):>16}{tps:>16,.0f}{peak / cpu_peak:>12,.0f}")
+times_cpu = [peak / cpu_peak for _, _, peak, _ in rows]
+bf16_over_fp32 = {key: estimate.accelerator(key).peak_flops("bf16") / estimate.accelerator(key).peak_flops("fp32")
+                  for key in ("a100-sxm4-80gb", "h100-sxm5-80gb")}
+print("bf16 / fp32 peak: " + ", ".join(f"{k} {v:.0f}x" for k, v in bf16_over_fp32.items()))
+check(10 <= min(times_cpu) < 1000 <= max(times_cpu),
+      f"the GPU peaks should run from tens of times this CPU's (fp32 on an A100) to thousands of times "
+      f"(bf16 on an H100); got {min(times_cpu):,.0f}x to {max(times_cpu):,.0f}x")
+check(all(10 < v < 20 for v in bf16_over_fp32.values()),
+      f"the datasheets' bf16 peak should be 10-20 times their fp32 peak, got {bf16_over_fp32}")
 
 # %% [markdown]
-# **What you should see:** thousands of times this CPU's throughput, and bf16 several times fp32:
+# **What you should see:** from tens of times this CPU's throughput (fp32 on an A100) to
+# thousands of times (bf16 on an H100), and bf16 about 15 times fp32 (16x on the A100, 15x on the H100):
 # tensor cores only reach their peak in reduced precision (lab 03). Take these numbers as an upper
 # bound for *this* model: a model this small cannot keep a GPU busy (kernel launches and memory
 # traffic dominate), so its real GPU MFU would be far lower; large models keep a GPU far busier.
 #
 # **Measured on an H100** (benchmarks/RESULTS-gpu.md): GPT-2 small (124M, sequence 1024) in this
 # kit's trainer with bf16, `train.compile`, flash attention and fused AdamW ran 398-424 k tokens/s
-# at micro-batch 16: **35-37% MFU** against the 989.5 TFLOP/s datasheet peak, 45-49% against the
+# at micro-batch 16: **35-37% MFU** against the 989.5 TFLOP/s datasheet peak, 44-49% against the
 # 746-782 TFLOP/s a large matmul reached in the same run (38.6-38.9% at micro-batch 32). The
 # profiler says why: matmuls ran at ~75% of the measured peak, but a third of the GPU time went to
 # memory-bound kernels (norms, GELU, the cross-entropy over 50k logits) and ~10% to idling while the
 # host read the step's loss and gradient norms.
+
+# %%
+# The four H100 runs above, as benchmarks/RESULTS-gpu.md records them: tokens/s and the MFU against
+# the run's own measured matmul peak. The MFUs quoted above follow from them.
+h100_runs = [(423_626, 0.488), (398_681, 0.441), (417_211, 0.459), (406_184, 0.447)]
+gpt2_palm = estimate.flops_per_token(estimate.ModelShape.preset("gpt2-small"), formula="palm")
+datasheet_mfu = [tps * gpt2_palm / estimate.accelerator("h100-sxm5-80gb").peak_flops("bf16") for tps, _ in h100_runs]
+measured_peak = [tps * gpt2_palm / m for tps, m in h100_runs]
+print(f"MFU against the datasheet: {min(datasheet_mfu):.1%} - {max(datasheet_mfu):.1%}; against the measured "
+      f"peak: {min(m for _, m in h100_runs):.1%} - {max(m for _, m in h100_runs):.1%}, a peak of "
+      f"{format_si(min(measured_peak), 'FLOP/s')} - {format_si(max(measured_peak), 'FLOP/s')}")
+check(0.345 <= min(datasheet_mfu) and max(datasheet_mfu) < 0.375,
+      "the recorded tokens/s should give the 35-37% datasheet MFU the text quotes")
+check(0.435 <= min(m for _, m in h100_runs) and max(m for _, m in h100_runs) < 0.495
+      and 740e12 < min(measured_peak) and max(measured_peak) < 790e12,
+      "the recorded runs should give the 44-49% MFU against a 746-782 TFLOP/s measured peak the text quotes")
+
+# %% [markdown]
 #
 # ## 6. Days to train GPT-3
 #

@@ -394,13 +394,28 @@ check(n_skipped > 0, "starting at 2^32 the scaler should overflow and skip at le
 first_ok = next(t for t in trace[:-1] if t["applied"])
 print(f"{n_skipped} of {SCALER_STEPS} steps skipped; the first applied step ran at scale "
       f"2^{int(torch.tensor(first_ok['scale']).log2())}; final scale 2^{int(torch.tensor(trace[-1]['scale']).log2())}")
+logged = trace[:-1]
+early = first_ok["step"]  # the opening run of overflows: steps 0 .. early-1
+later_skips = [t["step"] for t in logged[early:] if not t["applied"]]
+grown = [t["step"] + 1 for t, nxt in zip(logged, trace[1:]) if nxt["scale"] > t["scale"]]  # a doubled scale's first step
+probes_failed = [s for s in grown if s < SCALER_STEPS and not logged[s]["applied"]]
+print(f"opening overflows: steps 0-{early - 1}; overflows after the first fit: {later_skips or 'none'}; "
+      f"doublings: {len(grown)}, of which overflowed at once: {len(probes_failed)}")
+check(all(not t["applied"] for t in logged[:early]) and early > 0,
+      "the run should open with a series of skipped steps, one per halving, until the scale fits")
+check(sum(t["loss"] for t in logged[-3:]) / 3 < first_ok["loss"],
+      "once the scale fits, the loss should fall: the last steps should end below the first applied one")
 
 # %% [markdown]
 # **What you should see:** a staircase. The first steps overflow one after another, each skipped
 # (weights untouched, loss flat) and each halving the scale, until the scaled gradients fit in
-# fp16; from there the loss falls. After `GROWTH_INTERVAL` clean steps the scaler tries a scale
-# twice as large; if that overflows, it skips one step and comes back down. A few skipped steps
-# are the normal cost of fp16 training; a scale that keeps falling means real `inf`s in the model.
+# fp16; from there the loss falls. A scale that fit once need not fit for good: as the weights
+# move, the gradients change size, and a later step can overflow at a scale that was fine a step
+# earlier; it is skipped and the scale halves again (the line under the table lists any such
+# step). After `GROWTH_INTERVAL` clean steps in a row the scaler doubles the scale, probing for
+# headroom; a doubling that overflows costs one skipped step and brings the scale back down,
+# one that does not stays (the line counts both). A few skipped steps are the normal cost of
+# fp16 training; a scale that keeps falling means real `inf`s in the model.
 #
 # ## 6. Clip *after* unscaling
 #

@@ -146,7 +146,8 @@ for att, model in models.items():
 #
 # Offloading hides its tensors from that hook: `save_on_cpu` is a saved-tensor hook too, and the
 # innermost one takes every saved tensor. What it parks in host memory we count with a subclass
-# that records each tensor its pack hook receives, at its own size (that is what it copies):
+# that records each tensor its pack hook receives, at its own size (what it copies on a GPU;
+# section 5 says what happens on a CPU):
 
 # %%
 class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
@@ -167,7 +168,8 @@ class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
 
 
 def host_bytes(model):
-    """Bytes save_on_cpu copies to host memory in one forward of (x, y), as TinyGPT's offload switch does."""
+    """Bytes save_on_cpu takes for host memory (copies, on a GPU) in one forward of (x, y), as
+    TinyGPT's offload switch does."""
     model.set_memory_strategy()  # the counter does the offloading, around the whole forward like TinyGPT
     counter = CountingSaveOnCpu()
     with counter:
@@ -224,7 +226,7 @@ for att, model in models.items():
 # **What you should see:** estimate and measurement agree to a few bytes (cross-entropy keeps
 # one fp32 scalar the formula leaves out) for every strategy. Full checkpointing keeps a small
 # fraction of `none`; every k lands in between; selective saves almost nothing;
-# offload keeps nothing on the device and copies *more* than `none` keeps to host memory (section 5).
+# offload keeps nothing on the device and sends *more* than `none` keeps to host memory (section 5).
 #
 # Why so little for selective? It was invented (Korthikanti et al.) to drop the `a x s x s`
 # attention scores, the largest tensor of an eager attention. PyTorch's fused attention (flash
@@ -282,7 +284,7 @@ for i, att in enumerate(models):
     color = f"C{i}"
     axes[0].bar(xs, [memory[att, s] / MiB for s in labels], width, color=color, label=f"{att}: on the device")
     axes[0].bar(xs, [host[att, s] / MiB for s in labels], width, fill=False, hatch="//", edgecolor=color,
-                label=f"{att}: copied to host memory")
+                label=f"{att}: sent to host memory")
     axes[1].bar(xs, [seconds[att, s] * 1e3 for s in labels], width, color=color, label=att)
     axes[2].scatter([seconds[att, s] * 1e3 for s in labels], [memory[att, s] / MiB for s in labels],
                     marker="os"[i], s=50, color=color, label=att)
@@ -361,7 +363,8 @@ check(extra == N_LAYERS * MASK_BYTES, "with no checkpointing, the window should 
 # ## 5. Offloading, tensor by tensor
 #
 # `offload_activations=True` wraps TinyGPT's forward in `torch.autograd.graph.save_on_cpu`: every
-# tensor autograd saves is copied to host memory in forward and back in backward. Section 2 found
+# tensor autograd saves is sent to host memory in forward (on a GPU, a copy) and back in backward.
+# Section 2 found
 # nothing left on the device, and more in host memory than `none` keeps. What are those bytes?
 
 # %%
@@ -376,7 +379,7 @@ is_param = [t.untyped_storage().data_ptr() in param_storages for t in counter.se
 unique = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
           for t, p in zip(counter.seen, is_param) if not p}
 offloaded = {"saved tensors": len(copies),
-             "bytes copied to host": sum(copies),
+             "bytes sent to host": sum(copies),
              "  of which weights": sum(c for c, p in zip(copies, is_param) if p),
              "  of which activations": sum(c for c, p in zip(copies, is_param) if not p),
              "distinct activation storages": sum(unique.values())}
@@ -385,12 +388,19 @@ for name, value in offloaded.items():
     print(f"{name:<30}{value:>14,}" + (f"  = {value / MiB:.2f} MiB" if name != "saved tensors" else ""))
 check(offloaded["distinct activation storages"] == memory["full causal", "none"],
       "save_on_cpu should receive every activation that no checkpointing keeps on the device")
-check(offloaded["bytes copied to host"] == host["full causal", "offload"],
+check(offloaded["bytes sent to host"] == host["full causal", "offload"],
       "the same forward should copy the same bytes as in section 2")
 dup = offloaded["  of which activations"] / offloaded["distinct activation storages"]
 for link, gbs in [("PCIe 4.0 x16", 25), ("PCIe 5.0 x16", 50)]:  # usable GB/s, about 80% of the link's peak
-    print(f"on a GPU over {link} (~{gbs} GB/s): {2 * offloaded['bytes copied to host'] / (gbs * 1e9) * 1e3:.2f} ms "
+    print(f"on a GPU over {link} (~{gbs} GB/s): {2 * offloaded['bytes sent to host'] / (gbs * 1e9) * 1e3:.2f} ms "
           "of copies per step (there in forward, back in backward)")
+# On a CPU, "host memory" is where the tensor already is: save_on_cpu's pack hook keeps it as it is.
+probe = x.float()
+_, packed = torch.autograd.graph.save_on_cpu(pin_memory=False).pack_hook(probe)
+print(f"on this CPU, save_on_cpu hands back the same storage: {packed.data_ptr() == probe.data_ptr()}")
+check(packed.data_ptr() == probe.data_ptr(),
+      "on a CPU save_on_cpu should keep each saved tensor where it is (tensor.cpu() returns the tensor "
+      "itself): the bytes counted above are handed over, not copied")
 
 # %% [markdown]
 # **What you should see:** `save_on_cpu` copies more than the distinct activations: a tensor
@@ -398,8 +408,9 @@ for link, gbs in [("PCIe 4.0 x16", 25), ("PCIe 5.0 x16", 50)]:  # usable GB/s, a
 # once per save, and the weights the matmuls save are copied too, every step. Those copies cross
 # PCIe twice per step; they are free only if they overlap with compute (`pin_memory=True` makes
 # them asynchronous on a GPU). On this CPU, device and host are the same memory: `tensor.cpu()`
-# returns the tensor itself, so offloading copies nothing and saves nothing (its time in section 3
-# is about that of none). An offloader can do better than this one: skip the parameters (they stay
+# returns the tensor itself, so the bytes counted above are what `save_on_cpu` is *handed* (and
+# what it would copy on a GPU); here not one of them moves (the last line), and offloading saves
+# nothing (its time in section 3 is about that of none). An offloader can do better than this one: skip the parameters (they stay
 # on the device anyway) and copy each storage once.
 
 # %%

@@ -257,17 +257,18 @@ check(list(bad) == [INF_PARAM] and bad[INF_PARAM]["inf"] == 1,
 tail = max(5, BASE_STEPS // 10)
 end_hit = statistics.fmean(r["loss"] for r in hit[-tail:])
 gap = end_hit - statistics.fmean(r["loss"] for r in base[-tail:])
-gap2 = end_hit - statistics.fmean(r["loss"] for r in base[-tail - 2:-2])  # the clean run, two updates fewer
-check(abs(gap2) < 0.05, f"two skipped updates should leave the run where the clean run was two steps earlier "
-      f"(within 0.05 nats), got {gap2:+.3f}")
-print(f"two skipped updates: the run ends {gap:+.4f} nats from the clean run's end, {gap2:+.4f} from where the "
-      "clean run was two steps earlier")
+fall = statistics.fmean(r["loss"] for r in base[:tail]) - statistics.fmean(r["loss"] for r in base[-tail:])
+check(abs(gap) < 0.1, f"two skipped updates should leave the run within a tenth of a nat of the clean "
+      f"run's end (mean of the last {tail} losses), got {gap:+.3f}")
+print(f"two skipped updates: the run ends {gap:+.4f} nats from the clean run's end (mean of the last {tail} "
+      f"losses), while the clean run fell {fall:.2f} nats from its start")
 
 # %% [markdown]
 # **What you should see:** the two broken steps are logged with `skipped` and `nonfinite` and
 # a NaN/None loss or gradient norm, and the run goes on as if they had not happened, two updates
-# short (while the loss still falls fast that is visible: it ends where the clean run was two
-# steps earlier). The Inf bundle names the one tensor we broke: in a real run that is where you
+# short: it ends within a tenth of a nat of the clean run (the last line; less at full size, where
+# the loss has flattened out by the end, more in a short run whose loss still falls fast), small
+# next to how far the run fell. The Inf bundle names the one tensor we broke: in a real run that is where you
 # start looking, and the saved batch lets you replay the step. A common handler (`if not torch.isfinite(loss): save_diagnostics(...)`, then `optimizer.step()`
 # as usual) writes a diagnostic and *applies the step anyway*.
 #

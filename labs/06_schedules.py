@@ -105,6 +105,9 @@ check(math.isclose(schedules["cosine"](W + (T - W) // 2), (PEAK + FLOOR) / 2),
       "cosine: halfway through the decay the lr should be halfway between max_lr and min_lr")
 check(all(schedules["wsd linear"](s) == PEAK for s in range(W, T - 200)),
       "WSD: the lr should stay at max_lr for the whole stable phase")
+wsd_areas = [a for name, a in area.items() if name.startswith("wsd")]
+check(area["constant"] > max(wsd_areas) and min(wsd_areas) > max(area["cosine"], area["linear"]),
+      "the sum of lr should be largest for constant, then the WSDs, then cosine and linear")
 print("every schedule warms up to max_lr, never rises afterwards, and holds after step T")
 
 # %% [markdown]
@@ -189,11 +192,17 @@ def flawed_lr(step, warmup_steps=100, max_lr=1e-3, min_lr=1e-4):
     return min_lr + 0.5 * (max_lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
+crashed_at = None
+for step in range(200):  # the steps of a run, until it crashes
+    try:
+        flawed_lr(step)
+    except NameError as exc:
+        crashed_at, error = step, exc
+        break
 print(f"step 50: {flawed_lr(50):.2e}   (warmup: works)")
-try:
-    flawed_lr(150)
-except NameError as exc:
-    print(f"step 150: NameError: {exc}   (first step after warmup: crashes)")
+print(f"step {crashed_at}: NameError: {error}   (first step after warmup: crashes)")
+check(crashed_at == 100, f"the flawed schedule should run through warmup (steps 0-99) and crash at step 100, "
+      f"the first decay step; it crashed at {crashed_at}")
 
 # %% [markdown]
 # It runs fine through warmup and crashes at the first decay step: possibly hours into a run.
@@ -348,6 +357,9 @@ wsd_drop = eval_at("WSD", wsd_start) - logs["WSD"]["eval"][-1]
 const_drop = eval_at("constant", wsd_start) - logs["constant"]["eval"][-1]
 check(wsd_drop > const_drop,
       "over WSD's decay phase its loss should fall further than the constant-lr run's over the same steps")
+if not SMOKE:  # a run of 60 steps (the smoke size) is too short for this: its cosine is at low lr almost at once
+    check(eval_at("WSD", wsd_start) > eval_at("cosine", wsd_start),
+          "before WSD's decay starts, WSD (still at the peak lr) should sit above cosine, whose lr is already falling")
 check(logs["WSD"]["eval"][-1] < logs["cosine"]["eval"][-1] + 0.02,
       "WSD should end level with (or below) cosine: a short final decay is enough")
 print(f"during the last {RUN_STEPS - wsd_start} steps WSD's loss fell by {wsd_drop:.4f}, the constant run's by "
@@ -359,8 +371,9 @@ print(f"during the last {RUN_STEPS - wsd_start} steps WSD's loss fell by {wsd_dr
 # loss bouncing above the minimum. Then WSD's short decay drops its loss quickly to about
 # where cosine ends, while the constant run stays up. This is the WSD argument: you can train at
 # the peak for as long as you like and pay for the decay only at the end (or at each point where
-# you want a finished model). In a very short run (the smoke-test size) the story tilts further
-# towards WSD, since cosine spends most of its run at low lr.
+# you want a finished model). In a very short run (the smoke-test size, 60 steps) the story tilts
+# further towards WSD: cosine spends most of its run at low lr, and it need not even be ahead
+# when WSD's decay starts (the cell above checks that order only at full size).
 #
 # ## 5. Resuming: what the scheduler must restore
 #
@@ -423,11 +436,15 @@ check(not same(resumed["plain LambdaLR + state"][:1], expected[:1])
       "plain LambdaLR.load_state_dict restores the counter but leaves the optimizer's lr stale for one step")
 check(same(resumed["ScheduleLR + state"], expected),
       "make_scheduler's load_state_dict should set the optimizer's lr for the restored step at once")
+too_small = expected[0] / resumed["rebuilt, no state"][0]
+print(f"rebuilt scheduler, first resumed step: lr {too_small:.1f} times smaller than the schedule's")
+check(10 <= too_small < 100 and all(a < b for a, b in zip(resumed["rebuilt, no state"], resumed["rebuilt, no state"][1:])),
+      "the rebuilt scheduler's first resumed lr should be tens of times too small, and climbing (warmup again)")
 print("rebuilt: warmup again; plain LambdaLR: one step at a stale lr; ours: exact from the first step")
 
 # %% [markdown]
-# **What you should see:** the rebuilt scheduler is back in warmup (lr ten times smaller than it
-# should be, and climbing). The plain `LambdaLR` with its state loaded is right from the second
+# **What you should see:** the rebuilt scheduler is back in warmup (its first lr, `max_lr / W`,
+# tens of times smaller than it should be, 77.5x at step 400, and climbing). The plain `LambdaLR` with its state loaded is right from the second
 # step, but its *first* resumed step uses whatever lr the fresh optimizer had: restoring the
 # counter does not touch the optimizer until the next `step()`. That only bites when the
 # optimizer's own state is not restored alongside (a new optimizer, a changed param-group

@@ -122,13 +122,36 @@ check(n_tmp >= 1, "at least one atomic save should have been killed mid-write, o
 check(all(s is not None and s >= 1 for s in atomic), "every atomic run should restart from a saved step")
 print(f"naive: {n_bad_naive}/{KILL_CYCLES} checkpoints destroyed; atomic: 0/{KILL_CYCLES}, "
       f"though {n_tmp} kills landed inside a write")
+errors = {}  # what torch.load says about each file a mid-write kill left
+for r in reports["naive"]:
+    if r.targeted:
+        try:
+            torch.load(r.folder / "latest.pt", map_location="cpu", weights_only=True)
+            errors[r.cycle] = None
+        except Exception as exc:  # noqa: BLE001 - whatever a restart would hit
+            size = (r.folder / "latest.pt").stat().st_size if (r.folder / "latest.pt").exists() else None
+            errors[r.cycle] = f"{type(exc).__name__}: {str(exc)[:70] or '(no message)'} ({size:,} bytes on disk)"
+print("torch.load on the files killed mid-write:")
+for text in sorted(set(errors.values()), key=str):
+    print(f"  {sum(e == text for e in errors.values())} x {text}")
+check(all(e is not None for e in errors.values()),
+      "torch.load should refuse every naive file killed mid-write: torch.save had already truncated it")
+random_kills = [s for s, r in zip(naive, reports["naive"]) if not r.targeted]
+print(f"random kills: {sum(s is None for s in random_kills)} of {len(random_kills)} destroyed the checkpoint")
+if len(random_kills) >= 6:  # with fewer, all missing a write is not unlikely enough to fail on
+    check(any(s is None for s in random_kills),
+          "some kills at a random moment should land inside a write and destroy the checkpoint: this writer "
+          "does little but save")
 
 # %% [markdown]
 # **What you should see:** every naive save killed mid-write leaves a file `torch.load` cannot
-# read ("failed finding central directory": the zip archive's index is written last), and since
-# it overwrote the only checkpoint, the run has nothing to go back to. The random kills fare no
-# better: this writer does little but save, so most moments are inside a write (a real run saves
-# less often, so fewer crashes hit a save, but one that does loses everything). The atomic saves were killed mid-write just as often (the temporary directories left
+# read (the lines under the table say what it reported: `torch.save` truncates the old file
+# first, and the kill came before the new archive was complete), and since it overwrote the only
+# checkpoint, the run has nothing to go back to. A kill at a random moment loses the checkpoint
+# whenever it lands inside a write, and this writer does little but save, so many of the random
+# kills did too (the last line counts them); those that fell between two saves left the previous
+# checkpoint readable. A real run saves less often, so fewer crashes hit a save, but one that
+# does loses everything. The atomic saves were killed mid-write just as often (the temporary directories left
 # behind prove it), and every restart found a complete checkpoint: the half-written one had no
 # final name, and `CheckpointManager` deletes such leftovers when it starts.
 #
@@ -375,7 +398,10 @@ cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-p
        "--max-restarts", "2", "--monitor-interval", "0.2",
        "-m", "course_lib.train", *ARGS, "--out", str(out6), "--resume", "auto"]
 print("torchrun", " ".join(cmd[3:]).replace(str(CONFIG), "labs/configs/tiny-cpu.toml").replace(str(RUNS), "$RUNS"))
-agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+# LOGLEVEL=INFO: torchrun logs its restarts ("... attempts left; will restart worker group") at INFO,
+# below its default level (WARNING), which would print only the failure.
+agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(ENV, LOGLEVEL="INFO"))
 wait_for_rows(out6 / "metrics.jsonl", KILL_AFTER, agent)
 workers = [p for p in psutil.Process(agent.pid).children(recursive=True)
            if "course_lib.train" in " ".join(p.cmdline())]
@@ -394,6 +420,9 @@ rows6 = read_rows(out6 / "metrics.jsonl")
 restart_from = resumed_step(log)
 check(killed_pid is not None and len(workers) == 1, "there should be exactly one worker process to kill")
 check(agent.returncode == 0, f"torchrun should finish successfully after restarting the worker:\n{log[-2000:]}")
+check(any("exitcode: -9" in line for line in interesting) and any("will restart worker group" in line
+                                                                  for line in interesting),
+      "torchrun's log should show the worker's failure (exitcode -9) and the restart of the worker group")
 check(restart_from is not None and 0 < restart_from <= rows_at_kill,
       "the restarted worker should resume from a checkpoint saved before the kill")
 check([r["step"] for r in rows6] == list(range(1, RESUME_STEPS + 1)),
@@ -405,7 +434,9 @@ print(f"the worker was killed after step {rows_at_kill}, restarted by torchrun, 
 
 # %% [markdown]
 # **What you should see:** torchrun logs the worker's failure (`exitcode: -9`, SIGKILL) and
-# starts the group again; the new worker prints "resumed from" the last checkpoint, and the run
+# starts the group again ("attempts left; will restart worker group": torchrun logs that at INFO
+# level, so the cell sets `LOGLEVEL=INFO`; without it you see only the failure); the new worker
+# prints "resumed from" the last checkpoint, and the run
 # ends with exit code 0, every step logged once, and the same losses as the run that was never
 # killed. On a cluster, `--max-restarts` (with an elastic rendezvous across nodes) plus
 # `--resume auto` is the whole recovery procedure: nobody has to wake up.

@@ -180,11 +180,24 @@ print(f"exposed communication: {comm_bound:.0%} of the step with {SMALL_BATCH[0]
       f"per rank, {compute_bound:.0%} with {BIG_BATCH[0] * BIG_BATCH[1]}")
 check(comm_bound > compute_bound, "with the same model, the run with fewer tokens per step should spend a larger "
       "share of its step in communication")
+means = {name: {key: mean_share(name, key) for key in ("compute_ms", "comm_ms", "wall_ms", "mfu")}
+         for name in ("comm-bound (few tokens)", "compute-bound (many tokens)")}
+few, many = means["comm-bound (few tokens)"], means["compute-bound (many tokens)"]
+print(f"compute {few['compute_ms']:.0f} -> {many['compute_ms']:.0f} ms ({many['compute_ms'] / few['compute_ms']:.1f}x), "
+      f"exposed communication {few['comm_ms']:.0f} -> {many['comm_ms']:.0f} ms "
+      f"({many['comm_ms'] / few['comm_ms']:.1f}x), MFU {few['mfu']:.1%} -> {many['mfu']:.1%}")
+check(many["compute_ms"] > 0.5 * many["wall_ms"], "with many tokens per rank compute should be most of the step")
+check(many["mfu"] > few["mfu"], "with more tokens per step the MFU should rise")
+check(many["compute_ms"] / few["compute_ms"] > many["comm_ms"] / few["comm_ms"],
+      "more tokens should multiply the compute by far more than the communication (the same bytes move)")
 
 # %% [markdown]
-# **What you should see:** with a handful of tokens per rank the step is mostly communication
-# and the MFU is tiny; with many tokens compute dominates and MFU rises. The milliseconds of
-# communication are similar in both runs (same bytes); only the compute around them changed.
+# **What you should see:** with a handful of tokens per rank communication takes a large share
+# of the step (tens of percent; more on the rank whose backward ends first, which waits in the
+# all-reduce for its peer) and the MFU is tiny; with many tokens compute is most of the step and
+# MFU rises. The all-reduce moves the same bytes in both runs, so the milliseconds of exposed
+# communication grow far less than the compute (the last line; they still move, because they
+# include waiting for the slower rank).
 # The remedies for a communication-bound run follow: more tokens per step per rank (larger
 # micro-batches or gradient accumulation, which all-reduces once per optimizer step), overlap
 # (next section), fewer bytes (bf16 gradients, ZeRO's reduce-scatter), or a faster link.
@@ -359,11 +372,15 @@ check(len(util) > 0 and all(r["rss_gib"] > 0 for r in util), "the sampler should
 # `torchrun` in which one rank sleeps at step 2:
 
 # %%
+import re  # noqa: E402
+
 from course_lib.watch import run_stall_demo  # noqa: E402
 
 report = run_stall_demo(world_size=2, stall_rank=1, timeout_s=STALL_TIMEOUT_S, out_dir=RUNS / "stall")
+# torchrun's own exit code is 1 when a worker fails; the ranks' codes are in its failure report
+rank_codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)\s*\(pid", report.log)]
 print(f"stalled rank named by the watchdog: {report.stalled_rank} (last step {report.last_step}); "
-      f"exit code {report.exit_code}")
+      f"exit code {report.exit_code} (torchrun's); the ranks exited with {sorted(set(rank_codes))}")
 detect = "n/a" if report.seconds_to_detect is None else f"{report.seconds_to_detect:.1f} s"
 abort = "n/a" if report.seconds_to_abort is None else f"{report.seconds_to_abort:.1f} s"
 print(f"timeout {STALL_TIMEOUT_S:g} s; detected after {detect}, whole job gone after {abort}")
@@ -371,12 +388,19 @@ for rank, text in sorted(report.stacks.items()):
     print(f"--- rank {rank}: where its main thread was (innermost frames last)")
     print(bottleneck_runs.main_thread_tail(text, 5))
 check(report.stalled_rank == 1, "the watchdog should blame rank 1, the rank that stopped sending heartbeats")
+check(len(rank_codes) == 2 and set(rank_codes) == {report.hang_exit_code} and report.exit_code == 1,
+      f"every rank should exit with the watchdog's code {report.hang_exit_code}, and torchrun, seeing its workers "
+      f"fail, with 1; got ranks {rank_codes}, torchrun {report.exit_code}")
 check(report.seconds_to_abort is not None and report.seconds_to_abort < STALL_TIMEOUT_S + 30,
       "the job should end within seconds of the timeout, not at the process group's timeout")
 
 # %% [markdown]
 # **What you should see:** the watchdog names rank 1, within about `STALL_TIMEOUT_S` seconds of
-# the stall, and the stacks tell the story: rank 1 sits in the stall (`time.sleep` inside the
+# the stall, and every rank exits with 86, the watchdog's code. The `exit code 1` is torchrun's
+# own: a launcher whose workers failed exits 1 whatever their codes, and lists each rank's code
+# (`exitcode : 86`) in its failure report, where the cell reads them. A job script that wants to
+# tell a hang from a crash reads the ranks' codes, or the watchdog's `OUT/hang/summary.json`. The
+# stacks tell the story: rank 1 sits in the stall (`time.sleep` inside the
 # injected fault), rank 0 inside the step's backward, where DDP waits for the gradient
 # all-reduce that rank 1 never joins. Without the watchdog both would sit there until the
 # process group timed out.
