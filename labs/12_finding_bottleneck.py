@@ -372,13 +372,11 @@ check(len(util) > 0 and all(r["rss_gib"] > 0 for r in util), "the sampler should
 # `torchrun` in which one rank sleeps at step 2:
 
 # %%
-import re  # noqa: E402
-
 from course_lib.watch import run_stall_demo  # noqa: E402
 
 report = run_stall_demo(world_size=2, stall_rank=1, timeout_s=STALL_TIMEOUT_S, out_dir=RUNS / "stall")
-# torchrun's own exit code is 1 when a worker fails; the ranks' codes are in its failure report
-rank_codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)\s*\(pid", report.log)]
+# torchrun's own exit code is 1 when a worker fails; the ranks' codes are read from its failure report
+rank_codes = list(report.rank_exit_codes.values())
 print(f"stalled rank named by the watchdog: {report.stalled_rank} (last step {report.last_step}); "
       f"exit code {report.exit_code} (torchrun's); the ranks exited with {sorted(set(rank_codes))}")
 detect = "n/a" if report.seconds_to_detect is None else f"{report.seconds_to_detect:.1f} s"
