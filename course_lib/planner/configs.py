@@ -152,7 +152,8 @@ def trainer_toml(spec: JobSpec, c: Candidate, ck: CheckpointPlan, mirror: str = 
              f"({spec.nodes} node(s)), layout {lay.label()}.",
              "# It loads in this kit's trainer (python -m course_lib.train), which trains TinyGPT: a teaching",
              "# trainer that runs every idea on CPU and GPU but is not tuned for production at this size.",
-             "# For a real run, carry the same layout into Megatron-LM, DeepSpeed or torchtitan (see plan.md).",
+             "# For a real run, carry the same layout into Megatron-LM (megatron_args.txt), torchtitan (torchtitan.toml)",
+             "# or DeepSpeed (see plan.md).",
              "# Keys marked 'plan:' are what the plan wants where the kit's trainer cannot express it."]
     for section, keys in trainer_sections(spec, c, ck, mirror).items():
         lines.append(f"\n[{section}]")

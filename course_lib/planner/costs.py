@@ -180,7 +180,7 @@ def busiest_rank_params_and_activations(spec: JobSpec, lay: Layout) -> tuple[flo
     replicates a learned position table over tp, ``params_on_busiest_rank`` divides it). The two maxima may sit on
     different ranks: their sum is a bound on the busiest rank, as the even case's (heaviest
     end-stage weights plus the first stage's activations) always was."""
-    memo = _memo(spec)
+    memo = job_cache(spec)
     params, per_rank = _rank_params(spec, lay, memo)
     return params, _busiest_activations(spec, lay, memo), list(per_rank)
 
@@ -193,13 +193,14 @@ def busiest_rank_params_and_activations(spec: JobSpec, lay: Layout) -> tuple[flo
 # --------------------------------------------------------------------------------------------
 
 @lru_cache(maxsize=64)
-def _memo(spec: JobSpec) -> dict:
+def job_cache(spec: JobSpec) -> dict:
     """The cache of one job's layout pieces (keyed by the fields each piece reads). Specs are
     frozen, so equal specs share it; the 64 most recent jobs are kept."""
     return {}
 
 
-def _once(memo: dict, key, make):
+def cached(memo: dict, key, make):
+    """``memo[key]``, computed by ``make()`` the first time (memo: a ``job_cache``)."""
     try:
         return memo[key]
     except KeyError:
@@ -209,7 +210,7 @@ def _once(memo: dict, key, make):
 
 def _counts(spec: JobSpec, lay: Layout, memo: dict) -> tuple:
     """Blocks per stage (``Layout.blocks_per_stage``), keyed by (pp, v, split)."""
-    return _once(memo, ("counts", lay.pp, lay.virtual_stages, lay.split),
+    return cached(memo, ("counts", lay.pp, lay.virtual_stages, lay.split),
                  lambda: tuple(lay.blocks_per_stage(spec.shape.n_layers)))
 
 
@@ -222,12 +223,12 @@ def _rank_params(spec: JobSpec, lay: Layout, memo: dict) -> tuple[float, tuple]:
         if len(set(counts)) == 1:
             return sh.params_on_busiest_rank(tp=lay.tp, pp=lay.pp), per_rank
         return max(sh.params_on_rank(tp=lay.tp, pp=lay.pp, stage=r, blocks=b) for r, b in enumerate(per_rank)), per_rank
-    return _once(memo, ("params", lay.tp, lay.pp, lay.virtual_stages, lay.split), make)
+    return cached(memo, ("params", lay.tp, lay.pp, lay.virtual_stages, lay.split), make)
 
 
 def _per_layer(spec: JobSpec, lay: Layout, memo: dict) -> float:
     """One layer's activation bytes for one micro-batch, keyed by (tp, cp, mb, recompute)."""
-    return _once(memo, ("layer", lay.tp, lay.cp, lay.micro_batch, lay.recompute),
+    return cached(memo, ("layer", lay.tp, lay.cp, lay.micro_batch, lay.recompute),
                  lambda: activation_bytes_per_layer(**layer_kwargs(spec, lay)))
 
 
@@ -244,7 +245,7 @@ def _busiest_activations(spec: JobSpec, lay: Layout, memo: dict) -> float:
         _, per_rank = _rank_params(spec, lay, memo)
         return max(per_layer * in_flight_layers(b, lay.pp, lay.virtual_stages, lay.grad_accum, r)
                    for r, b in enumerate(per_rank))
-    return _once(memo, ("acts", lay.tp, lay.pp, lay.virtual_stages, lay.split, lay.cp, lay.micro_batch,
+    return cached(memo, ("acts", lay.tp, lay.pp, lay.virtual_stages, lay.split, lay.cp, lay.micro_batch,
                         lay.recompute, lay.grad_accum), make)
 
 
@@ -259,7 +260,7 @@ def _transient(spec: JobSpec, lay: Layout, memo: dict) -> float:
             transient += 2 * 2 * sh.layer_params() / lay.tp
         transient += recompute_working_bytes(spec, lay)
         return transient
-    return _once(memo, ("transient", lay.tp, lay.cp, lay.micro_batch, lay.zero_stage == 3, lay.recompute), make)
+    return cached(memo, ("transient", lay.tp, lay.cp, lay.micro_batch, lay.zero_stage == 3, lay.recompute), make)
 
 
 def _memory(spec: JobSpec, lay: Layout, memo: dict) -> tuple[dict, float]:
@@ -268,7 +269,7 @@ def _memory(spec: JobSpec, lay: Layout, memo: dict) -> tuple[dict, float]:
         recipe = resolve_recipe(spec.recipe)
         rank_params, _ = _rank_params(spec, lay, memo)
         acts = _busiest_activations(spec, lay, memo)
-        states = _once(memo, ("states", rank_params, lay.zero_stage, lay.dp * lay.cp),
+        states = cached(memo, ("states", rank_params, lay.zero_stage, lay.dp * lay.cp),
                        lambda: model_state_bytes(rank_params, recipe=recipe, zero_stage=lay.zero_stage,
                                                  dp=lay.dp * lay.cp))
         transient = _transient(spec, lay, memo)
@@ -285,32 +286,32 @@ def _memory(spec: JobSpec, lay: Layout, memo: dict) -> tuple[dict, float]:
                   "activations": acts, "transient": transient + bucket, "accumulated_grads": live_grads,
                   "peak": peak.peak, "peak_at": peak.where}
         return memory, rank_params
-    return _once(memo, ("memory", lay), make)
+    return cached(memo, ("memory", lay), make)
 
 
 def layout_memory(spec: JobSpec, lay: Layout) -> dict:
     """The memory half of :func:`evaluate` (bytes per GPU by component, ``"peak"`` the step's peak):
     what the search needs to drop a layout that cannot fit before modelling its step time."""
-    return dict(_memory(spec, lay, _memo(spec))[0])
+    return dict(_memory(spec, lay, job_cache(spec))[0])
 
 
 def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
     """Memory per GPU and step time of ``lay`` for ``spec`` (no feasibility filtering here)."""
     sh = spec.shape
-    memo = _memo(spec)
+    memo = job_cache(spec)
     memory, rank_params = _memory(spec, lay, memo)
     memory = dict(memory)
     shard_group = lay.dp * lay.cp
     _, per_rank = _rank_params(spec, lay, memo)
 
     layers, m, s_local = max(per_rank), lay.grad_accum, spec.seq // lay.cp
-    hw_flops = _once(memo, ("flops", lay.recompute), lambda: model_flops_per_iteration(
+    hw_flops = cached(memo, ("flops", lay.recompute), lambda: model_flops_per_iteration(
         sh, batch=spec.global_batch, seq_len=spec.seq, recompute=lay.recompute))
-    model_flops = _once(memo, ("model_flops",), lambda: model_flops_per_iteration(
+    model_flops = cached(memo, ("model_flops",), lambda: model_flops_per_iteration(
         sh, batch=spec.global_batch, seq_len=spec.seq))
     # The pipeline runs at its busiest rank's pace: the mean rank's compute x max/mean load.
     counts = _counts(spec, lay, memo)
-    imbalance = _once(memo, ("imbalance", lay.pp, lay.virtual_stages, lay.split),
+    imbalance = cached(memo, ("imbalance", lay.pp, lay.virtual_stages, lay.split),
                       lambda: stage_imbalance(sh, counts, lay.pp, spec.seq))
     ideal = spec.gpus * spec.gpu_peak_flops * spec.mfu
     compute = hw_flops / ideal * imbalance
@@ -323,13 +324,13 @@ def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
 
     tp_s = 0.0
     if lay.tp > 1:
-        per_layer = _once(memo, ("tp_comm", lay.tp, lay.cp, lay.micro_batch, lay.recompute), lambda: tp_comm_bytes_per_layer(
+        per_layer = cached(memo, ("tp_comm", lay.tp, lay.cp, lay.micro_batch, lay.recompute), lambda: tp_comm_bytes_per_layer(
             seq_len=s_local, micro_batch=lay.micro_batch, d_model=sh.d_model, tp=lay.tp,
             sequence_parallel=lay.sequence_parallel, recompute=lay.recompute).bytes_per_rank)
         tp_s = per_layer * layers * m / bw["tp"]
     cp_s = 0.0
     if lay.cp > 1:
-        per_layer = _once(memo, ("cp_comm", lay.tp, lay.cp, lay.micro_batch), lambda: cp_comm_bytes_per_layer(
+        per_layer = cached(memo, ("cp_comm", lay.tp, lay.cp, lay.micro_batch), lambda: cp_comm_bytes_per_layer(
             seq_len=spec.seq, micro_batch=lay.micro_batch, n_kv_heads=max(1, sh.kv_heads // lay.tp),
             head_dim=sh.head_dim, cp=lay.cp).bytes_per_rank)
         cp_s = per_layer * layers * m / bw["cp"]
@@ -338,12 +339,12 @@ def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
         message = s_local * lay.micro_batch * sh.d_model * 2 / (lay.tp if lay.sequence_parallel else 1)
         # interleaved: each micro-batch crosses pp x v - 1 stage boundaries, v per rank and direction
         pp_s = 2 * message * m * lay.virtual_stages / bw["pp"]
-    bubble = _once(memo, ("bubble", lay.pp, m, lay.virtual_stages), lambda: bubble_fraction(
+    bubble = cached(memo, ("bubble", lay.pp, m, lay.virtual_stages), lambda: bubble_fraction(
         lay.pp, m, schedule=lay.schedule, virtual_stages=lay.virtual_stages)) if lay.pp > 1 else 0.0
     dp_bytes = 0.0
     if shard_group > 1:
         def comm(strategy):
-            return _once(memo, ("dp_comm", rank_params, strategy, shard_group), lambda: comm_elements_per_step(
+            return cached(memo, ("dp_comm", rank_params, strategy, shard_group), lambda: comm_elements_per_step(
                 rank_params, strategy, world_size=shard_group).bytes_per_rank(2))
         strategy = "ddp" if lay.zero_stage == 0 else f"zero{lay.zero_stage}"
         one_pass = comm("zero1") / 2

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from course_lib.planner.checkpoint_plan import checkpoint_plan
 from course_lib.planner.configs import deepspeed_json, deepspeed_supports, fsdp_settings, trainer_toml
+from course_lib.planner.engines import megatron_args_text, torchtitan_toml
 from course_lib.planner.launch_budget import budget, launch_files
 from course_lib.planner.report import plan_markdown
 from course_lib.planner.search import Plan
@@ -17,7 +18,7 @@ from course_lib.planner.search import Plan
 #: Every file `course plan` may write (and the only ones it ever replaces).
 PLAN_FILES = ("plan.md", "train.toml", "ds_config.json", "fsdp_settings.json", "budget.json",
               "launch_torchrun.sh", "launch_deepspeed.sh", "hostfile", "accelerate_config.yaml",
-              "launch_accelerate.sh", "job.sbatch")
+              "launch_accelerate.sh", "job.sbatch", "torchtitan.toml", "megatron_args.txt")
 
 
 def plan_files(plan: Plan, out_dir: str | Path, *, mirror: str = "", validate_ds: bool = True) -> dict[str, str]:
@@ -30,7 +31,9 @@ def plan_files(plan: Plan, out_dir: str | Path, *, mirror: str = "", validate_ds
     toml_path = f"{out}/train.toml"
     train_out = f"runs/{spec.model_name}-{spec.gpus}gpu"
     files = {"train.toml": trainer_toml(spec, best, ck, mirror),
-             "fsdp_settings.json": json.dumps(fsdp_settings(spec, best), indent=2) + "\n"}
+             "fsdp_settings.json": json.dumps(fsdp_settings(spec, best), indent=2) + "\n",
+             "torchtitan.toml": torchtitan_toml(spec, best, ck),        # the engines people run at scale
+             "megatron_args.txt": megatron_args_text(spec, best, ck)}
     deepspeed_runs_it = deepspeed_supports(best)
     if deepspeed_runs_it:  # DeepSpeed runs data parallelism here; no script for a layout it cannot start
         files["ds_config.json"] = json.dumps(deepspeed_json(spec, best, validate=validate_ds), indent=2) + "\n"

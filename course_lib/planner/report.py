@@ -6,6 +6,7 @@ import dataclasses
 from course_lib.estimate import format_bytes
 from course_lib.planner.checkpoint_plan import CheckpointPlan
 from course_lib.planner.costs import Candidate, evaluate
+from course_lib.planner.engines import MEGATRON_VERSION, TORCHTITAN_VERSION, megatron_layout_args
 from course_lib.planner.search import Plan, why_lost, why_not_fit
 from course_lib.planner.spec import JobSpec
 from course_lib.planner.stages import compact_counts
@@ -97,21 +98,10 @@ def _dimension_reasons(spec: JobSpec, c: Candidate, plan: Plan) -> list[str]:
 
 
 def megatron_flags(spec: JobSpec, c: Candidate) -> str:
-    """The layout as Megatron-LM command-line flags (one code line in Markdown)."""
-    lay = c.layout
-    flags = [f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}",
-             f"--context-parallel-size {lay.cp}", f"--micro-batch-size {lay.micro_batch}",
-             f"--global-batch-size {spec.global_batch}", f"--seq-length {spec.seq}", "--bf16"]
-    if lay.sequence_parallel:
-        flags.append("--sequence-parallel")
-    if lay.zero_stage >= 1:
-        flags.append("--use-distributed-optimizer")
-    if lay.recompute == "selective":
-        flags.append("--recompute-granularity selective")
-    elif lay.recompute == "full":
-        flags.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
-    note = " (ZeRO-2/3 sharding: use FSDP2 or DeepSpeed instead)" if lay.zero_stage >= 2 else ""
-    return f"Megatron-LM{note}: `{' '.join(flags)}`"
+    """The layout as Megatron-LM command-line flags (one code line in Markdown): degrees, virtual
+    stages and uneven splits, sharding, recomputation, batch (``engines.megatron_layout_args``)."""
+    return (f"Megatron-LM ({MEGATRON_VERSION}): `{' '.join(megatron_layout_args(spec, c))} --bf16` "
+            "(every argument, with the model's shape and the schedule: `megatron_args.txt`)")
 
 
 def plan_markdown(plan: Plan, ck: CheckpointPlan | None, budget: dict | None, files: list[str]) -> str:
@@ -146,6 +136,8 @@ def plan_markdown(plan: Plan, ck: CheckpointPlan | None, budget: dict | None, fi
                      "it with `launch_torchrun.sh` / `job.sbatch`; DeepSpeed users carry the layout to "
                      "Megatron-DeepSpeed with the flags above.")
     lines += ["", "## The same layout in production frameworks", "", megatron_flags(spec, best), "",
+              f"torchtitan ({TORCHTITAN_VERSION}): `torchtitan.toml` (`--job.config_file`) carries the same degrees, "
+              "pipeline schedule and blocks per stage, recomputation, batch and checkpoint interval.", "",
               deepspeed + " `fsdp_settings.json` says whether FSDP2 fits the plan."]
     lines += ["", "## Checkpoints", "",
               f"- format: {ck.format_reason}.",

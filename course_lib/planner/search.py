@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from course_lib.estimate import format_bytes
-from course_lib.planner.costs import RECOMPUTE, Candidate, Layout, _memo, _once, evaluate, layout_memory
+from course_lib.planner.costs import RECOMPUTE, Candidate, Layout, job_cache, cached, evaluate, layout_memory
 from course_lib.estimate.stage_split import even_blocks
 from course_lib.planner.spec import JobSpec
 from course_lib.planner.stages import balanced_counts, compact_counts
@@ -48,7 +48,7 @@ def stage_splits(spec: JobSpec, pp: int, v: int) -> list[tuple]:
     """Splits searched for pp ranks x v virtual stages: as even as possible (``()``; equal when
     the stages divide the layers) and the balanced split of ``stage_split`` when it differs (the
     end stages carry the embedding and the head)."""
-    return list(_once(_memo(spec), ("splits", pp, v), lambda: _stage_splits(spec, pp, v)))
+    return list(cached(job_cache(spec), ("splits", pp, v), lambda: _stage_splits(spec, pp, v)))
 
 
 def _stage_splits(spec: JobSpec, pp: int, v: int) -> tuple:
