@@ -1,0 +1,119 @@
+"""Run the kit's trainer under ``torchrun --max-restarts``, SIGKILL one worker at a chosen step, and
+read back what the job left: the harness of tests/test_torchrun_restart.py.
+
+Every job runs in its own session (process group), so a job that overruns its deadline is killed
+whole, agent and workers, and reported as hung instead of hanging the test."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def trainer_args(steps: int, save_every: int, *extra: str) -> list[str]:
+    """The trainer's arguments: tiny config, ddp on CPU, a metrics row written at every step (so a
+    kill can land at any step), periodic checkpoints, ``--resume auto``."""
+    return ["--config", "labs/configs/tiny-cpu.toml", "--no-progress", "--max-steps", str(steps),
+            "--save-every", str(save_every), "--resume", "auto",
+            "--set", "train.strategy=ddp", "--set", "train.device=cpu", "--set", "schedule.warmup_steps=2",
+            "--set", "train.metrics_flush_s=0", *extra]
+
+
+@dataclass
+class Job:
+    """What one torchrun job did: ``returncode`` (None: it overran its deadline and was killed),
+    ``seconds`` (wall, start to exit), ``killed`` ((rank, rows logged) of the SIGKILL, or None),
+    ``log`` (agent's and workers' output)."""
+
+    returncode: int | None
+    seconds: float
+    killed: tuple[int, int] | None
+    log: str
+
+    @property
+    def hung(self) -> bool:
+        return self.returncode is None
+
+    def resumed_from(self) -> list[int]:
+        """The step every trainer start that got as far as its summary resumed from."""
+        import re
+        return [int(s) for s in re.findall(r"resumed from step (\d+)", self.log)]
+
+
+def _rows(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def worker_pid(agent_pid: int, rank: int) -> int | None:
+    """The pid of the agent's worker whose environment says ``RANK=rank`` (None if not there yet)."""
+    for task in os.listdir(f"/proc/{agent_pid}/task"):
+        for pid in Path(f"/proc/{agent_pid}/task/{task}/children").read_text().split():
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env:
+                return int(pid)
+    return None
+
+
+def run(out: Path, args: list[str], *, nproc: int = 2, max_restarts: int = 3, kill_rank: int | None = None,
+        kill_at_rows: int = 0, deadline_s: float = 120.0, env: dict | None = None) -> Job:
+    """One ``torchrun --standalone`` job of ``python -m course_lib.train``. With ``kill_rank``, that
+    worker gets SIGKILL once ``kill_at_rows`` metrics rows exist (a crash: no handler runs). The job
+    is killed whole after ``deadline_s`` seconds (then ``returncode`` is None)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "-m", "course_lib.train",
+           *args, "--out", str(out)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    log_path = out.parent / f"{out.name}.log"
+    start = time.monotonic()
+    with open(log_path, "w") as sink:  # a file, not a pipe: a full pipe would block the ranks
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    killed = None
+    try:
+        while proc.poll() is None and time.monotonic() - start < deadline_s:
+            if kill_rank is not None and killed is None and _rows(out) >= kill_at_rows:
+                pid = worker_pid(proc.pid, kill_rank)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed = (kill_rank, _rows(out))
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the agent and every worker: nothing outlives the test
+            proc.wait()
+            returncode = None
+        else:
+            returncode = proc.returncode
+    return Job(returncode, time.monotonic() - start, killed, log_path.read_text())
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    """``(step, loss)`` of every row in ``out/metrics.jsonl``."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [(r["step"], r["loss"]) for r in rows]
+
+
+def final_weights(out: Path, step: int) -> dict:
+    """The model tensors of the checkpoint at ``step`` (full-format checkpoints: model.safetensors)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "checkpoints" / f"step_{step:09d}" / "model.safetensors"))
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    """Bit for bit: the same names, dtypes, shapes and values."""
+    import torch
+
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
