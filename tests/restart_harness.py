@@ -17,12 +17,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def trainer_args(steps: int, save_every: int, *extra: str) -> list[str]:
-    """The trainer's arguments: tiny config, ddp on CPU, a metrics row written at every step (so a
-    kill can land at any step), periodic checkpoints, ``--resume auto``."""
+def trainer_args(steps: int, save_every: int, *extra: str, strategy: str = "ddp") -> list[str]:
+    """The trainer's arguments: tiny config, ``strategy`` (full checkpoints: ddp, zero1, zero2) on
+    CPU, a metrics row written at every step (so a kill can land at any step), periodic
+    checkpoints, ``--resume auto``."""
     return ["--config", "labs/configs/tiny-cpu.toml", "--no-progress", "--max-steps", str(steps),
             "--save-every", str(save_every), "--resume", "auto",
-            "--set", "train.strategy=ddp", "--set", "train.device=cpu", "--set", "schedule.warmup_steps=2",
+            "--set", f"train.strategy={strategy}", "--set", "train.device=cpu", "--set", "schedule.warmup_steps=2",
             "--set", "train.metrics_flush_s=0", *extra]
 
 
