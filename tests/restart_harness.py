@@ -118,3 +118,52 @@ def same_weights(a: dict, b: dict) -> bool:
     import torch
 
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def _saving(out: Path) -> bool:
+    """Whether a sharded save is being written now (its ``.tmp-*`` folder exists)."""
+    folder = out / "checkpoints"
+    return folder.exists() and any(p.name.startswith(".tmp-") for p in folder.iterdir())
+
+
+def run_killed_whole(out: Path, args: list[str], *, nproc: int, delay_s: float, during_save: bool,
+                     deadline_s: float = 180.0) -> Job:
+    """One ``torchrun --max-restarts 0`` job whose whole process tree (agent and workers) gets
+    SIGKILL (a lost node: nothing runs a handler) once training has logged a new row and then
+    ``delay_s`` more seconds have passed, or, with ``during_save``, at the first moment after
+    that when a background sharded save is being written. A job that ends first is returned as
+    it ended (``killed`` None)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--max-restarts=0", "--monitor-interval=0.2", "-m", "course_lib.train", *args, "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log_path = out.parent / f"{out.name}.log"
+    start, rows0 = time.monotonic(), _rows(out)
+    with open(log_path, "a") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    killed, armed_at = None, None
+    try:
+        while proc.poll() is None and time.monotonic() - start < deadline_s:
+            if armed_at is None and _rows(out) > rows0:
+                armed_at = time.monotonic()
+            if armed_at is not None and time.monotonic() - armed_at >= delay_s and (not during_save or _saving(out)):
+                saving = _saving(out)
+                os.killpg(proc.pid, signal.SIGKILL)
+                killed = (-1, _rows(out))
+                proc.wait()
+                return Job(-9, time.monotonic() - start, killed,
+                           f"killed whole tree at row {killed[1]}{' during a save' if saving else ''}")
+            time.sleep(0.005)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return Job(None, time.monotonic() - start, killed, log_path.read_text())
+    return Job(proc.returncode, time.monotonic() - start, killed, log_path.read_text())
+
+
+def sharded_weights(out: Path, step: int) -> dict:
+    """The full model weights of the sharded checkpoint at ``step``, stitched from every rank's shards."""
+    from course_lib.checkpoint.dcp import consolidate_sharded
+
+    return consolidate_sharded(out / "checkpoints" / f"step_{step:09d}")
