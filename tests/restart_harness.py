@@ -1,8 +1,9 @@
 """Run the kit's trainer under ``torchrun --max-restarts``, SIGKILL one worker at a chosen step, and
 read back what the job left: the harness of tests/test_torchrun_restart.py.
 
-Every job runs in its own session (process group), so a job that overruns its deadline is killed
-whole, agent and workers, and reported as hung instead of hanging the test."""
+A job that overruns its deadline is killed whole, agent and workers, and reported as hung instead of
+hanging the test. "Whole" means every descendant: torchrun starts each worker in a session of its
+own, so killing the agent's process group would leave the workers running (and training on)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from course_lib.watch.demo import kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,7 +95,7 @@ def run(out: Path, args: list[str], *, nproc: int = 2, max_restarts: int = 3, ki
             time.sleep(0.02)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the agent and every worker: nothing outlives the test
+            kill_tree(proc.pid)  # the agent and every worker: nothing outlives the test
             proc.wait()
             returncode = None
         else:
@@ -148,15 +151,17 @@ def run_killed_whole(out: Path, args: list[str], *, nproc: int, delay_s: float, 
                 armed_at = time.monotonic()
             if armed_at is not None and time.monotonic() - armed_at >= delay_s and (not during_save or _saving(out)):
                 saving = _saving(out)
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_tree(proc.pid)  # a lost node: the agent and every worker at once
                 killed = (-1, _rows(out))
                 proc.wait()
+                left = survivors(out)
+                assert not left, f"processes of the killed job still run: {left}"
                 return Job(-9, time.monotonic() - start, killed,
                            f"killed whole tree at row {killed[1]}{' during a save' if saving else ''}")
             time.sleep(0.005)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             proc.wait()
             return Job(None, time.monotonic() - start, killed, log_path.read_text())
     return Job(proc.returncode, time.monotonic() - start, killed, log_path.read_text())
@@ -167,3 +172,19 @@ def sharded_weights(out: Path, step: int) -> dict:
     from course_lib.checkpoint.dcp import consolidate_sharded
 
     return consolidate_sharded(out / "checkpoints" / f"step_{step:09d}")
+
+
+def survivors(out: Path) -> list[int]:
+    """Pids of processes still working on ``out`` (a trainer whose ``--out`` is it)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "course_lib.train" in cmd and str(out) in cmd and p.info["pid"] != os.getpid():
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p.info["pid"])
+            except psutil.NoSuchProcess:
+                pass
+    return found
