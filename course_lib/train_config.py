@@ -276,22 +276,14 @@ def _token_file_checks(cfg: dict, mcfg) -> None:
 
 
 def _mirror_check(fmt: str, strategy: str) -> None:
-    """``checkpoint.mirror`` copies full checkpoints only: refuse it where the checkpoints will be
-    sharded (DCP) or DeepSpeed's, with advice the config accepts (fsdp refuses format 'full')."""
-    where = ("DeepSpeed's partitioned" if strategy == "deepspeed" else "sharded (DCP)"
-             if strategy == "fsdp" or fmt == "sharded" else None)
-    if where is None:
+    """``checkpoint.mirror`` copies full and sharded (DCP) checkpoints; refuse it for DeepSpeed's
+    partitioned ones (written by the engine, outside the kit's commit protocol)."""
+    if strategy != "deepspeed":
         return
-    copy = "set checkpoint.mirror = '' and copy OUT/checkpoints with your storage tools"
-    if strategy in ("fsdp", "deepspeed"):
-        other = ("'zero2' (any layout) or 'fsdp-scratch' (ZeRO-3, no tp/pp)" if strategy == "fsdp"
-                 else "'zero1' or 'zero2'")
-        advice = f"{copy}, or use train.strategy = {other}: full checkpoints, which mirror"
-    else:
-        advice = f"set checkpoint.format = 'auto' or 'full' (mirrored), or {copy}"
-    raise ConfigError(f"checkpoint.mirror copies full checkpoints only, and train.strategy = {strategy!r} with "
-                      f"checkpoint.format = {fmt!r} saves {where} checkpoints, which stay in the run folder: "
-                      f"{advice}")
+    raise ConfigError(f"checkpoint.mirror copies full and sharded (DCP) checkpoints, and train.strategy = "
+                      f"{strategy!r} saves DeepSpeed's partitioned checkpoints, which stay in the run folder: "
+                      f"set checkpoint.mirror = '' and copy OUT/checkpoints with your storage tools, or use "
+                      f"train.strategy = 'zero1' or 'zero2' (full checkpoints) or 'fsdp' (sharded), which mirror")
 
 
 def model_parallel_size(cfg: dict) -> int:

@@ -329,12 +329,8 @@ def test_resume_auto_refuses_checkpoints_of_another_format(tmp_path):
     ({"parallel__zero_stage": 4}, "parallel.zero_stage"),
 
     ({"parallel__bucket_mb": -1}, "parallel.bucket_mb"),
-    # sharded (DCP) and DeepSpeed checkpoints are not mirrored: refused by the validator, with
-    # advice fsdp accepts (not checkpoint.format = 'full', which fsdp refuses)
-    ({"train__strategy": "fsdp", "checkpoint__mirror": "file:///tmp/m"}, r"checkpoint\.mirror.*'fsdp'.*'zero2'"),
+    # DeepSpeed's checkpoints are not mirrored (full and sharded ones are: tests/test_sharded_mirror.py)
     ({"train__strategy": "deepspeed", "checkpoint__mirror": "file:///tmp/m"}, r"checkpoint\.mirror.*'deepspeed'"),
-    ({"train__strategy": "ddp", "checkpoint__format": "sharded", "checkpoint__mirror": "file:///tmp/m"},
-     r"checkpoint\.mirror.*checkpoint\.format = 'auto' or 'full'"),
 ])
 def test_bad_input_is_refused_before_any_file(tmp_path, sets, match):
     with pytest.raises(train_config.ConfigError, match=match):

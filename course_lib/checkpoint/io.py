@@ -213,10 +213,12 @@ def commit_dir(tmp: Path, final: Path, manifest: dict, known: dict[str, dict] | 
     return final
 
 
-def write_checkpoint_dir(root: Path, name: str, files: dict[str, bytes], manifest: dict) -> Path:
+def write_checkpoint_dir(root: Path, name: str, files: dict[str, bytes], manifest: dict,
+                         format: str = FORMAT) -> Path:
     """Atomically create ``root/name`` holding ``files`` plus a manifest (``manifest`` + checksums,
-    format :data:`FORMAT`). Raises FileExistsError if ``root/name`` already exists (the caller
-    picks a fresh name with :func:`fresh_name`)."""
+    ``format``: :data:`FORMAT` unless a copy of another kind, e.g. a sharded one fetched from a
+    mirror). Raises FileExistsError if ``root/name`` already exists (the caller picks a fresh name
+    with :func:`fresh_name`)."""
     final = Path(root) / name
     if final.exists():
         raise FileExistsError(f"checkpoint {final} already exists")
@@ -230,7 +232,7 @@ def write_checkpoint_dir(root: Path, name: str, files: dict[str, bytes], manifes
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return commit_dir(tmp, final, dict(manifest, format=FORMAT), known=known)
+    return commit_dir(tmp, final, dict(manifest, format=format), known=known)
 
 
 def safe_file_name(fname: str) -> bool:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Union
 
 from course_lib.validate import check_bool, check_int, check_number
 
-from .io import (MANIFEST, NAME_RE, CheckpointCorruptError, CheckpointError, read_manifest, safe_file_name,
+from .io import (FORMAT, MANIFEST, NAME_RE, CheckpointCorruptError, CheckpointError, read_manifest, safe_file_name,
                  sha256_hex, write_checkpoint_dir)
 
 
@@ -189,7 +189,8 @@ class CheckpointMirror:
         dest_root = Path(dest_root)
         dest_root.mkdir(parents=True, exist_ok=True)
         meta = {k: v for k, v in manifest.items() if k not in ("files", "format")}
-        return write_checkpoint_dir(dest_root, name, files, meta)
+        # The copy keeps its kind: a sharded (DCP) checkpoint comes back as one, not as a full one.
+        return write_checkpoint_dir(dest_root, name, files, meta, format=manifest.get("format", FORMAT))
 
     def prune(self, keep: set[str]) -> list[str]:
         """Delete remote checkpoints (and interrupted uploads) whose names are not in ``keep``."""

@@ -84,7 +84,7 @@ export TORCHRUN RDZV_PORT
 # scontrol's output: `head -n 1` may exit first, scontrol then dies of SIGPIPE and pipefail fails the job.
 HEAD_NODE="$("$SCONTROL" show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
 export HEAD_NODE
-{restart_comment(cluster) + chr(10) if not cluster.on_gpus else ""}# Each rank's share of the task's cores (torchrun would otherwise set 1).
+{restart_comment(cluster) + chr(10) if restart_comment(cluster) else ""}# Each rank's share of the task's cores (torchrun would otherwise set 1).
 export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{threads}}}"
 mkdir -p {shlex.quote(out)}
 {nccl}

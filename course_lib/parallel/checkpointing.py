@@ -107,25 +107,25 @@ class FullCheckpoints:
 
 
 class ShardedCheckpoints:
-    """Every rank saves and loads its own shards through DCP (see the module docstring), to the
-    local folder only (``mirror`` is refused). ``async_save``: a save returns once every rank has
-    staged a CPU copy of its shards; the write and the commit run in the background
-    (:class:`~course_lib.checkpoint.dcp_async.AsyncShardedSaver`), and the next save, a load and
-    :meth:`close` wait for it."""
+    """Every rank saves and loads its own shards through DCP (see the module docstring).
+    ``async_save``: a save returns once every rank has staged a CPU copy of its shards; the write
+    and the commit run in the background (:class:`~course_lib.checkpoint.dcp_async.AsyncShardedSaver`),
+    and the next save, a load and :meth:`close` wait for it. ``mirror``: fsspec URL of a second
+    tier; after each commit rank 0 copies the sealed checkpoint (every rank's files, then the
+    manifest as commit marker) in the background, and a resume fetches the mirror's newest one
+    when the local folder has none as new (:mod:`course_lib.checkpoint.dcp_mirror`)."""
 
     format = "sharded"
 
     def __init__(self, strategy: Any, root: str | Path, *, every_steps: int | None, keep_last: int,
                  async_save: bool, mirror: str | None):
-        if mirror:  # train_config refuses it first; this is for callers that skip the validator
-            from course_lib.train_config import ConfigError
-
-            advice = ("checkpoint.format = 'full'" if "full" in strategy.checkpoint_formats else
-                      "a strategy with full checkpoints (zero2, fsdp-scratch)")
-            raise ConfigError(f"checkpoint.mirror is not supported with sharded checkpoints; copy the "
-                              f"checkpoint folder with your storage tools, or use {advice}")
         self.strategy, self.root = strategy, Path(root)
         self.every_steps, self.keep_last = every_steps, keep_last
+        self.mirror = None
+        if mirror and strategy.info.rank == 0:  # rank 0 seals every checkpoint: it alone copies them
+            from course_lib.checkpoint.mirror import as_mirror
+
+            self.mirror = as_mirror(mirror)
         self._async = None
         if async_save:
             from course_lib.checkpoint.dcp_async import AsyncShardedSaver
@@ -140,22 +140,37 @@ class ShardedCheckpoints:
         shared = {"scheduler": state.scheduler, "precision": state.scaler, **state.stateful}
         return {k: v for k, v in shared.items() if v is not None}
 
+    def _committed(self, path: Path | None) -> None:
+        """After a commit (on the training thread, or in an async save's background thread)."""
+        if self.mirror is not None and path is not None:
+            from course_lib.checkpoint.dcp_mirror import upload_committed
+
+            upload_committed(self.mirror, path, self.keep_last)
+
     def save(self, step: int, state: TrainState, metrics: dict) -> None:
         """Collective: every rank writes its shards, RNG and data position (async: returns once
         they are staged; the previous async save is committed first)."""
         from course_lib.checkpoint.dcp import save_sharded
 
-        save = self._async.save if self._async is not None else save_sharded
-        save(self.root, step, state.model, state.optimizer, shared=self._shared(state),
-             per_rank={"data": state.data} if state.data is not None else {},
-             metrics=metrics, keep_last=self.keep_last)
+        kwargs = dict(shared=self._shared(state), per_rank={"data": state.data} if state.data is not None else {},
+                      metrics=metrics, keep_last=self.keep_last)
+        if self._async is not None:
+            self._async.save(self.root, step, state.model, state.optimizer, on_commit=self._committed, **kwargs)
+        else:
+            self._committed(save_sharded(self.root, step, state.model, state.optimizer, **kwargs))
 
     def load(self, state: TrainState, *, restore_data: bool = True):
-        """Collective: rank 0 picks the newest sharded checkpoint that verifies; every rank loads
-        its shards of it (resharded by DCP if the world size changed)."""
+        """Collective: rank 0 picks the newest sharded checkpoint that verifies (first fetching the
+        mirror's newest one when no local one is as new); every rank loads its shards of it
+        (resharded by DCP if the world size changed)."""
         from course_lib.checkpoint.dcp import load_sharded
 
         self.flush()  # a save in flight is committed first: rank 0 must be able to choose it
+        if self.mirror is not None:  # rank 0 only; the others wait for its choice inside load_sharded
+            from course_lib.checkpoint.dcp_mirror import fetch_newer
+
+            self.mirror.wait()  # an upload in flight finishes before the mirror is listed
+            fetch_newer(self.mirror, self.root)
         per_rank = {"data": state.data} if restore_data and state.data is not None else {}
         return load_sharded(self.root, state.model, state.optimizer, shared=self._shared(state),
                             per_rank=per_rank)
@@ -166,6 +181,9 @@ class ShardedCheckpoints:
             self._async.wait()
 
     def close(self) -> None:
-        """Finish the last async save: the last checkpoint is never lost."""
-        self.flush()
-
+        """Finish the last async save and its upload: the last checkpoint is never lost."""
+        try:
+            self.flush()
+        finally:
+            if self.mirror is not None:
+                self.mirror.close()

@@ -41,7 +41,7 @@ from datetime import timedelta
 from multiprocessing import connection as mp_connection
 from typing import Any, Callable
 
-from course_lib.parallel import _rank_entry
+from course_lib.parallel import _rank_entry, elastic_store
 from course_lib.validate import check_choice, check_int, check_number
 
 
@@ -138,7 +138,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
         device = torch.device("cpu")
     _set_threads(local_world)
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
+        # Under torchrun restarts the agent's store outlives each attempt: join through this
+        # attempt's own key space, never the dead attempt's gloo addresses (see elastic_store).
+        store = elastic_store.attempt_store(world_size, timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, store=store,
                                 timeout=timedelta(seconds=timeout_s))
     return DistInfo(rank, world_size, local_rank, device, backend)
 
