@@ -131,21 +131,23 @@ def write_partial(subs, name, number):
 
 @pytest.mark.parametrize("number,name,full,stubs", [
     ("05", "05_gradient_policy", 20, hostile.STUBS_05),
-    ("07", "07_atomic_checkpoint", 12, hostile.STUBS_07),
+    ("07", "07_atomic_checkpoint", 12, None),  # forged below: a superset of the stub attack
 ])
 def test_exercise_batch_with_torch(tmp_path, number, name, full, stubs):
     sol, exe = solution_notebook(name), exercise_notebook(name)
     subs = tmp_path / "subs"
     write_submission(subs, "solution", name, sol)
     write_submission(subs, "untouched", name, exe)
-    # hostile: an added cell at the top makes every comparison say "equal" and silences the
-    # checks; the answers are wrong stubs that those checks would now accept
-    nb = patched(sol, stubs)
-    nb["cells"].insert(0, {"cell_type": "code", "id": "evil", "metadata": {}, "outputs": [],
-                           "execution_count": None, "source": hostile.PATCH_PRELUDE})
-    write_submission(subs, "patched", name, nb)
-    expected = {"solution": full, "untouched": 0, "patched": 0}
-    if number == "07":  # unsafe answers, silenced checks, every recorded value forged right
+    expected = {"solution": full, "untouched": 0}
+    if number == "05":
+        # hostile: an added cell at the top makes every comparison say "equal" and silences the
+        # checks; the answers are wrong stubs that those checks would now accept
+        nb = patched(sol, stubs)
+        nb["cells"].insert(0, {"cell_type": "code", "id": "evil", "metadata": {}, "outputs": [],
+                               "execution_count": None, "source": hostile.PATCH_PRELUDE})
+        write_submission(subs, "patched", name, nb)
+        expected["patched"] = 0
+    else:  # 07: the same prelude, the answers unsafe, and every recorded value forged right
         nb = patched(sol, {0: hostile.UNSAFE_07})
         nb["cells"].insert(0, {"cell_type": "code", "id": "evil", "metadata": {}, "outputs": [],
                                "execution_count": None, "source": hostile.FORGE_07})
@@ -153,9 +155,10 @@ def test_exercise_batch_with_torch(tmp_path, number, name, full, stubs):
         expected["forged"] = 0
     graded, out = _grade(tmp_path, number, subs, cell_timeout=120, notebook_timeout=300, memory_gb=6, jobs=2)
     assert {s: g.points for s, g in graded.items()} == expected
-    # the silenced checks let the stubs' cells finish: only the comparison outside the kernel failed them
-    assert "wrong" in _statuses(graded["patched"]).values()
-    if number == "07":
+    if number == "05":
+        # the silenced checks let the stubs' cells finish: only the comparison outside the kernel failed them
+        assert "wrong" in _statuses(graded["patched"]).values()
+    else:
         # every cell finished and recorded the reference's values: only the grader's probes caught it
         forged = graded["forged"].results
         assert all(r.status == "wrong" and "grader's own test" in r.message for r in forged), \

@@ -149,7 +149,7 @@ def test_a_checkpoint_of_another_model_shape_is_refused_by_name(tmp_path):
 
 # ------------------------------------------------------------------ SIGKILL on 2 ranks
 
-STEPS = 60
+STEPS = 30
 
 
 def _torchrun(out, *extra):

@@ -141,7 +141,7 @@ HARD_EXIT = "import os\nos._exit(3)\n"
 SYS_EXIT = "import sys\nsys.exit(1)\n"
 MEMORY_BOMB = "blocks = []\nwhile True:\n    blocks.append(bytearray(2**28))\n"
 
-# wrong answers that the silenced checks of exercises 05 and 07 would accept
+# wrong answers that the silenced checks of exercise 05 would accept
 STUBS_05 = {
     0: "def global_grad_norm(grads):\n    return 1.0\n",
     1: "def clip_coefficient(total_norm, max_norm, eps=1e-6):\n    return 1.0\n"
@@ -149,20 +149,6 @@ STUBS_05 = {
     2: "def clip_stats(grad_norms, max_norm):\n    return {'clip_rate': 0.0, 'mean_coef': 1.0}\n",
     3: "def decide(history, grad_norm):\n    return 'continue'\n",
 }
-STUBS_07 = {0: """%%writefile ex07_checkpoint.py
-from pathlib import Path
-def checkpoint_path(folder, step):
-    return Path(folder) / f"step_{step:08d}.pt"
-def list_checkpoints(folder):
-    return sorted(Path(folder).glob("step_*.pt"))
-def atomic_save(state, path):
-    Path(path).write_bytes(b"not a checkpoint")
-def save_checkpoint(state, folder, step, keep_last=2):
-    path = checkpoint_path(folder, step)
-    atomic_save(state, path)
-    return path
-"""}
-
 # exercise 07: the answers are neither atomic nor safe (torch.save straight to the final name, prune
 # before verifying), the checks are silenced, and every value a test cell records is forged first
 # with the reference's own value (the first record of a name is the one kept). Only the grader's
