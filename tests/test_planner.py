@@ -387,9 +387,9 @@ def test_exercise_chooser_runs_with_the_planner_switched_off():
 def test_mirror_goes_into_the_toml(tmp_path, plans):
     from course_lib.planner import plan_files
 
-    # full checkpoints (zero1 under tp/pp) are mirrored; fsdp's DCP shards are not, and a TOML that
-    # sets checkpoint.mirror there would be refused at start: the URL goes into a comment instead
-    for scenario, mirrored in (("2", True), ("1", False)):
+    # full checkpoints (zero1 under tp/pp) and fsdp's sharded (DCP) ones are both mirrored: the
+    # TOML sets checkpoint.mirror and validates (only DeepSpeed's shards are not mirrored)
+    for scenario, mirrored in (("2", True), ("1", True)):
         files = plan_files(plans[scenario], tmp_path, mirror="file:///tmp/mirror", validate_ds=False)
         (tmp_path / "train.toml").write_text(files["train.toml"])
         cfg = train_config.load(tmp_path / "train.toml")  # validates: the plan starts as written

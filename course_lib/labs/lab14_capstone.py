@@ -7,7 +7,7 @@ output in ``OUT.log`` next to the run folder. Three ways a job meets the outside
 * :func:`run_with_killed_worker` - ``SIGKILL`` to one worker mid-run (a crashed process: no handler
   runs); torchrun stops the job, and a second job continues from the newest checkpoint with
   ``--resume auto`` (what a scheduler's requeue or torchrun's ``--max-restarts`` does; lab 07 shows
-  the latter on one rank: with two gloo ranks a restarted group sometimes hung in its start-up here);
+  the latter);
 * :func:`run_with_signal` - ``SIGUSR1`` to one worker (what a scheduler sends before the time
   limit): every rank stops at the same step with a checkpoint and exit code 75; a second job
   resumes.

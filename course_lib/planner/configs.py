@@ -135,7 +135,7 @@ def trainer_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan, mirror: st
         keys = list(sections["parallel"].items())
         at = [k for k, _ in keys].index("pp_schedule") + 1
         sections["parallel"] = dict(keys[:at] + list(extra.items()) + keys[at:])
-    if mirror and strategy in ("fsdp", "deepspeed"):  # checkpoint.mirror copies full checkpoints only
+    if mirror and strategy == "deepspeed":  # the mirror copies full and sharded (DCP) checkpoints, not DeepSpeed's
         sections["checkpoint"]["format"] = (sections["checkpoint"]["format"][0],
                                             f"{sections['checkpoint']['format'][1] or 'DeepSpeed shards'}; the kit "
                                             f"does not mirror these: copy OUT/checkpoints to {mirror} with your "
