@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 from course_lib.estimate import format_bytes
 from course_lib.planner.costs import RECOMPUTE, Candidate, Layout, job_cache, cached, evaluate, layout_memory
 from course_lib.estimate.stage_split import even_blocks
-from course_lib.planner.spec import JobSpec
+from course_lib.planner.spec import CONTEXT_PARALLEL, JobSpec
 from course_lib.planner.stages import balanced_counts, compact_counts
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
-CONTEXT_PARALLEL = (1, 2, 4, 8)
 VIRTUAL_STAGES = (1, 2, 3, 4, 5, 6, 7, 8)
 
 

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 from course_lib.estimate import ACCELERATORS, PRESETS, RECIPES, ModelShape
 from course_lib.planner.hardware import INTERCONNECTS, default_interconnect, gpu_names, resolve_gpu
 
+# Context-parallel degrees the search tries (and the batch check must allow): defined here, the
+# lower module, because the search imports this one.
+CONTEXT_PARALLEL = (1, 2, 4, 8)
+
 
 class PlanError(ValueError):
     """Bad planner input; the message starts with the flag responsible (``--gpus: ...``)."""
@@ -207,8 +211,6 @@ def round_batch(sequences: float, gpus: int, gpus_per_node: int) -> tuple[int, s
 def data_parallel_degrees(shape: ModelShape, seq: int, gpus: int, gpus_per_node: int) -> list[int]:
     """Every dp = gpus / (tp pp cp) the search's rules allow (tp and cp as in
     ``search.layouts``, pp any divisor up to the layers), sorted."""
-    from course_lib.planner.search import CONTEXT_PARALLEL  # search imports this module
-
     out = set()
     for tp in range(1, gpus_per_node + 1):
         if gpus_per_node % tp or shape.n_heads % tp or shape.kv_heads % tp or shape.ffn_dim % tp:
