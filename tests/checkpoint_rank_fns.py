@@ -2,6 +2,7 @@
 
 Starting ranks is the slow part on 2 cores, so :func:`sharded_all` runs every 2-rank check in one
 launch and :func:`sharded_load_one_rank` is the single 1-rank launch (resharding 2 -> 1)."""
+import contextlib
 import json
 import os
 import pickle
@@ -125,6 +126,24 @@ def _expect_error(fn, *args, **kwargs):
         return {"type": type(e).__name__, "msg": str(e), "seconds": time.monotonic() - t0,
                 "failures": [n for n, _ in getattr(e, "failures", [])]}
     return {"type": None, "msg": "", "seconds": time.monotonic() - t0, "failures": []}
+
+
+@contextlib.contextmanager
+def _disk_full_on_rank1(rank):
+    """On rank 1 only: writing its ``rank1.pt`` raises ENOSPC (every other write goes through)."""
+    from pathlib import Path
+
+    real_write = cio.write_durable
+    if rank == 1:
+        def broken_write(path, data):
+            if Path(path).name == "rank1.pt":
+                raise OSError(28, "No space left on device")
+            return real_write(path, data)
+        cio.write_durable = broken_write
+    try:
+        yield
+    finally:
+        cio.write_durable = real_write
 
 
 def sharded_roundtrip(rank, world_size, root):
@@ -259,17 +278,9 @@ def sharded_fail_fast(rank, world_size, root):
 
     model, opt, sched = _model_and_opt()
     out = {}
-    real_write, real_get = cio.write_durable, sd_mod.get_state_dict
-    if rank == 1:
-        def broken_write(path, data):
-            if Path(path).name == "rank1.pt":
-                raise OSError(28, "No space left on device")
-            return real_write(path, data)
-        cio.write_durable = broken_write
-    try:
+    real_get = sd_mod.get_state_dict
+    with _disk_full_on_rank1(rank):
         out["write"] = _expect_error(save_sharded, root, 1, model, opt)
-    finally:
-        cio.write_durable = real_write
     if rank == 1:
         def broken_get(*a, **k):
             raise RuntimeError("state dict exploded")
@@ -377,17 +388,9 @@ def sharded_async(rank, world_size, root):
                      "equal": same(saved_weights, full_state(model2)) and same(saved_optim, full_optim(model2, opt2))}
 
     # a background write that fails on rank 1: every rank's wait() raises, nothing is committed
-    if rank == 1:
-        def broken_write(path, data):
-            if Path(path).name == "rank1.pt":
-                raise OSError(28, "No space left on device")
-            return real_write(path, data)
-        cio.write_durable = broken_write
-    try:
+    with _disk_full_on_rank1(rank):
         saver.save(root, 6, model, opt, shared={"sched": sched}, per_rank={"pos": pos}, keep_last=2)
         out["failed"] = _expect_error(saver.wait)
-    finally:
-        cio.write_durable = real_write
     dist.barrier()
     out["after_failure"] = sorted(p.name for p in Path(root).iterdir()) if rank == 0 else None
     saver.save(root, 7, model, opt, keep_last=2)
