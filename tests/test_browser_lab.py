@@ -80,7 +80,7 @@ def lab_server(tmp_path_factory):
            "JUPYTER_RUNTIME_DIR": str(work / "runtime"), "JUPYTER_CONFIG_DIR": str(work / "config")}
     log = open(work / "jupyter.log", "w")
     proc = subprocess.Popen([str(work / "kit"), "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-                             f"--IdentityProvider.token={TOKEN}", "--ServerApp.allow_root=True"],
+                             f"--IdentityProvider.token={TOKEN}"],  # as root, kit adds --allow-root itself
                             cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -1,6 +1,8 @@
 """Restarts inside the job: ``torchrun --max-restarts 3`` restarts a gloo worker group after one
 worker was SIGKILLed, the restarted group resumes from the newest checkpoint (``--resume auto``)
 and finishes with every logged loss and the final weights bit-exact to a run never interrupted.
+The runs read a tokenized file (``data.task = "tokens"``, a memory-mapped uint16 file), so the
+sampler's position is restored from the checkpoint too.
 
 Before course_lib.parallel.elastic_store, a restarted group read the dead attempt's gloo
 addresses from torchrun's shared store and hung or failed in about 2 of 5 tries; the stale-key
@@ -24,6 +26,18 @@ from course_lib.parallel import elastic_store  # noqa: E402
 
 STEPS, SAVE_EVERY = 8, 2
 DEADLINE_S = 120  # one job, kill and restart included; the bound a restart must finish within
+
+
+@pytest.fixture(scope="module")
+def token_data(tmp_path_factory):
+    """The trainer's arguments for ``data.task = "tokens"``: the kit's notes as a flat uint16
+    token file (one id per byte) read through a memory map, the data engineers bring. The
+    restarts below resume the sampler's position from the checkpoint on it."""
+    from test_token_data import notes_as_tokens
+
+    path = tmp_path_factory.mktemp("tokens") / "notes.bin"
+    notes_as_tokens(path)
+    return ["--set", "data.task='tokens'", "--set", f"data.path='{path}'", "--set", "data.vocab_size=256"]
 
 
 def test_attempt_store_only_where_one_agent_shares_its_store():
@@ -97,10 +111,10 @@ def test_a_restarted_group_never_reads_the_dead_attempts_addresses():
 
 
 @pytest.fixture(scope="module")
-def reference2(tmp_path_factory):
-    """An uninterrupted 2-rank run (the same torchrun command, nothing killed)."""
+def reference2(tmp_path_factory, token_data):
+    """An uninterrupted 2-rank run (the same torchrun command, nothing killed), on token data."""
     out = tmp_path_factory.mktemp("restart") / "reference"
-    job = rh.run(out, rh.trainer_args(STEPS, SAVE_EVERY), deadline_s=DEADLINE_S)
+    job = rh.run(out, rh.trainer_args(STEPS, SAVE_EVERY, *token_data), deadline_s=DEADLINE_S)
     assert job.returncode == 0, job.log[-3000:]
     return rh.losses(out), rh.final_weights(out, STEPS)
 
@@ -119,11 +133,11 @@ def _check_restarted(out: Path, job: rh.Job, reference, steps: int) -> None:
     assert rh.same_weights(rh.final_weights(out, steps), ref_weights)
 
 
-def test_a_worker_killed_mid_run_is_restarted_by_torchrun_and_resumes_bit_exact(tmp_path, reference2):
+def test_a_worker_killed_mid_run_is_restarted_by_torchrun_and_resumes_bit_exact(tmp_path, reference2, token_data):
     rng = random.Random()
     kill_rank, kill_at = rng.randrange(2), rng.randint(SAVE_EVERY + 1, STEPS - 2)
     out = tmp_path / "killed"
-    job = rh.run(out, rh.trainer_args(STEPS, SAVE_EVERY), kill_rank=kill_rank, kill_at_rows=kill_at,
+    job = rh.run(out, rh.trainer_args(STEPS, SAVE_EVERY, *token_data), kill_rank=kill_rank, kill_at_rows=kill_at,
                  deadline_s=DEADLINE_S)
     print(f"\nSIGKILL rank {job.killed} -> finished in {job.seconds:.1f} s (resumed {job.resumed_from()})")
     _check_restarted(out, job, reference2, STEPS)
@@ -137,9 +151,9 @@ def test_a_worker_killed_mid_run_is_restarted_by_torchrun_and_resumes_bit_exact(
 # any order. zero2 reduces a fixed flat layout: bit-exact on 4 ranks.
 @pytest.mark.slow  # 10 tries on 2 ranks and 5 on 4 ranks, ~40-110 s each on 2 loaded cores
 @pytest.mark.parametrize("nproc,tries,strategy", [(2, 10, "ddp"), (4, 5, "zero2")])
-def test_restart_soak(tmp_path, nproc, tries, strategy):
+def test_restart_soak(tmp_path, nproc, tries, strategy, token_data):
     steps = 16
-    args = rh.trainer_args(steps, SAVE_EVERY, strategy=strategy)
+    args = rh.trainer_args(steps, SAVE_EVERY, *token_data, strategy=strategy)
     ref_out = tmp_path / "reference"
     ref = rh.run(ref_out, args, nproc=nproc, deadline_s=300)
     assert ref.returncode == 0, ref.log[-3000:]
