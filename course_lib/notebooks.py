@@ -55,6 +55,8 @@ def same_notebook(text_a: str, text_b: str) -> bool:
     except (ValueError, AttributeError):
         return False
     return a == b
+
+
 SOURCE_DIRS = ("labs", "solutions")
 _SOURCE_NAME = re.compile(r"^\d\d_[a-z0-9_]+\.py$")
 _MARKER = re.compile(r"^(\s*)### (BEGIN|END) (SOLUTION|HIDDEN TESTS)\b(.*)$")

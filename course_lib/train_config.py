@@ -226,7 +226,7 @@ def _cross_checks(cfg: dict) -> None:
     if path and cfg["data"]["task"] == "text" and not Path(path).is_file():
         raise ConfigError(f"data.path: no such file {path!r} (a UTF-8 text file; \"\" = the bundled notes)")
     if cfg["checkpoint"]["mirror"]:
-        _mirror_check(cfg["checkpoint"]["format"], t["strategy"])
+        _mirror_check(t["strategy"])
     if t["strategy"] == "deepspeed" and (o["fused"] or t["compile"]):
         key = "optim.fused" if o["fused"] else "train.compile"
         raise ConfigError(f"{key} does not apply to train.strategy = 'deepspeed': the engine builds its own "
@@ -275,7 +275,7 @@ def _token_file_checks(cfg: dict, mcfg) -> None:
                 raise ConfigError(str(exc)) from None
 
 
-def _mirror_check(fmt: str, strategy: str) -> None:
+def _mirror_check(strategy: str) -> None:
     """``checkpoint.mirror`` copies full and sharded (DCP) checkpoints; refuse it for DeepSpeed's
     partitioned ones (written by the engine, outside the kit's commit protocol)."""
     if strategy != "deepspeed":

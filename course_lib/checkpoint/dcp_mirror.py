@@ -38,12 +38,6 @@ def mirror_keep(keep_last: int) -> Callable[[dict], set[str]]:
     return keep
 
 
-def upload_committed(mirror: CheckpointMirror, path: Path, keep_last: int) -> None:
-    """Rank 0, after a commit: copy the sealed checkpoint ``path`` to the mirror in the background
-    (every file of its manifest, then the manifest), then prune the mirror to ``keep_last``."""
-    mirror.submit(path, mirror_keep(keep_last))
-
-
 def fetch_newer(mirror: CheckpointMirror, root: Path) -> str | None:
     """Rank 0, before a resume: download the mirror's newest sharded checkpoint into ``root`` when
     no local one is as new (by save order), falling back to older copies that fail verification.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from course_lib.parallel.elastic_store import FRESH_STORE_ENV
 from course_lib.validate import check_choice, check_int
 
 _TIME = re.compile(r"^(\d{1,3}):([0-5]\d):([0-5]\d)$")
@@ -15,18 +16,15 @@ _HOST_PORT = re.compile(r"^[A-Za-z0-9_.${}:-]+:(\d+|\$\{?[A-Za-z_][A-Za-z0-9_]*\
 _WORD = re.compile(r"^[A-Za-z0-9_.${}-]+$")  # safe inside a shell word and a SLURM option
 
 
+# torchrun restarts the whole worker group after a rank dies, and --resume auto continues from the
+# newest checkpoint. Restarted gloo groups used to hang or fail in 2 of 5 tries here (torchrun keeps
+# one store across restarts and the new ranks read the dead attempt's addresses); the trainer now
+# joins each attempt through its own store prefix (course_lib.parallel.elastic_store): 10 of 10
+# restarts on 2 CPU ranks and 5 of 5 on 4 resumed bit-exact. So CPU and GPU jobs share the default.
 DEFAULT_RESTARTS = 3
-GPU_DEFAULT_RESTARTS = DEFAULT_RESTARTS  # the name older code imports; CPU and GPU jobs now share it
-# What a restart needs, and why (measured on the course machine; the README's launch section says it too).
-CPU_RESTART_NOTE = ("torchrun --max-restarts restarts the whole worker group after a rank dies and --resume auto "
-                    "continues from the newest checkpoint. A restarted gloo group used to hang or fail in 2 of 5 "
-                    "tries here: torchrun keeps one store across restarts and the new ranks read the dead "
-                    "attempt's gloo addresses from it. The trainer now joins each attempt through its own store "
-                    "prefix (course_lib.parallel.elastic_store): 10 of 10 restarts on 2 CPU ranks and 5 of 5 on 4 "
-                    "resumed bit-exact. Several nodes export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store "
-                    "for every attempt) because their agents' restart counts can differ")
-# Exported before torchrun on several nodes (see course_lib.parallel.elastic_store.FRESH_STORE_ENV).
-FRESH_STORE_EXPORT = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+# Exported before torchrun on several nodes, whose agents may count restarts differently: a fresh
+# store for every attempt instead of the prefix.
+FRESH_STORE_EXPORT = f"export {FRESH_STORE_ENV}=1"
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,7 @@ class Cluster:
     * ``rdzv_endpoint``: "HOST:PORT" for rendezvous; None = ``master_addr:master_port``.
     * ``rdzv_id``: the job id every node's agent must share.
     * ``max_restarts``: how many times torchrun restarts the whole worker group after a failure.
-      ``None`` = 3, on GPUs and CPUs alike (``CPU_RESTART_NOTE``: restarted gloo groups used to
+      ``None`` = 3, on GPUs and CPUs alike (``DEFAULT_RESTARTS``: restarted gloo groups used to
       hang here; the trainer now joins each attempt through its own store keys).
     """
 
@@ -71,7 +69,7 @@ class Cluster:
                   self.gpus_per_node or 256, "gpus_per_node" if self.gpus_per_node else None)
         check_int("cpus_per_task", self.cpus_per_task, 1, 1024)
         check_int("master_port", self.master_port, 1024, 65535)
-        if self.max_restarts is None:  # see CPU_RESTART_NOTE
+        if self.max_restarts is None:  # see DEFAULT_RESTARTS
             object.__setattr__(self, "max_restarts", DEFAULT_RESTARTS)
         check_int("max_restarts", self.max_restarts, 0, 100)
         check_choice("rdzv_backend", self.rdzv_backend, ("c10d", "static"))

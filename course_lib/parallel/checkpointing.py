@@ -142,10 +142,10 @@ class ShardedCheckpoints:
 
     def _committed(self, path: Path | None) -> None:
         """After a commit (on the training thread, or in an async save's background thread)."""
-        if self.mirror is not None and path is not None:
-            from course_lib.checkpoint.dcp_mirror import upload_committed
+        if self.mirror is not None and path is not None:  # rank 0: copied in the mirror's own thread
+            from course_lib.checkpoint.dcp_mirror import mirror_keep
 
-            upload_committed(self.mirror, path, self.keep_last)
+            self.mirror.submit(path, mirror_keep(self.keep_last))
 
     def save(self, step: int, state: TrainState, metrics: dict) -> None:
         """Collective: every rank writes its shards, RNG and data position (async: returns once

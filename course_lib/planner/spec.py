@@ -196,18 +196,6 @@ def make_spec(*, model: str | None = None, gpu: str, gpus: int, gpus_per_node: i
         recipe=recipe, attention=attention, batch_note=note)
 
 
-def round_batch(sequences: float, gpus: int, gpus_per_node: int) -> tuple[int, str]:
-    """The global batch in whole sequences, rounded to the nearest multiple of ``gpus`` (or of
-    ``gpus_per_node`` when the batch is smaller than the job) so that most data-parallel degrees
-    divide it; returns (sequences, a note saying what was rounded, "" if nothing was)."""
-    unit = gpus if sequences >= gpus else (gpus_per_node if sequences >= gpus_per_node else 1)
-    batch = max(unit, int(round(sequences / unit)) * unit)
-    note = "" if abs(batch - sequences) < 1e-9 else (
-        f"global batch rounded from {sequences:.1f} to {batch} sequences (a multiple of {unit}) "
-        "so that the data-parallel degrees divide it")
-    return batch, note
-
-
 def data_parallel_degrees(shape: ModelShape, seq: int, gpus: int, gpus_per_node: int) -> list[int]:
     """Every dp = gpus / (tp pp cp) the search's rules allow (tp and cp as in
     ``search.layouts``, pp any divisor up to the layers), sorted."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from course_lib.estimate.stage_split import _block_flops, end_weights, even_blocks
+from course_lib.estimate.stage_split import _block_flops, end_weights
 
 
 @lru_cache(maxsize=4096)
@@ -59,17 +59,6 @@ def balanced_counts(shape, stages: int, seq_len: int) -> tuple[int, ...]:
     _, _, a, base, extra = best
     c = n - a - base * inner - extra
     return tuple([a] + [base] * (inner - extra) + [base + 1] * extra + [c])
-
-
-def stage_counts(shape, pp: int, virtual_stages: int, split, seq_len: int) -> tuple[int, ...]:
-    """Blocks per stage (pp * virtual_stages counts) for ``split``: "even", "balanced" or explicit
-    counts (returned as given; the caller checks them)."""
-    stages = pp * virtual_stages
-    if split == "even" or split == () or split is None:
-        return tuple(even_blocks(shape.n_layers, stages))
-    if split == "balanced":
-        return balanced_counts(shape, stages, seq_len)
-    return tuple(split)
 
 
 def rank_blocks(counts, pp: int) -> list[int]:
