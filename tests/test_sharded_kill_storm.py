@@ -2,7 +2,11 @@
 again and again, at random moments of training and while async sharded (DCP) saves are being
 written in the background; each time a fresh job resumes with ``--resume auto``. At the end every
 logged loss and the final weights equal, bit for bit, those of a run never interrupted. fsdp on 2
-gloo ranks and fsdp x tp (dp 2 x tp 2) on 4. Slow: ~10 restarts of each."""
+gloo ranks and fsdp x tp (dp 2 x tp 2) on 4. Slow: ~10 restarts of each.
+
+The runs read a tokenized file (``data.task = "tokens"``, the kit's notes as a memory-mapped uint16
+file, the data engineers bring): every resume restores the sampler's position on it from the
+sharded checkpoint, so a replayed or skipped batch changes a logged loss."""
 from __future__ import annotations
 
 import random
@@ -19,6 +23,16 @@ import torch  # noqa: E402
 STEPS, SAVE_EVERY, KILLS = 60, 2, 10
 
 
+@pytest.fixture(scope="module")
+def token_data(tmp_path_factory) -> list[str]:
+    """The trainer's overrides that make it read the notes as a flat uint16 token file."""
+    from test_token_data import notes_as_tokens
+
+    path = tmp_path_factory.mktemp("tokens") / "notes.bin"
+    notes_as_tokens(path)
+    return ["--set", "data.task='tokens'", "--set", f"data.path='{path}'", "--set", "data.vocab_size=256"]
+
+
 def _args(strategy_sets: list[str]) -> list[str]:
     return ["--config", "labs/configs/tiny-cpu.toml", "--no-progress", "--max-steps", str(STEPS),
             "--save-every", str(SAVE_EVERY), "--resume", "auto", "--set", "train.device=cpu",
@@ -31,8 +45,8 @@ def _args(strategy_sets: list[str]) -> list[str]:
     ("fsdp", 2, ["--set", "train.strategy=fsdp"]),
     ("fsdp-tp", 4, ["--set", "train.strategy=fsdp", "--set", "parallel.tp=2"]),
 ])
-def test_sharded_kill_storm_is_bit_exact(tmp_path, name, nproc, sets):
-    args = _args(sets)
+def test_sharded_kill_storm_is_bit_exact(tmp_path, token_data, name, nproc, sets):
+    args = _args(sets + token_data)
     ref_out = tmp_path / "reference"
     ref = rh.run(ref_out, args, nproc=nproc, max_restarts=0, deadline_s=600)
     assert ref.returncode == 0, ref.log[-3000:]
