@@ -159,7 +159,7 @@ def _code_prompts(page) -> list[str]:
     return [t.strip() for t in page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()]
 
 
-def test_lab_opens_on_labs_without_news_popup(lab_server, page):
+def test_lab_opens_on_labs_and_reaches_exercises(lab_server, page):
     base, _ = lab_server
     page.goto(f"{base}/?token={TOKEN}")  # the server root redirects to its default url
     assert "/lab/tree/labs" in page.url, f"`kit lab` should open on labs/, opened {page.url}"
@@ -173,7 +173,7 @@ def test_lab_opens_on_labs_without_news_popup(lab_server, page):
     page.locator(".jp-DirListing-item", has_text="01_memory_budget.ipynb").first.wait_for()
 
 
-def test_lab01_runs_and_calculator_widgets_respond(lab_server, page):
+def test_lab01_runs_without_news_popup_and_calculator_widgets_respond(lab_server, page):
     base, _ = lab_server
     opened = time.monotonic()
     _open_notebook(page, base, "labs/01_memory.ipynb")
