@@ -338,3 +338,53 @@ def test_grade_help_names_the_cache_folder_the_code_uses(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert str(grade.default_cache_dir()).endswith("course-kit/grading")
     assert "~/.cache/course-kit/grading" in text
+
+
+# --------------------------------------------------------------------------------------------
+# probes: the grader's default number of kills, and no kernel after a verdict that already failed
+# --------------------------------------------------------------------------------------------
+
+def test_real_grading_keeps_every_kill_of_the_probes(tmp_path, monkeypatch):
+    """tests/test_grading_batch.py sets fewer kills to save kernels; the grader's defaults stay:
+    4 kills of save_checkpoint (2 at a random moment, 2 mid-write) and 2 of atomic_save per run."""
+    from course_lib.grading import probes
+    from course_lib.labs.lab07_checkpoints import make_state
+
+    assert probes.KILL_CYCLES == 4
+    calls = []
+
+    def fake_kills(work, scratch, limits, module, function, *, cycles, seed):
+        calls.append((function, cycles))
+        return ["ok"] * cycles
+    monkeypatch.setattr(probes, "kill_cycles", fake_kills)
+    # the atomic_save scenario's files as a correct module leaves them, without a kernel
+    folder = tmp_path / "scenario"
+    (folder / "a").mkdir(parents=True)
+    (folder / "b").mkdir()
+    torch.save(make_state(2, 16), folder / "a" / "model.pt")
+    torch.save({"step": 4, "w": {"nested": [torch.full((5,), 4.0)]}}, folder / "b" / "x.pt")
+    monkeypatch.setattr(probes, "_scenario", lambda *a, **k: (folder, []))
+    limits = probes.ProbeLimits(2**30, (), False)
+    verdicts = probes.run_probes({"checkpoint-kills", "checkpoint-atomic"}, tmp_path, tmp_path / "p", limits)
+    assert sorted(calls) == [("atomic_save", 2), ("save_checkpoint", 4)]
+    assert verdicts == {"checkpoint-atomic": ["ok"] * 4, "checkpoint-kills": ["ok"] * 4}
+
+
+def test_a_kill_probe_stops_at_its_first_failed_verdict(tmp_path, monkeypatch):
+    """Points need every verdict equal to the reference's ("ok") and feedback shows the first one
+    that is not, so the kills after a failure start no kernel; the verdict list keeps its length."""
+    from course_lib.grading import probes
+
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "ex07_checkpoint.py").write_text("# a module the probe never imports here\n")
+    started = []
+    monkeypatch.setattr(probes.sandbox, "start_kernel", lambda folder, **kw: started.append(folder) or
+                        type("K", (), {"send": lambda self, cid, src: True})())
+    monkeypatch.setattr(probes.sandbox, "stop_kernel", lambda kernel: None)
+    monkeypatch.setattr(probes, "_kill_mid_save", lambda *a, **k: "")
+    said = iter(["ok", "steps [3, 5] on disk", "ok", "ok"])
+    monkeypatch.setattr(probes, "checkpoints_verdict", lambda *a, **k: next(said))
+    limits = probes.ProbeLimits(2**30, (), False)
+    got = probes.probe_kills(tmp_path / "work", tmp_path / "scratch", limits)
+    assert got == ["ok", "steps [3, 5] on disk", probes.NOT_RUN, probes.NOT_RUN]
+    assert len(started) == 2

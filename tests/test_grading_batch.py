@@ -1,14 +1,20 @@
 """The grader end to end: each batch mixes honest and hostile submissions of one exercise.
 
-Every solution scores full marks, every untouched exercise zero, honest partial answers exactly
+Every solution graded here scores full marks (01's; 05's and 07's run as the reference: see
+TORCH_BATCHES), every untouched exercise zero, honest partial answers exactly
 the tests they pass, and no hostile submission earns a point (see tests/grading_corpus/).
+
+Each batch first builds the grader's reference: every cell of ``solutions/NN.py``, hidden tests
+included, run in a fresh kernel at smoke size, and a ``ReferenceError`` if any cell fails. That is
+the smoke run of these exercises' solution notebooks (built from those sources), so
+tests/test_notebooks_execute.py does not execute them again (:data:`REFERENCE_BUILT`).
 """
 import csv
 import json
 
 import pytest
 
-from course_lib.grading import grade, sandbox
+from course_lib.grading import grade, probes, sandbox
 from tests.grading_corpus import (ROOT, answer_source, exercise_notebook, hostile, patched,
                                   solution_notebook, write_submission)
 
@@ -129,16 +135,32 @@ def write_partial(subs, name, number):
     return points
 
 
-@pytest.mark.parametrize("number,name,full,stubs", [
-    ("05", "05_gradient_policy", 20, hostile.STUBS_05),
-    ("07", "07_atomic_checkpoint", 12, None),  # forged below: a superset of the stub attack
-])
-def test_exercise_batch_with_torch(tmp_path, number, name, full, stubs):
+# (number, name, stubs). The solutions of these two are not graded as submissions here: each
+# batch's reference build already runs the whole solution (and, for 07, every probe on it), a
+# ReferenceError unless every cell is ok and every probe says "ok"; the hostile submissions are
+# scored against that reference. A second run of the solution would add only the reproducibility
+# of its records (and probe verdicts), which the slow sweep (tests/test_grading_sweep.py) checks
+# for every exercise; that a solution submission scores full marks - its answers paired by id,
+# by position, reordered - is the 01 batch above.
+TORCH_BATCHES = [
+    ("05", "05_gradient_policy", hostile.STUBS_05),
+    ("07", "07_atomic_checkpoint", None),  # forged below: a superset of the stub attack
+]
+# the exercises whose reference (the whole solution, run by the grader) this module builds
+REFERENCE_BUILT = ("01", *(number for number, *_ in TORCH_BATCHES))
+# kills per run of the "checkpoint-kills" probe in these batches: one at a random moment, one
+# mid-write (the grader's default, probes.KILL_CYCLES = 4, is checked in tests/test_grading.py).
+# Reference and submissions get the same count, so a correct module still matches the reference.
+BATCH_KILL_CYCLES = 2
+
+
+@pytest.mark.parametrize("number,name,stubs", TORCH_BATCHES)
+def test_exercise_batch_with_torch(tmp_path, monkeypatch, number, name, stubs):
+    monkeypatch.setattr(probes, "KILL_CYCLES", BATCH_KILL_CYCLES)
     sol, exe = solution_notebook(name), exercise_notebook(name)
     subs = tmp_path / "subs"
-    write_submission(subs, "solution", name, sol)
     write_submission(subs, "untouched", name, exe)
-    expected = {"solution": full, "untouched": 0}
+    expected = {"untouched": 0}
     if number == "05":
         # hostile: an added cell at the top makes every comparison say "equal" and silences the
         # checks; the answers are wrong stubs that those checks would now accept

@@ -101,6 +101,8 @@ QUICK, SLOW = marked_blocks("quick"), marked_blocks("slow")
 def test_blocks_are_marked():
     langs = [lang for lang, _ in QUICK]
     assert langs.count("bash") >= 2 and "python" in langs, langs
+    # the installed `course` script runs from PATH here (tests/test_doctor.py counts on it)
+    assert any(cmd.startswith("course ") for lang, body in QUICK if lang == "bash" for cmd in commands(body))
     assert any("course train" in body for _, body in SLOW), "the training examples are not marked"
 
 

@@ -38,6 +38,10 @@ START_TIMEOUT_S = 60.0  # seconds for a writer to start and finish its first two
 MAX_WAIT_S = 5.0  # seconds a targeted kill waits to see a write in progress
 SCENARIO_TIMEOUT_S = 60.0  # seconds for a scenario run (kernel start included)
 CHECKPOINT_NAME = re.compile(r"step_(\d{8})\.pt")
+# The verdict of a check skipped because an earlier verdict of the same probe already failed: a
+# probe's verdicts earn points only when all of them equal the reference's (all "ok"), and the
+# feedback shows the first one that is not, so the checks after a failure cannot change either.
+NOT_RUN = "not run: an earlier check of this probe already failed"
 
 
 @dataclass(frozen=True)
@@ -220,7 +224,8 @@ def probe_atomic_save(work: Path, scratch: Path, limits: ProbeLimits, module: st
     """The submission's ``atomic_save``, run by the grader: after two saves and a failed one the
     folder holds exactly ``model.pt`` with the second state; a nested state saved to a ``str``
     path loads back; and ``model.pt`` still loads after each of two kills mid-save
-    (:func:`kill_cycles`). Verdicts: [replace-and-failed-save, nested, kill, kill]."""
+    (:func:`kill_cycles`). Verdicts: [replace-and-failed-save, nested, kill, kill]; when one of the
+    first two is not "ok", the kills are not run (:data:`NOT_RUN`)."""
     folder, failed = _scenario(work, scratch, limits, module, "atomic_save_scenario", "atomic_save", 4)
     if failed:
         return failed
@@ -241,6 +246,8 @@ def probe_atomic_save(work: Path, scratch: Path, limits: ProbeLimits, module: st
         good = False
     second = "ok" if good and [e.name for e in _listing(folder / "b")] == ["x.pt"] else \
         "a nested state saved to a path given as str does not load back as saved (or left other files)"
+    if first != "ok" or second != "ok":  # already wrong: the kills could not change the score or its message
+        return [first, second, *[NOT_RUN] * 2]
     return [first, second, *kill_cycles(work, scratch, limits, module, "atomic_save", cycles=2, seed=1)]
 
 
@@ -259,10 +266,13 @@ def probe_retention(work: Path, scratch: Path, limits: ProbeLimits, module: str 
 
 
 def probe_kills(work: Path, scratch: Path, limits: ProbeLimits, module: str = "ex07_checkpoint",
-                cycles: int = KILL_CYCLES, seed: int = 0) -> list[str]:
+                cycles: int | None = None, seed: int = 0) -> list[str]:
     """The submission's ``save_checkpoint`` in a loop (keep_last=2, 2 MB per save), killed by the
-    grader ``cycles`` times (:func:`kill_cycles`). After each kill the grader checks the folder:
+    grader ``cycles`` times (default: :data:`KILL_CYCLES`, read when called, so a test of the
+    grader itself can set fewer; reference and submissions then get the same count)
+    (:func:`kill_cycles`). After each kill the grader checks the folder:
     :func:`checkpoints_verdict`, at most 3 checkpoints. One verdict per kill."""
+    cycles = KILL_CYCLES if cycles is None else cycles
     return kill_cycles(work, scratch, limits, module, "save_checkpoint", cycles=cycles, seed=seed)
 
 
@@ -273,7 +283,8 @@ def kill_cycles(work: Path, scratch: Path, limits: ProbeLimits, module: str, fun
     even cycles at a random moment within one save period (``random.Random(seed)``), odd ones as
     soon as a write shows in progress. ``function`` is ``save_checkpoint`` (checkpoints
     ``step_*.pt``, keep_last=2) or ``atomic_save`` (one file, ``model.pt``). Only after the kill
-    does the grader look at the folder. One verdict per kill."""
+    does the grader look at the folder. One verdict per kill; after the first one that is not
+    "ok" no further kernel is started and the remaining cycles read :data:`NOT_RUN`."""
     from course_lib.labs.lab07_checkpoints import _Watch
 
     code = _module_file(work, module)
@@ -301,6 +312,8 @@ def kill_cycles(work: Path, scratch: Path, limits: ProbeLimits, module: str, fun
             verdicts.append(checkpoints_verdict(folder / "ckpt", max_count=3))
         else:
             verdicts.append(_model_file_verdict(folder / "ckpt" / "model.pt"))
+        if verdicts[-1] != "ok":
+            return verdicts + [NOT_RUN] * (cycles - len(verdicts))
     return verdicts
 
 
