@@ -23,8 +23,9 @@ torchrun and SLURM scripts really train on 2 CPU ranks (issue 21, "What to build
   ``job.sbatch`` (srun and scontrol of tests/fake_cluster; two real torchrun agents meet at a c10d
   rendezvous): each trains the plan's 3 steps on 2 gloo ranks, both at once.
 
-Work: 5 planner searches (torch-free, in this process); 19 fake-launcher processes (torch-free,
-~0.25 CPU-s each); 2 trainings of 3 steps on 2 ranks (2 + 3 processes that import torch).
+Work: 5 planner searches (in this process); 22 fake-launcher processes (torch-free, ~0.2 CPU-s
+each: 19 for the scenarios, 3 for the broken plans); 2 trainings of 3 steps on 2 ranks, at once
+(1 + 2 torchrun agents and 4 ranks: 7 processes that import torch); ``--check-config`` in-process.
 """
 from __future__ import annotations
 
