@@ -28,6 +28,8 @@ from typing import Any
 import torch
 
 from course_lib import train_config, train_setup
+from course_lib.train_args import build_parser, cli_overrides  # noqa: F401 - build_parser re-exported
+from course_lib.train_check import check_cli
 from course_lib.train_config import ConfigError
 from course_lib.watch import control as watch_control
 from course_lib import profiling, utilization
@@ -251,48 +253,19 @@ def _ckpt_metrics(last_loss: float | None) -> dict:
 # command line
 # --------------------------------------------------------------------------------------------
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """Arguments of ``python -m course_lib.train`` and ``course train``."""
-    parser = parser or argparse.ArgumentParser(prog="python -m course_lib.train",
-                                               description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="TOML config (labs/configs/*.toml); defaults if omitted")
-    parser.add_argument("--out", default="runs/train", help="output folder (metrics.jsonl, checkpoints/)")
-    parser.add_argument("--max-steps", type=int, help="optimizer steps (overrides train.max_steps)")
-    parser.add_argument("--seed", type=int, help="overrides train.seed")
-    parser.add_argument("--save-every", type=int, help="checkpoint every N steps (checkpoint.save_every)")
-    parser.add_argument("--resume", choices=["auto", "never"], default="never",
-                        help="auto: continue from the newest valid checkpoint in --out")
-    parser.add_argument("--inject-fault", action="append", default=[], metavar="KIND@STEP[=VALUE]",
-                        help="grad_scale@500=10, nan_loss@30, inf_grad@40[=param.name], loss_shift@60=3, "
-                             "stall@5=60:1 (rank 1 sleeps 60 s at step 5); repeatable")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override any config value, e.g. --set train.precision=bf16")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--profile", action="store_true",
-                        help="torch.profiler around a few steps ([profile] keys): traces and summary in OUT/profile/")
-    # The deepspeed launcher appends --local_rank=N; the rank comes from the environment anyway.
-    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    return parser
-
-
 def run_cli(args: argparse.Namespace) -> int:
-    """Validate everything, train, print a one-line summary. Exit codes: 2 for a config error
+    """Validate everything, train, print a one-line summary (``--check-config``: validate only, see
+    :mod:`course_lib.train_check`). Exit codes: 2 for a config error
     (nothing written), 3 when checkpoints exist but none can be resumed from, 4 when a DeepSpeed op's
     build lock is stale or held too long (parallel/op_locks.py), 75 when SIGUSR1/SIGTERM
     stopped the run after a checkpoint, 86 when the watchdog aborted a hung job (course_lib.watch)."""
+    if getattr(args, "check_config", False):  # --check-config: validate for this world size, train nothing
+        return check_cli(args)
     from course_lib.checkpoint import CheckpointLoadError
     from course_lib.parallel.op_locks import OpLockError
     from course_lib.stability import parse_faults
 
-    overrides = list(args.set)
-    for flag, key in ((args.max_steps, "train.max_steps"), (args.seed, "train.seed"),
-                      (args.save_every, "checkpoint.save_every")):
-        if flag is not None:
-            overrides.append(f"{key}={flag}")
-    if args.no_progress:
-        overrides.append("train.progress=false")
-    if args.profile:
-        overrides.append("profile.enabled=true")
+    overrides = cli_overrides(args)
     try:
         cfg = train_config.load(args.config, overrides)
         try:

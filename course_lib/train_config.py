@@ -444,7 +444,7 @@ def vocab_size_of(cfg: dict) -> int:
 
 def build_model_config(cfg: dict):
     """The ModelConfig for ``cfg``: preset + overrides, vocabulary and context sized to the data."""
-    from course_lib.model import ModelConfig
+    from course_lib.model_config import ModelConfig  # torch-free: validating a config imports no torch
 
     overrides = {k: v for k, v in cfg["model"].items() if k != "preset"}
     overrides.setdefault("vocab_size", vocab_size_of(cfg))

@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 import torch
 
-from course_lib import train_config
 from course_lib.train_config import ConfigError
 
 
@@ -55,23 +54,11 @@ def distributed(cfg: dict, info):
 
 def check_world(cfg: dict, info) -> None:
     """ConfigError unless the ranks that started (``info.world_size``, a count of processes) fit
-    ``train.strategy`` and the parallel layout: one process for "single", a process group for
-    the others, and exactly dp x tp x pp x cp ranks under tensor/pipeline/context parallelism."""
-    strategy = cfg["train"]["strategy"]
-    if info.world_size > 1 and strategy == "single":
-        raise ConfigError(f"{info.world_size} ranks but train.strategy = 'single'; set "
-                          "train.strategy = 'ddp' (--set train.strategy=ddp)")
-    if info.world_size == 1 and strategy != "single" and info.backend is None:
-        raise ConfigError(f"train.strategy = {strategy!r} needs a process group: start with "
-                          f"torchrun --nproc-per-node N (or course_lib.parallel.run_ranks)")
-    mp = train_config.model_parallel_size(cfg)
-    if mp > 1:  # tensor/pipeline parallel: the ranks must tile the mesh exactly, known only now
-        par = cfg["parallel"]
-        dp = par["dp"] or max(1, info.world_size // mp)
-        if dp * mp != info.world_size:
-            raise ConfigError(f"{info.world_size} ranks started, but parallel.dp x tp x pp x cp = {dp} x {par['tp']} "
-                              f"x {par['pp']} x {par['cp']} = {dp * mp}; start {dp * mp} ranks, or a multiple of "
-                              f"tp * pp * cp = {mp} with parallel.dp = 0 (= world / (tp * pp * cp))")
+    ``train.strategy`` and the parallel layout (:func:`course_lib.train_check.check_world`, which
+    ``--check-config`` runs without ranks)."""
+    from course_lib.train_check import check_world as check
+
+    check(cfg, info.world_size, has_group=info.backend is not None)
 
 
 def rank_seed(seed: int, rank: int) -> int:

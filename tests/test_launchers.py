@@ -2,21 +2,18 @@
 
 Generated scripts must parse (``bash -n``) and pass ``shellcheck``; the single-node torchrun
 command really trains on 2 CPU ranks; the sbatch script's body really trains with SLURM faked by
-two small scripts (``COURSE_SRUN``/``COURSE_SCONTROL``), and its USR1 trap requeues; bad input
-names the field or flag; ``--dry-run`` writes nothing.
+the srun and scontrol of tests/fake_cluster_tools (``COURSE_SRUN``/``COURSE_SCONTROL``, helpers in
+tests/fake_cluster.py), and its USR1 trap requeues; bad input names the field or flag;
+``--dry-run`` writes nothing.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -25,33 +22,15 @@ from course_lib.launchers.cli import add_launch_parser
 from course_lib.launchers.cluster import Cluster
 from course_lib.launchers.nccl_env import nccl_exports
 from course_lib.launchers.slurm import sbatch_script
+from fake_cluster import ROOT, fake_slurm_env, metrics_rows, run_env
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "labs/configs/tiny-cpu.toml"
-VENV_BIN = str(Path(sys.executable).parent)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="course")
     add_launch_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["launch", *argv])
-
-
-def run_env() -> dict:
-    env = dict(os.environ)
-    env["PATH"] = VENV_BIN + os.pathsep + env.get("PATH", "")  # torchrun of this venv
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def metrics_rows(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,48 +169,12 @@ def test_single_node_launch_trains_here(tmp_path):
     assert (tmp_path / "launch" / "launch_torchrun.sh").exists()
 
 
-FAKE_SCONTROL = """#!/bin/bash
-# scontrol stand-in: two "nodes" on this machine; requeue requests are logged, not acted on.
-case "$1" in
-  show) printf '127.0.0.1\\n127.0.0.1\\n' ;;
-  requeue) echo "requeue $2" >> "$FAKE_LOG" ;;
-esac
-"""
-
-FAKE_SRUN = """#!/bin/bash
-# srun stand-in: drop srun's own --options, then start the command once per "node"; like srun,
-# pass SIGTERM on to the tasks and keep waiting for them.
-while [[ "${1:-}" == --* ]]; do shift; done
-pids=()
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
-for node in 0 1; do SLURM_NODEID=$node SLURM_PROCID=$node "$@" & pids+=("$!"); done
-rc=0
-for p in "${pids[@]}"; do
-  s=0; wait "$p" || s=$?
-  while [ "$s" -gt 128 ] && kill -0 "$p" 2>/dev/null; do s=0; wait "$p" || s=$?; done
-  if [ "$s" -ne 0 ]; then rc=$s; fi
-done
-exit "$rc"
-"""
-
-
-def _fake_slurm(tmp_path: Path, srun: str) -> dict:
-    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", srun)):
-        (tmp_path / name).write_text(text)
-        (tmp_path / name).chmod(0o755)
-    env = run_env()
-    env.update(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="fake[0-1]", SLURM_NNODES="2", SLURM_NODEID="0",
-               COURSE_SRUN=str(tmp_path / "srun"), COURSE_SCONTROL=str(tmp_path / "scontrol"),
-               COURSE_RDZV_PORT=str(free_port()), FAKE_LOG=str(tmp_path / "scontrol.log"))
-    return env
-
-
 def test_sbatch_body_trains_on_two_fake_nodes(tmp_path):
     train = tmp_path / "train"
     cluster = Cluster(nodes=2, nproc_per_node=1, cpus_per_task=1, rdzv_id="unused")
     script = tmp_path / "job.sbatch"
     script.write_text(sbatch_script(CONFIG, ["train.strategy=ddp", "train.max_steps=4", "schedule.warmup_steps=1"], cluster, str(train)))
-    res = subprocess.run(["bash", str(script)], cwd=ROOT, env=_fake_slurm(tmp_path, FAKE_SRUN),
+    res = subprocess.run(["bash", str(script)], cwd=ROOT, env=fake_slurm_env(tmp_path),
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert [r["step"] for r in metrics_rows(train)] == [1, 2, 3, 4]
@@ -248,7 +191,7 @@ def test_sbatch_usr1_checkpoints_the_training_step_then_requeues(tmp_path):
                                              "train.metrics_flush_s=0"], cluster, str(train)))
     log = tmp_path / "job.log"
     with open(log, "w") as sink:
-        proc = subprocess.Popen(["bash", str(script)], cwd=ROOT, env=_fake_slurm(tmp_path, FAKE_SRUN),
+        proc = subprocess.Popen(["bash", str(script)], cwd=ROOT, env=fake_slurm_env(tmp_path),
                                 stdout=sink, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 60
