@@ -81,7 +81,9 @@ def test_exercise_01_honest_and_hostile_batch(tmp_path):
                                             2: ""}), 0)
         add("kill-parent", patched(sol, {0: hostile.KILL_PARENT, 1: "", 2: hostile.NO_CHECKS_WRONG_BUDGET}), 0)
 
-    graded, out = _grade(tmp_path, "01", subs, cell_timeout=8, notebook_timeout=60, memory_gb=2, jobs=2)
+    # cell_timeout: the hang above waits this long; a cell that imports torch (the hostile
+    # preludes) takes ~3 s of one core, up to ~8 s with the suite's two workers on 2 cores.
+    graded, out = _grade(tmp_path, "01", subs, cell_timeout=20, notebook_timeout=90, memory_gb=2, jobs=2)
     assert {s: g.points for s, g in graded.items()} == expected
     # the answer cell cell-013 hangs / exits: its tests are not run, the earlier ones keep their points
     hang = {r.test.id: r for r in graded["hang-part3"].results}
