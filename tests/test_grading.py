@@ -163,9 +163,9 @@ def test_memory_limit_turns_a_bomb_into_an_error(tmp_path):
 
 def test_notebook_time_limit_and_sys_exit(tmp_path):
     run = _run(tmp_path, ["import sys; sys.exit(0)", "import time; time.sleep(60)", "z = 1"],
-               cell_timeout=30, notebook_timeout=3)
+               cell_timeout=30, notebook_timeout=10)  # 10 s: the kernel's start fits, also on a loaded machine
     assert [o.status for o in run.cells.values()] == ["error", "timeout", "not-run"]
-    assert run.seconds < 15
+    assert run.seconds < 25  # the notebook's limit stopped the 60 s sleep, not the cell's 30 s
 
 
 @pytest.mark.skipif(not sandbox.sandbox_available(), reason="needs unprivileged user namespaces")
