@@ -121,3 +121,44 @@ def param_digest(model) -> str:
         h.update(str(tuple(t.shape)).encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def several(rank, world_size, calls):
+    """Several rank functions in one launch, one after the other (each ``(fn, args)``, ``fn`` a
+    module-level rank function): the process start, the imports and the group set-up (seconds per
+    rank on a CPU) are paid once instead of once per function. Returns one result per call."""
+    return [fn(rank, world_size, *args) for fn, args in calls]
+
+
+def host_reads_on_rank_many(rank, world_size, cfgs, out_dir):
+    """:func:`host_reads_on_rank` for each ``{name: cfg}`` (under ``out_dir/name``), one launch:
+    ``{name: host reads per optimizer step on this rank}``."""
+    import os
+
+    return {name: host_reads_on_rank(rank, world_size, cfg, os.path.join(out_dir, name)) for name, cfg in cfgs.items()}
+
+
+def set_aside_then_resume(rank, world_size, cfg, out_dir, ckpt_name):
+    """Rank 0 moves ``out_dir/checkpoints/ckpt_name`` (the newest checkpoint) and a copy of
+    ``metrics.jsonl`` to ``out_dir/set-aside/``; then every rank resumes (:func:`resume_rank_digest`)
+    from the checkpoint before it: a resume test's second half in the launch of its first."""
+    import shutil
+    from pathlib import Path
+
+    out = Path(out_dir)
+    if rank == 0:
+        (out / "set-aside").mkdir()
+        shutil.copy(out / "metrics.jsonl", out / "set-aside" / "metrics.jsonl")
+        shutil.move(str(out / "checkpoints" / ckpt_name), str(out / "set-aside" / ckpt_name))
+    dist.barrier()
+    return resume_rank_digest(rank, world_size, cfg, out_dir)
+
+
+def refused(rank, world_size, fn, *args):
+    """``fn(rank, world_size, *args)`` expected to raise: ``"Type: message"`` of what it raised, or
+    None when it returned. Lets a refusal share a launch with runs that must succeed."""
+    try:
+        fn(rank, world_size, *args)
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -145,3 +145,20 @@ def bundle_stats_with_empty_shards(rank, world_size):
 def train_many_then_stats(rank, world_size, runs):
     """:func:`train_many`, then :func:`bundle_stats_with_empty_shards`, in one launch."""
     return train_many(rank, world_size, runs), bundle_stats_with_empty_shards(rank, world_size)
+
+
+def train_many_stats_then_killed(rank, world_size, runs, report_path, killed_cfg, killed_out, kill_step):
+    """:func:`train_many` and :func:`bundle_stats_with_empty_shards`, saved by rank 0 to
+    ``report_path`` as ``(reports, [stats of every rank])``, then
+    :func:`train_killed_in_async_save` in the same launch (which ends it): every 2-rank check of
+    tests/test_train_sharded.py that needs no earlier launch shares this one process start."""
+    import torch
+    import torch.distributed as dist
+
+    reports = train_many(rank, world_size, runs)
+    stats = [None] * world_size
+    dist.all_gather_object(stats, bundle_stats_with_empty_shards(rank, world_size))
+    if rank == 0:
+        torch.save((reports, stats), report_path)
+    dist.barrier()
+    train_killed_in_async_save(rank, world_size, killed_cfg, killed_out, kill_step)

@@ -174,10 +174,19 @@ def test_unreachable_mirror_and_no_local_checkpoint_is_not_a_fresh_start(tmp_pat
             mgr.load(nn.Linear(16, 16))
 
 
-def test_lost_local_disk_resumes_from_the_mirror_bit_exact(tmp_path, kind, options):
-    steps, width = 400, 256
-    ref = tmp_path / "ref"
-    tiny_loop.run(ref, steps, save_every=None, width=width)
+LOST_DISK_STEPS, LOST_DISK_WIDTH = 400, 256
+
+
+@pytest.fixture(scope="module")
+def lost_disk_reference(tmp_path_factory):
+    """The uninterrupted run both mirror kinds' lost-disk resumes are compared with (trained once)."""
+    ref = tmp_path_factory.mktemp("lost-disk-ref")
+    tiny_loop.run(ref, LOST_DISK_STEPS, save_every=None, width=LOST_DISK_WIDTH)
+    return ref
+
+
+def test_lost_local_disk_resumes_from_the_mirror_bit_exact(tmp_path, kind, options, lost_disk_reference):
+    steps, width, ref = LOST_DISK_STEPS, LOST_DISK_WIDTH, lost_disk_reference
     mirror = mirror_for(kind, tmp_path, options)
     run = tmp_path / "run"
     args = ["--dir", run, "--steps", steps, "--save-every", 10, "--width", width, "--mirror", mirror.url]

@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("deepspeed")
 
 import deepspeed_rank_fns as ds_fns  # noqa: E402
+from rank_fns import several  # noqa: E402
 from adam_tolerance import assert_weights_match_after_adam  # noqa: E402
 from course_lib import train_config  # noqa: E402
 from course_lib.metrics import read_rows  # noqa: E402
@@ -148,8 +149,12 @@ Z0_FAULTS = ["nan_loss@1", "inf_grad@2=blocks.1.mlp.down.weight"]  # ZeRO-0 fp32
 
 @pytest.fixture(scope="module")
 def stage_runs(tmp_path_factory, deepspeed_ops):
-    """One launch of 2 ranks: every ZeRO stage and offload in fp32 (12 steps), every stage in bf16
-    (BF16_STEPS steps), ZeRO-0 fp32 through injected faults; the one-process references."""
+    """One launch of 2 ranks for every DeepSpeed check that needs ranks (a DeepSpeed start costs
+    seconds per rank): every ZeRO stage and offload in fp32 (12 steps), every stage in bf16
+    (BF16_STEPS steps), ZeRO-0 fp32 through injected faults; then, in the same processes, the
+    strategy-level skip/LR checks, the resume/fall-back/conversion runs and the refusals (their
+    results under ``"skip"``, ``"resume"``, ``"refusals"``, one per rank). The one-process
+    references are trained here, in the test process."""
     root = tmp_path_factory.mktemp("stages")
     train(cfg(train__micro_batch=16), root / "single")
     train(cfg(train__micro_batch=16, train__precision="bf16", train__max_steps=BF16_STEPS), root / "single-bf16")
@@ -158,7 +163,15 @@ def stage_runs(tmp_path_factory, deepspeed_ops):
     runs += [(ds_cfg({"parallel.zero_stage": stage, "train.precision": "bf16", "train.max_steps": BF16_STEPS}),
               str(root / f"z{stage}-bf16"), (), False) for stage in (0, 1, 2, 3)]
     runs.append((ds_cfg({"parallel.zero_stage": 0, "train.max_steps": 4}), str(root / "z0-faults"), Z0_FAULTS, False))
-    return root, run_ranks(ds_fns.train_many, 2, runs, timeout=600)
+    skip_args = (ds_cfg({"parallel.zero_stage": 2, "train.micro_batch": 4, "train.grad_accum": 2}),
+                 ds_cfg({"parallel.zero_stage": 2, "parallel.offload_optimizer": "cpu"}))
+    resume_args = (RESUME_CFGS, str(root / "resume"), [("z2", "z3"), ("z3", "z2")])
+    refusal_args = (refusal_cases(), str(root / "refusals"))
+    calls = [(ds_fns.train_many, (runs,)), (ds_fns.skip_and_lr, skip_args),
+             (ds_fns.resume_convert_fallback_many, resume_args), (ds_fns.refusals, refusal_args)]
+    out = run_ranks(several, 2, calls, timeout=900)
+    extra = {name: [rank_out[i + 1] for rank_out in out] for i, name in enumerate(("skip", "resume", "refusals"))}
+    return root, [rank_out[0] for rank_out in out], extra
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -166,7 +179,7 @@ def test_every_zero_stage_in_bf16_tracks_one_process_in_bf16(stage_runs, stage):
     """ZeRO-0 in bf16 wraps AdamW in FP16_UnfusedOptimizer, whose constructor stepped it once on
     zero gradients (weight decay applied, Adam's step count 1 ahead: 1.3e-2 off in 12 steps);
     the strategy undoes that step (course_lib/parallel/deepspeed_init_step.py)."""
-    root, _ = stage_runs
+    root, _, _ = stage_runs
     got, ref = losses(root / f"z{stage}-bf16"), losses(root / "single-bf16")
     assert len(got) == BF16_STEPS
     rel = max_rel(got, ref)
@@ -174,7 +187,7 @@ def test_every_zero_stage_in_bf16_tracks_one_process_in_bf16(stage_runs, stage):
 
 
 def test_zero0_fp32_faults_reach_p_grad_and_skip_like_one_process(stage_runs):
-    root, results = stage_runs
+    root, results, _ = stage_runs
     got, ref = read_rows(root / "z0-faults" / "metrics.jsonl"), read_rows(root / "single-faults" / "metrics.jsonl")
     assert [r["nonfinite"] for r in got] == [r["nonfinite"] for r in ref] == [False, True, True, False]
     assert results[0][-1]["skipped"] == results[1][-1]["skipped"] == 2
@@ -187,7 +200,7 @@ def test_every_zero_stage_and_offload_matches_one_process_with_the_global_batch(
     from course_lib.parallel.deepspeed_checkpoints import deepspeed_to_state_dict
     from safetensors.torch import load_file
 
-    tmp_path, results = stage_runs
+    tmp_path, results, _ = stage_runs
     single = read_rows(tmp_path / "single" / "metrics.jsonl")
     ref = [r["loss"] for r in single]
     for i, name in enumerate(STAGES):
@@ -216,10 +229,8 @@ def test_every_zero_stage_and_offload_matches_one_process_with_the_global_batch(
         assert_weights_match_after_adam(got, want, lr=3e-3, steps=12, msg=name)
 
 
-def test_a_skipped_step_leaves_no_trace_and_the_scheduled_lr_reaches_deepspeed(deepspeed_ops):
-    out = run_ranks(ds_fns.skip_and_lr, 2,
-                    ds_cfg({"parallel.zero_stage": 2, "train.micro_batch": 4, "train.grad_accum": 2}),
-                    ds_cfg({"parallel.zero_stage": 2, "parallel.offload_optimizer": "cpu"}), timeout=300)
+def test_a_skipped_step_leaves_no_trace_and_the_scheduled_lr_reaches_deepspeed(stage_runs):
+    out = stage_runs[2]["skip"]  # ds_fns.skip_and_lr, in the stage_runs launch
     for r in out:
         assert r["lr_seen"] == r["lr_expected"]  # warm-up LR, then the scheduled LR x 0.25
         assert r["lr_after_cut"] == r["lr_scheduled"]  # the cut lasted one step
@@ -232,13 +243,15 @@ def test_a_skipped_step_leaves_no_trace_and_the_scheduled_lr_reaches_deepspeed(d
     assert out[0]["digest_clean"] == out[1]["digest_clean"]
 
 
-def test_resume_is_bit_exact_a_corrupt_checkpoint_falls_back_and_conversion_is_exact(tmp_path, deepspeed_ops):
-    cfgs = {f"z{stage}": ds_cfg({"parallel.zero_stage": stage, "train.max_steps": 10, "checkpoint.save_every": 5})
-            for stage in (2, 3)}
-    # and across stages 2 <-> 3 (DeepSpeed itself fails there with a bare AssertionError): refused
-    # by name before DeepSpeed reads, saying which stage saved, which is asked, and what converts
-    cross = [("z2", "z3"), ("z3", "z2")]
-    results = run_ranks(ds_fns.resume_convert_fallback_many, 2, cfgs, str(tmp_path), cross, timeout=600)
+RESUME_CFGS = {f"z{stage}": ds_cfg({"parallel.zero_stage": stage, "train.max_steps": 10, "checkpoint.save_every": 5})
+               for stage in (2, 3)}
+
+
+def test_resume_is_bit_exact_a_corrupt_checkpoint_falls_back_and_conversion_is_exact(stage_runs):
+    # ds_fns.resume_convert_fallback_many in the stage_runs launch, for RESUME_CFGS and across
+    # stages 2 <-> 3 (DeepSpeed itself fails there with a bare AssertionError): refused by name
+    # before DeepSpeed reads, saying which stage saved, which is asked, and what converts
+    cfgs, tmp_path, results = RESUME_CFGS, stage_runs[0] / "resume", stage_runs[2]["resume"]
     for r in results:
         for (saved, resumed), message in r["cross"].items():
             assert message is not None, f"a ZeRO-{saved[1]} checkpoint resumed at ZeRO-{resumed[1]}"
@@ -280,14 +293,17 @@ def test_an_error_deepspeed_raises_without_text_says_where():
     assert _engine_error(ValueError("bad")) == "ValueError: bad"
 
 
-def test_bad_input_is_refused_before_any_file(tmp_path, deepspeed_ops):
-    bad_parse = ds_cfg()
-    bad_parse = copy.deepcopy(bad_parse)
+def refusal_cases():
+    """Trainer inputs DeepSpeed runs must refuse before any file (ds_fns.refusals' cases)."""
+    bad_parse = copy.deepcopy(ds_cfg())
     bad_parse["parallel"]["offload_optimizer"] = "disk"  # past the schema: DeepSpeed's parser refuses it
-    cases = [("fp16", ds_cfg({"train.precision": "fp16"})), ("parser", bad_parse),
-             ("format", ds_cfg({"checkpoint.format": "full"})),
-             ("grad-fault", ds_cfg({"parallel.zero_stage": 2}), ["inf_grad@3"])]
-    out = run_ranks(ds_fns.refusals, 2, cases, str(tmp_path), timeout=300)
+    return [("fp16", ds_cfg({"train.precision": "fp16"})), ("parser", bad_parse),
+            ("format", ds_cfg({"checkpoint.format": "full"})),
+            ("grad-fault", ds_cfg({"parallel.zero_stage": 2}), ["inf_grad@3"])]
+
+
+def test_bad_input_is_refused_before_any_file(stage_runs):
+    out = stage_runs[2]["refusals"]  # ds_fns.refusals(refusal_cases()), in the stage_runs launch
     for r in out:
         assert "train.precision" in r["fp16"][0] and "CUDA" in r["fp16"][0]
         assert r["parser"][0].startswith("parallel.offload_optimizer")

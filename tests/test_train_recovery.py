@@ -41,15 +41,55 @@ def steps_of(out):
     return [r["step"] for r in read_rows(Path(out) / "metrics.jsonl")]
 
 
+# ------------------------------------------------------------------ the 2-rank runs, one launch
+
+HOST_READ_STRATEGIES = ["ddp", "ddp-scratch", "zero2", "fsdp-scratch", "fsdp"]  # zero1 shares zero2's step
+SCRATCH_DDP = ("ddp", "ddp-scratch")
+
+
+def rollback_cfg():
+    return cfg("train.strategy='ddp'", "train.micro_batch=8", "checkpoint.save_every=10",
+               "checkpoint.async_save=true", "stability.spike_policy='rollback'", steps=30)
+
+
+def sharded_cfg():
+    return cfg("train.strategy='ddp'", "train.micro_batch=8", "checkpoint.save_every=6",
+               "checkpoint.format='sharded'", "model.dropout=0.1", steps=12)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Every 2-rank run of this module that needs no earlier launch, in one launch (a rank's first
+    train() pays seconds of imports): the sharded-checkpoint run, torch DDP and the from-scratch
+    DDP, the host-read counts of every data-parallel strategy, and last the roll-back on slow
+    storage (its slow save patches the checkpoint manager for the rest of the process). The
+    sharded-checkpoint run is resumed in the same launch, its newest checkpoint set aside first.
+    ``{name: [rank 0's result, rank 1's]}`` and the root folder."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    host_cfgs = {s: cfg(f"train.strategy='{s}'", "train.micro_batch=8", "checkpoint.async_save=false", steps=10)
+                 for s in HOST_READ_STRATEGIES}
+    calls = {"sharded": (rank_fns.train_rank_digest, (sharded_cfg(), str(root / "sharded"))),
+             "sharded-resumed": (rank_fns.set_aside_then_resume, (sharded_cfg(), str(root / "sharded"),
+                                                                  "step_000000012")),
+             **{s: (rank_fns.train_rank_digest, (cfg(f"train.strategy='{s}'", "train.micro_batch=8",
+                                                     "train.grad_accum=2", steps=12), str(root / s)))
+                for s in SCRATCH_DDP},
+             "host_reads": (rank_fns.host_reads_on_rank_many, (host_cfgs, str(root / "host-reads"))),
+             "rollback": (rank_fns.train_rank_digest,
+                          (rollback_cfg(), str(root / "rollback"), ["grad_scale@20=10"], 1.0))}
+    per_rank = run_ranks(rank_fns.several, 2, list(calls.values()), timeout=600)
+    return root, {name: [r[i] for r in per_rank] for i, name in enumerate(calls)}
+
+
 # ------------------------------------------------------------------ roll-back across ranks
 
-def test_ddp_rollback_with_async_saves_agrees_and_keeps_replicas_identical(tmp_path):
+def test_ddp_rollback_with_async_saves_agrees_and_keeps_replicas_identical(two_ranks):
     """The spike lands one step after a save on slow storage: rank 0's async write is still running
     when the ranks roll back. Rank 0 must finish it, pick, and tell rank 1 (before: rank 1 listed
-    the folder on its own, rolled back to step 10 while rank 0 went to 20, and the ranks hung)."""
-    c = cfg("train.strategy='ddp'", "train.micro_batch=8", "checkpoint.save_every=10",
-            "checkpoint.async_save=true", "stability.spike_policy='rollback'", steps=30)
-    results = run_ranks(rank_fns.train_rank_digest, 2, c, str(tmp_path), ["grad_scale@20=10"], 1.0, timeout=240)
+    the folder on its own, rolled back to step 10 while rank 0 went to 20, and the ranks hung).
+    (rollback_cfg, 1 s of slow storage, in the two_ranks launch.)"""
+    root, runs = two_ranks
+    results, tmp_path = runs["rollback"], root / "rollback"
     assert [r["steps"] for r in results] == [30, 30]
     assert [r["rollbacks"] for r in results] == [1, 1]
     assert results[0]["digest"] == results[1]["digest"], "the replicas drifted apart"
@@ -149,7 +189,7 @@ def test_a_checkpoint_of_another_model_shape_is_refused_by_name(tmp_path):
 
 # ------------------------------------------------------------------ SIGKILL on 2 ranks
 
-STEPS = 30
+STEPS = 20
 
 
 def _torchrun(out, *extra):
@@ -192,16 +232,20 @@ def _final_weights(out):
     return load_file(str(newest / "model.safetensors"))
 
 
-def test_ddp_killed_at_random_moments_resumes_bit_exact(tmp_path):
+@pytest.mark.parametrize("cycles", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_ddp_killed_at_random_moments_resumes_bit_exact(tmp_path, cycles):
     """Two ranks with dropout (each rank its own random stream), killed with SIGKILL at a random
-    moment after each run's first checkpoint, twice, resumed each time: the losses and weights equal
-    an uninterrupted run bit for bit. Before, every rank restored rank 0's RNG, so rank 1's
-    dropout masks changed after a resume."""
+    moment after each run's first checkpoint (once by default; twice, the resumed run killed
+    again, in the slow variant), resumed each time: the losses and weights equal an uninterrupted
+    run bit for bit. Before, every rank restored rank 0's RNG, so rank 1's dropout masks changed
+    after a resume. The final resume also finds a torn last line in metrics.jsonl, as a kill in
+    the middle of a row's write leaves it: the rows come out whole, each step once (this was
+    tests/test_train.py's one-process SIGKILL test, now slow there)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     clean = subprocess.run(_torchrun(tmp_path / "clean"), capture_output=True, text=True, timeout=300, env=env)
     assert clean.returncode == 0, clean.stderr[-3000:]
     victim, rng, kills = tmp_path / "victim", random.Random(), 0
-    for _ in range(2):
+    for _ in range(cycles):
         before = _committed(victim)
         proc = subprocess.Popen(_torchrun(victim, "--resume", "auto"), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -212,12 +256,15 @@ def test_ddp_killed_at_random_moments_resumes_bit_exact(tmp_path):
         kills += proc.poll() is None
         _kill_tree(proc)  # the whole node at once: agent and both workers
 
-    assert kills == 2, "a run ended before its kill: the test proved less than it says"
+    assert kills == cycles, "a run ended before its kill: the test proved less than it says"
+    with open(victim / "metrics.jsonl", "a") as f:
+        f.write('{"step": 99, "loss": 1.')  # a torn line, as a kill mid-write leaves it
     resumed = subprocess.run(_torchrun(victim, "--resume", "auto"), capture_output=True, text=True,
                              timeout=300, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step" in resumed.stdout, resumed.stdout  # not a fresh start
-    clean_rows, victim_rows = read_rows(tmp_path / "clean" / "metrics.jsonl"), read_rows(victim / "metrics.jsonl")
+    clean_rows = read_rows(tmp_path / "clean" / "metrics.jsonl")
+    victim_rows = [json.loads(line) for line in (victim / "metrics.jsonl").read_text().splitlines()]  # all valid JSON
     assert [r["step"] for r in victim_rows] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in victim_rows] == [r["loss"] for r in clean_rows]
     wc, wv = _final_weights(tmp_path / "clean"), _final_weights(victim)
@@ -226,21 +273,18 @@ def test_ddp_killed_at_random_moments_resumes_bit_exact(tmp_path):
 
 # ------------------------------------------------------------------ sharded checkpoints in the trainer
 
-def test_ddp_with_sharded_checkpoints_resumes_exactly(tmp_path):
+def test_ddp_with_sharded_checkpoints_resumes_exactly(two_ranks):
     """checkpoint.format = 'sharded': every rank writes its shards through DCP; a resume from the
-    step-6 checkpoint reproduces the uninterrupted run's steps 7-12."""
-    c = cfg("train.strategy='ddp'", "train.micro_batch=8", "checkpoint.save_every=6",
-            "checkpoint.format='sharded'", "model.dropout=0.1", steps=12)
-    first = run_ranks(rank_fns.train_rank_digest, 2, c, str(tmp_path), timeout=240)
-    rows = read_rows(tmp_path / "metrics.jsonl")
-    newest = tmp_path / "checkpoints" / "step_000000012"
+    step-6 checkpoint reproduces the uninterrupted run's steps 7-12 (both runs in the two_ranks
+    launch: rank_fns.set_aside_then_resume)."""
+    root, runs = two_ranks
+    tmp_path, first, again = root / "sharded", runs["sharded"], runs["sharded-resumed"]
+    rows = read_rows(tmp_path / "set-aside" / "metrics.jsonl")  # as the first run left them
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    newest = tmp_path / "set-aside" / "step_000000012"  # moved there before the resume
     manifest = json.loads((newest / "manifest.json").read_text())
     assert manifest["format"].endswith("dcp/1") and manifest["world_size"] == 2
     assert {"rank0.pt", "rank1.pt"} <= {p.name for p in newest.iterdir()}
-    import shutil
-
-    shutil.rmtree(newest)
-    again = run_ranks(rank_fns.resume_rank_digest, 2, c, str(tmp_path), timeout=240)
     assert [r["resumed_from"] for r in again] == [6, 6]
     assert [r["loss"] for r in read_rows(tmp_path / "metrics.jsonl")] == [r["loss"] for r in rows]
     assert again[0]["digest"] == again[1]["digest"] == first[0]["digest"]
@@ -249,23 +293,21 @@ def test_ddp_with_sharded_checkpoints_resumes_exactly(tmp_path):
 # ------------------------------------------------------------------ one host read per step
 
 # zero1 shares zero2's step (only the norm hook differs, and it makes no host read).
-@pytest.mark.parametrize("strategy", ["ddp", "ddp-scratch", "zero2", "fsdp-scratch", "fsdp"])
-def test_data_parallel_makes_one_host_read_per_step_on_every_rank(tmp_path, strategy):
-    c = cfg(f"train.strategy='{strategy}'", "train.micro_batch=8", "checkpoint.async_save=false", steps=10)
-    per_step = run_ranks(rank_fns.host_reads_on_rank, 2, c, str(tmp_path), timeout=240)
-    assert per_step == [1.0, 1.0], per_step
+def test_data_parallel_makes_one_host_read_per_step_on_every_rank(two_ranks):
+    """Every strategy in HOST_READ_STRATEGIES, 10 and 20 steps each, in the two_ranks launch."""
+    per_rank = two_ranks[1]["host_reads"]
+    per_step = {s: [r[s] for r in per_rank] for s in HOST_READ_STRATEGIES}
+    assert all(v == [1.0, 1.0] for v in per_step.values()), per_step
 
 
-def test_from_scratch_ddp_in_the_trainer_gives_torch_ddps_numbers(tmp_path):
+def test_from_scratch_ddp_in_the_trainer_gives_torch_ddps_numbers(two_ranks):
     """The learner's BucketedDDP behind the strategy interface: on 2 ranks the sums of two numbers
-    do not depend on the order, so the curves and the weights are identical to torch DDP's."""
-    runs = {}
-    for strategy in ("ddp", "ddp-scratch"):
-        c = cfg(f"train.strategy='{strategy}'", "train.micro_batch=8", "train.grad_accum=2", steps=12)
-        runs[strategy] = run_ranks(rank_fns.train_rank_digest, 2, c, str(tmp_path / strategy), timeout=240)
+    do not depend on the order, so the curves and the weights are identical to torch DDP's (both
+    runs in the two_ranks launch, 12 steps with grad_accum 2)."""
+    root, runs = two_ranks
     assert [r["digest"] for r in runs["ddp-scratch"]] == [r["digest"] for r in runs["ddp"]]
-    assert [r["loss"] for r in read_rows(tmp_path / "ddp-scratch" / "metrics.jsonl")] == \
-        [r["loss"] for r in read_rows(tmp_path / "ddp" / "metrics.jsonl")]
+    assert [r["loss"] for r in read_rows(root / "ddp-scratch" / "metrics.jsonl")] == \
+        [r["loss"] for r in read_rows(root / "ddp" / "metrics.jsonl")]
 
 
 def test_a_parallel_strategy_without_a_process_group_is_a_config_error(tmp_path, capsys):

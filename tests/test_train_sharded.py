@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import deepspeed_rank_fns as generic  # its refusals() runs any config expecting a ConfigError
 import sharded_train_rank_fns as fns
+from rank_fns import several
 from course_lib import train_config
 from course_lib.parallel import run_ranks
 from course_lib.train import train
@@ -48,29 +50,101 @@ def max_rel(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+def ws_cfg(steps, micro, strategy="fsdp"):
+    """The world-size test's runs: the global batch (12) kept, a constant schedule after warm-up
+    (the learning rate must not depend on where a run stops)."""
+    return cfg(train__max_steps=steps, train__micro_batch=micro, train__strategy=strategy,
+               schedule__kind="constant", checkpoint__async_save=False)
+
+
+MIXED = {"fsdp-bf16": dict(train__strategy="fsdp", train__precision="bf16"),
+         "fsdp-offload": dict(train__strategy="fsdp", parallel__cpu_offload=True),
+         "fsdp-scratch-bf16": dict(train__strategy="fsdp-scratch", train__precision="bf16")}
+FULL_FOR_ONE = ("zero2", "fsdp-scratch")  # scratch strategies whose full checkpoint one process resumes
+
+
 @pytest.fixture(scope="module")
-def fifty_steps(tmp_path_factory):
-    """Single process (micro-batch 16) and every sharded strategy on 2 ranks (micro-batch 8 each),
-    50 steps, fp32; fsdp also with reshard_after_forward = False."""
-    root = tmp_path_factory.mktemp("fifty")
-    single = train(cfg(train__max_steps=50, train__micro_batch=16), root / "single")
-    runs = [(cfg(train__max_steps=50, train__micro_batch=8, train__strategy=s), str(root / s), False)
-            for s in SHARDED]
-    runs.append((cfg(train__max_steps=50, train__micro_batch=8, train__strategy="fsdp",
-                     parallel__reshard_after_forward=False), str(root / "fsdp-zero2"), False))
+def launches(tmp_path_factory):
+    """Every multi-rank run of this module in three launches (a rank's first train() pays seconds
+    of imports; one start per launch, not per check), and the one-process references:
+
+    1. 2 ranks: every sharded strategy for 50 steps (fp32; the issue's loss match), fsdp with
+       reshard_after_forward = False for 12, every data-parallel strategy through injected
+       non-finite steps, the bf16/offload runs, zero2/fsdp-scratch runs whose full checkpoint one
+       process resumes, per strategy 8 steps saving at 4 and 8 (the resume test's first half),
+       fsdp 4 steps on the global batch (the world-size test's first run), the empty-shard
+       statistics; then "fsdp-killed": fsdp with checkpoint.async_save, rank 1 SIGKILLed in the
+       middle of the background write of step 8 (the launch fails there; its reports were saved
+       to a file first).
+    2. 3 ranks: the world-size run resumed from step 4 to 8.
+    3. 2 ranks: each resume test's copy (step-8 checkpoint removed) resumed from step 4, the killed
+       folder resumed as the kill left it, the world-size run shrunk back to 2 ranks (8 -> 12);
+       then the checkpoint-format refusals (format_cases, other_format_cases).
+    """
+    from course_lib.parallel import RankFailedError
+
+    root = tmp_path_factory.mktemp("sharded")
+    single = {"50": train(cfg(train__max_steps=50, train__micro_batch=16), root / "single"),
+              "12": train(cfg(train__micro_batch=16), root / "single-12")}
     train(cfg(train__max_steps=FAULT_STEPS, train__micro_batch=16), root / "single-faults", faults=FAULTS)
-    runs += [(cfg(train__max_steps=FAULT_STEPS, train__micro_batch=8, train__strategy=s), str(root / f"{s}-faults"),
-              False, FAULTS) for s in FAULTY]
-    out = run_ranks(fns.train_many_then_stats, 2, runs, timeout=600)
-    reports, stats = [r[0] for r in out], [r[1] for r in out]
-    names = SHARDED + ["fsdp-zero2"]
-    return root, single, {n: reports[0][i] for i, n in enumerate(names)}, stats
+    train(ws_cfg(12, 12, "single"), root / "ws-single")
+
+    named = {s: (cfg(train__max_steps=50, train__micro_batch=8, train__strategy=s), str(root / s), False)
+             for s in SHARDED}
+    named["fsdp-zero2"] = (cfg(train__micro_batch=8, train__strategy="fsdp", parallel__reshard_after_forward=False),
+                           str(root / "fsdp-zero2"), False)
+    named.update({f"{s}-faults": (cfg(train__max_steps=FAULT_STEPS, train__micro_batch=8, train__strategy=s),
+                                  str(root / f"{s}-faults"), False, FAULTS) for s in FAULTY})
+    named.update({n: (cfg(train__micro_batch=8, **sets), str(root / n), False) for n, sets in MIXED.items()})
+    named.update({f"{n}-full": (cfg(train__max_steps=6, train__micro_batch=8, train__strategy=n,
+                                    checkpoint__async_save=False), str(root / f"{n}-full"), False)
+                  for n in FULL_FOR_ONE})
+    confs = {n: cfg(train__max_steps=8, train__micro_batch=8, train__strategy=n, checkpoint__save_every=4,
+                    checkpoint__async_save=False) for n in SHARDED}
+    rroot = root / "resume"  # the resume test's folders (and the killed one) under one root
+    named.update({f"{n}-resume": (confs[n], str(rroot / n / "full"), False) for n in SHARDED})
+    named["ws-two"] = (ws_cfg(4, 6), str(root / "ws" / "two"), False)
+    async_conf = cfg(train__max_steps=8, train__micro_batch=8, train__strategy="fsdp", checkpoint__save_every=4,
+                     checkpoint__async_save=True)
+    killed, report = rroot / KILLED, root / "first-launch.pt"
+    with pytest.raises(RankFailedError) as died:
+        run_ranks(fns.train_many_stats_then_killed, 2, list(named.values()), str(report), async_conf, str(killed), 8,
+                  timeout=900)
+    first_reports, stats = torch.load(report, weights_only=False)
+    first = dict(zip(named, first_reports))
+    torn = sorted(p.name for p in (killed / "checkpoints").iterdir())
+    torn_files = sorted(f.name for d in (killed / "checkpoints").glob(".tmp-step_000000008-*") for f in d.iterdir())
+
+    three = root / "ws" / "three"
+    shutil.copytree(root / "ws" / "two", three)  # step 4 holds rank0.pt and rank1.pt only
+    grown = run_ranks(fns.train_many, 3, [(ws_cfg(8, 4), str(three), True)])[0][0]
+    back = root / "ws" / "back"
+    shutil.copytree(three, back)
+
+    for n in SHARDED:
+        shutil.copytree(rroot / n / "full", rroot / n / "cut")
+        shutil.rmtree(sorted((rroot / n / "cut" / "checkpoints").glob("step_*"))[-1])
+    runs = [(confs[n], str(rroot / n / "cut"), True) for n in SHARDED] + [(async_conf, str(killed), True)]
+    runs.append((ws_cfg(12, 6), str(back), True))
+    calls = [(fns.train_many, (runs,)), (generic.refusals, (format_cases(), str(root / "format-refusals"))),
+             (fns.resume_into_other_formats, (other_format_cases(), str(root / "other-formats")))]
+    third = run_ranks(several, 2, calls, timeout=600)
+    second = third[0][0]
+    return {"root": root, "single": single, "first": first, "stats": stats, "grown": grown,
+            "shrunk": second[-1], "second": dict(zip(SHARDED + [KILLED], second[:-1])),
+            "format_refusals": [r[1] for r in third], "other_formats": third[0][2],
+            "kill": {"rank": died.value.rank, "msg": str(died.value).splitlines()[0], "left": torn,
+                     "torn_files": torn_files}}
 
 
-@pytest.mark.parametrize("name", SHARDED + ["fsdp-zero2"])
-def test_fifty_steps_match_one_process(fifty_steps, name):
-    root, single, reports, _ = fifty_steps
-    rel = max_rel(losses(root / name), losses(root / "single"))
+@pytest.fixture(scope="module")
+def fifty_steps(launches):
+    """(root, the 50-step single-process result, {strategy: rank 0's report}, per-rank stats)."""
+    return launches["root"], launches["single"]["50"], launches["first"], launches["stats"]
+
+
+def assert_matches_one_process(root, single, reports, name, reference="single"):
+    rel = max_rel(losses(root / name), losses(root / reference))
     assert rel <= 1e-4, f"{name}: per-step losses differ from one process by up to {rel:.2e} (relative)"
     ref = {k: v.float() for k, v in single.model.state_dict().items()}
     got = reports[name]["weights"]
@@ -80,6 +154,19 @@ def test_fifty_steps_match_one_process(fifty_steps, name):
     diff = torch.cat([(got[k] - ref[k]).reshape(-1) for k in ref]).norm()
     rel_w = (diff / torch.cat([ref[k].reshape(-1) for k in ref]).norm()).item()
     assert rel_w <= 1e-4, f"{name}: final weights differ from one process by {rel_w:.2e} (relative L2)"
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_fifty_steps_match_one_process(fifty_steps, name):
+    root, single, reports, _ = fifty_steps
+    assert_matches_one_process(root, single, reports, name)
+
+
+def test_fsdp_without_resharding_after_forward_matches_one_process(launches):
+    """fsdp with reshard_after_forward = False (ZeRO-2-like: parameters stay gathered until the
+    backward): a variant of fsdp's 50-step match above, 12 steps against the 12-step reference."""
+    assert_matches_one_process(launches["root"], launches["single"]["12"], launches["first"], "fsdp-zero2",
+                               reference="single-12")
 
 
 def bundle(out, step, rank):
@@ -129,33 +216,12 @@ def test_bundle_statistics_cover_empty_fsdp_shards(fifty_steps):
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    """Per strategy: 8 steps saving at 4 and 8; then a copy with the step-8 checkpoint removed is
-    resumed from step 4. Two launches in all (every strategy in each). The first launch ends
-    with "fsdp-killed": fsdp with checkpoint.async_save, rank 1 SIGKILLed in the middle of the
-    background write of step 8 (the launch fails there, its reports were saved to a file first);
-    the second launch resumes that folder as the kill left it."""
-    from course_lib.parallel import RankFailedError
-
-    root = tmp_path_factory.mktemp("resume")
-    confs = {n: cfg(train__max_steps=8, train__micro_batch=8, train__strategy=n, checkpoint__save_every=4,
-                    checkpoint__async_save=False) for n in SHARDED}
-    async_conf = cfg(train__max_steps=8, train__micro_batch=8, train__strategy="fsdp", checkpoint__save_every=4,
-                     checkpoint__async_save=True)
-    killed, report = root / KILLED, root / "first-launch.pt"
-    with pytest.raises(RankFailedError) as died:
-        run_ranks(fns.train_many_then_killed, 2, [(confs[n], str(root / n / "full"), False) for n in SHARDED],
-                  str(report), async_conf, str(killed), 8)
-    first = torch.load(report, weights_only=False)
-    torn = sorted(p.name for p in (killed / "checkpoints").iterdir())
-    torn_files = sorted(f.name for d in (killed / "checkpoints").glob(".tmp-step_000000008-*") for f in d.iterdir())
-    for n in SHARDED:
-        shutil.copytree(root / n / "full", root / n / "cut")
-        shutil.rmtree(sorted((root / n / "cut" / "checkpoints").glob("step_*"))[-1])
-    runs = [(confs[n], str(root / n / "cut"), True) for n in SHARDED] + [(async_conf, str(killed), True)]
-    second = run_ranks(fns.train_many, 2, runs)[0]
-    return (root, dict(zip(SHARDED, first)), dict(zip(SHARDED + [KILLED], second)),
-            {"rank": died.value.rank, "msg": str(died.value).splitlines()[0], "left": torn, "torn_files": torn_files})
+def resumed(launches):
+    """(root, first-launch reports by strategy, second-launch reports by strategy and KILLED, the
+    kill): per strategy 8 steps saving at 4 and 8, then a copy with the step-8 checkpoint removed
+    resumed from step 4; "fsdp-killed" resumed from the folder the kill left (see launches)."""
+    first = {n: launches["first"][f"{n}-resume"] for n in SHARDED}
+    return launches["root"] / "resume", first, launches["second"], launches["kill"]
 
 
 @pytest.mark.parametrize("name", SHARDED)
@@ -196,34 +262,24 @@ def test_async_sharded_saves_are_bit_exact_to_sync_ones(resumed):
         assert torch.equal(second[KILLED]["weights"][k], v), f"async, killed and resumed: {k} differs from the sync run"
 
 
-def test_fsdp_checkpoint_moves_between_world_sizes_and_into_a_plain_model(tmp_path):
+def test_fsdp_checkpoint_moves_between_world_sizes_and_into_a_plain_model(launches):
     """FSDP2 with the global batch (12) kept throughout: 4 steps on 2 ranks (the checkpoint then
     consolidated into a plain single-process TinyGPT), resumed for 4 on 3 ranks (rank 2 saved no
     state of its own: it must take the data position the order implies, not batch 0), then for 4
     on 2 ranks again (shrunk, resharded by DCP). Every logged loss matches one process on the same
     batches; a rank that replays data is ~1e-2 off. A constant schedule after warm-up, so that the
-    learning rate does not depend on where a run stops."""
+    learning rate does not depend on where a run stops (ws_cfg; the runs are in ``launches``)."""
     from course_lib.checkpoint.dcp import consolidate_sharded
     from course_lib.model import TinyGPT
 
-    def run(steps, micro, strategy="fsdp"):
-        return cfg(train__max_steps=steps, train__micro_batch=micro, train__strategy=strategy,
-                   schedule__kind="constant", checkpoint__async_save=False)
-
-    single = tmp_path / "single"
-    train(run(12, 12, "single"), single)
-    ref = losses(single)
-
-    two = tmp_path / "two"
-    saved = run_ranks(fns.train_many, 2, [(run(4, 6), str(two), False)])[0][0]
-    plain = TinyGPT(train_config.build_model_config(run(4, 6)))
+    ref = losses(launches["root"] / "ws-single")
+    two, saved = launches["root"] / "ws" / "two", launches["first"]["ws-two"]
+    plain = TinyGPT(train_config.build_model_config(ws_cfg(4, 6)))
     plain.load_state_dict(consolidate_sharded(two / "checkpoints" / "step_000000004"), strict=True)
     for k, v in plain.state_dict().items():
         assert torch.equal(v, saved["weights"][k]), f"consolidated {k} differs from the trained weights"
 
-    three = tmp_path / "three"
-    shutil.copytree(two, three)  # step 4 holds rank0.pt and rank1.pt only
-    grown = run_ranks(fns.train_many, 3, [(run(8, 4), str(three), True)])[0][0]
+    three, grown = launches["root"] / "ws" / "three", launches["grown"]
     assert grown["resumed_from"] == 4 and grown["steps"] == 8
     step8 = three / "checkpoints" / "step_000000008"
     seen = [torch.load(step8 / f"rank{r}.pt", weights_only=True)["per_rank"]["data"]["samples_seen"]
@@ -232,44 +288,36 @@ def test_fsdp_checkpoint_moves_between_world_sizes_and_into_a_plain_model(tmp_pa
     rel = max_rel(losses(three), ref[:8])
     assert rel <= 1e-4, f"2 -> 3 ranks: losses differ from one process by up to {rel:.2e} (relative)"
 
-    back = tmp_path / "back"
-    shutil.copytree(three, back)
-    shrunk = run_ranks(fns.train_many, 2, [(run(12, 6), str(back), True)])[0][0]
+    back, shrunk = launches["root"] / "ws" / "back", launches["shrunk"]
     assert shrunk["resumed_from"] == 8 and shrunk["steps"] == 12
     rel = max_rel(losses(back), ref)
     assert rel <= 1e-4, f"2 -> 3 -> 2 ranks: losses differ from one process by up to {rel:.2e} (relative)"
 
 
-def test_full_checkpoint_of_sharded_scratch_strategies_loads_in_one_process(tmp_path):
-    """zero2 and fsdp-scratch save the unsharded layout: a single-process run resumes from it."""
-    for name in ("zero2", "fsdp-scratch"):
-        out = tmp_path / name
-        c = cfg(train__max_steps=6, train__micro_batch=8, train__strategy=name, checkpoint__async_save=False)
-        saved = run_ranks(fns.train_many, 2, [(c, str(out), False)])[0][0]
+def test_full_checkpoint_of_sharded_scratch_strategies_loads_in_one_process(launches):
+    """zero2 and fsdp-scratch save the unsharded layout: a single-process run resumes from it
+    (the 2-rank runs of 6 steps are in ``launches``)."""
+    for name in FULL_FOR_ONE:
+        out = launches["root"] / f"{name}-full"
+        assert launches["first"][f"{name}-full"]["steps"] == 6
         result = train(cfg(train__max_steps=8, train__micro_batch=16, checkpoint__async_save=False), out,
                        resume=True)
         assert result.resumed_from == 6 and result.steps == 8
         assert torch.isfinite(torch.tensor(losses(out))).all()
-        del saved
 
 
-def test_mixed_precision_and_offload_track_one_process(tmp_path):
+def test_mixed_precision_and_offload_track_one_process(launches):
     """fsdp with bf16 (MixedPrecisionPolicy) and with cpu_offload, fsdp-scratch with bf16
     compute: 12 steps next to the fp32 single-process curve. bf16 rounds every matmul input, so
     the bar is 2% (fp32 runs are held to 1e-4 above); offload changes where, not what, so it is
     held to the fp32 bar."""
-    single = tmp_path / "single"
-    train(cfg(train__micro_batch=16), single)
-    runs = {"fsdp-bf16": cfg(train__micro_batch=8, train__strategy="fsdp", train__precision="bf16"),
-            "fsdp-offload": cfg(train__micro_batch=8, train__strategy="fsdp", parallel__cpu_offload=True),
-            "fsdp-scratch-bf16": cfg(train__micro_batch=8, train__strategy="fsdp-scratch", train__precision="bf16")}
-    run_ranks(fns.train_many, 2, [(c, str(tmp_path / n), False) for n, c in runs.items()], timeout=600)
-    ref = losses(single)
-    assert max_rel(losses(tmp_path / "fsdp-offload"), ref) <= 1e-4
+    root = launches["root"]
+    ref = losses(root / "single-12")
+    assert max_rel(losses(root / "fsdp-offload"), ref) <= 1e-4
     for name in ("fsdp-bf16", "fsdp-scratch-bf16"):
-        rel = max_rel(losses(tmp_path / name), ref)
+        rel = max_rel(losses(root / name), ref)
         assert rel <= 0.02, f"{name}: bf16 curve off the fp32 one by {rel:.2%}"
-        assert losses(tmp_path / name)[-1] < ref[0] - 0.5, f"{name}: the loss did not fall"
+        assert losses(root / name)[-1] < ref[0] - 0.5, f"{name}: the loss did not fall"
 
 
 def test_fsdp_needs_blocks_to_shard():
@@ -277,35 +325,48 @@ def test_fsdp_needs_blocks_to_shard():
     assert message.startswith("ConfigError") and "blocks" in message and "train.strategy" in message, message
 
 
-def test_a_checkpoint_format_the_strategy_cannot_hold_is_refused(tmp_path):
-    """zero2/fsdp-scratch keep non-DTensor shards (full files only); FSDP2 keeps DTensors (DCP only)."""
-    import deepspeed_rank_fns as generic  # its refusals() runs any config expecting a ConfigError
+def format_cases():
+    """zero2/fsdp-scratch keep non-DTensor shards (full files only); FSDP2 keeps DTensors (DCP only):
+    each asked for the other format, for ``deepspeed_rank_fns.refusals`` (any config expecting a
+    ConfigError)."""
+    return [("zero2", cfg(train__micro_batch=8, train__strategy="zero2", checkpoint__format="sharded")),
+            ("fsdp-scratch", cfg(train__micro_batch=8, train__strategy="fsdp-scratch", checkpoint__format="sharded")),
+            ("fsdp", cfg(train__micro_batch=8, train__strategy="fsdp", checkpoint__format="full"))]
 
-    cases = [("zero2", cfg(train__micro_batch=8, train__strategy="zero2", checkpoint__format="sharded")),
-             ("fsdp-scratch", cfg(train__micro_batch=8, train__strategy="fsdp-scratch", checkpoint__format="sharded")),
-             ("fsdp", cfg(train__micro_batch=8, train__strategy="fsdp", checkpoint__format="full"))]
-    for rank_out in run_ranks(generic.refusals, 2, cases, str(tmp_path)):
+
+def test_a_checkpoint_format_the_strategy_cannot_hold_is_refused(launches):
+    """zero2/fsdp-scratch keep non-DTensor shards (full files only); FSDP2 keeps DTensors (DCP only).
+    The runs are in the third of ``launches``."""
+    for rank_out in launches["format_refusals"]:
+        assert set(rank_out) == {"zero2", "fsdp-scratch", "fsdp"}, rank_out
         for name, (message, exists) in rank_out.items():
             assert message and "checkpoint.format" in message and name in message, (name, message)
             assert not exists, f"{name}: the run folder was created before the refusal"
 
 
-def test_resume_auto_refuses_checkpoints_of_another_format(tmp_path):
-    """``--resume auto`` beside checkpoints this run's format cannot read (ddp -> fsdp: full files,
-    DCP expected; fsdp -> zero2: the reverse; a newer ddp run beside older fsdp checkpoints) is a
-    ConfigError naming each checkpoint and its format, raised before anything is written: no
-    fresh start from step 0, metrics.jsonl and the step folders untouched. The CLI says so with
-    exit code 2 (in one process: single beside fsdp's checkpoints)."""
-    from course_lib.train import main
-
+def other_format_cases():
+    """``(name, runs that fill the folder, the config resumed beside them)`` for
+    ``fns.resume_into_other_formats``."""
     def c(strategy, steps=2):
         return cfg(train__max_steps=steps, train__micro_batch=8, train__strategy=strategy, schedule__warmup_steps=1,
                    checkpoint__save_every=2, checkpoint__async_save=False)
 
-    cases = [("ddp-fsdp", [(c("ddp"), False)], c("fsdp", 4)),
-             ("fsdp-zero2", [(c("fsdp"), False)], c("zero2", 4)),
-             ("newer-ddp", [(c("fsdp"), False), (c("ddp", 4), False)], c("fsdp", 6))]
-    [out, _] = run_ranks(fns.resume_into_other_formats, 2, cases, str(tmp_path))
+    return [("ddp-fsdp", [(c("ddp"), False)], c("fsdp", 4)),
+            ("fsdp-zero2", [(c("fsdp"), False)], c("zero2", 4)),
+            ("newer-ddp", [(c("fsdp"), False), (c("ddp", 4), False)], c("fsdp", 6))]
+
+
+def test_resume_auto_refuses_checkpoints_of_another_format(launches):
+    """``--resume auto`` beside checkpoints this run's format cannot read (ddp -> fsdp: full files,
+    DCP expected; fsdp -> zero2: the reverse; a newer ddp run beside older fsdp checkpoints) is a
+    ConfigError naming each checkpoint and its format, raised before anything is written: no
+    fresh start from step 0, metrics.jsonl and the step folders untouched (the runs are in the third
+    of ``launches``). The CLI says so with exit code 2 (in one process: single beside fsdp's
+    checkpoints)."""
+    from course_lib.train import main
+
+    out, tmp_path = launches["other_formats"], launches["root"] / "other-formats"
+    assert set(out) == {"ddp-fsdp", "fsdp-zero2", "newer-ddp"}, out
     want = {"ddp-fsdp": ("sharded (DCP)", "full, step 2"),
             "fsdp-zero2": ("full", "sharded (DCP), step 2, 2 ranks"),
             "newer-ddp": ("saved after", "full, step 4")}
