@@ -59,8 +59,103 @@ def explicit_mesh(rank, world_size, cfg):
             "dp": (strategy.dp_rank, strategy.dp_size)}
 
 
-def refusals_then_train(rank, world_size, cases, root, runs, mesh_cfg):
-    """:func:`refusals`, :func:`explicit_mesh`, then :func:`train_many`, in one launch (starting 4
-    ranks is the slow part)."""
+def refusals_then_train(rank, world_size, cases, root, runs, mesh_cfg, count_reads=()):
+    """:func:`refusals`, :func:`explicit_mesh`, then :func:`train_then_resume` (every fresh run,
+    every resume, the host reads of ``count_reads``), in one launch (starting 4 ranks is the slow
+    part)."""
     return {"refusals": refusals(rank, world_size, cases, root), "mesh": explicit_mesh(rank, world_size, mesh_cfg),
-            "runs": train_many(rank, world_size, runs)}
+            **train_then_resume(rank, world_size, runs, count_reads)}
+
+
+def copy_without_newest(src: str, dst: str) -> None:
+    """Rank 0 copies the run folder ``src`` to ``dst`` without its newest checkpoint (a resume of
+    ``dst`` then starts from the one before); every rank waits for the copy. Call it after the run
+    in ``src`` returned (its saves, async ones included, are complete by then)."""
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        shutil.copytree(src, dst)
+        shutil.rmtree(sorted((Path(dst) / "checkpoints").glob("step_*"))[-1])
+    dist.barrier()
+
+
+def resume_counting_reads(cfg: dict, cut: str, start: int, resume=None):
+    """Resume ``cut`` (a run folder whose newest checkpoint is at step ``start``) to
+    ``cfg["train"]["max_steps"]``, and count this rank's host reads per optimizer step on the way
+    (tests/host_reads.py): a copy of ``cut`` is first resumed for half the tail, so the two resumes
+    differ by exactly half the tail's steps (set-up, the checkpoint load and the final save cancel,
+    as in ``host_reads.reads_per_step``). The bit-exact resume and the host-read count then share
+    the same steps. ``resume(cfg, out)``: how a run is resumed (default: ``train(cfg, out,
+    resume=True)``). Returns ``(the full resume's TrainResult, reads per step)``."""
+    import course_lib.train as train_mod
+    from host_reads import count_host_reads
+
+    tail = cfg["train"]["max_steps"] - start
+    assert tail >= 2 and tail % 2 == 0, f"the resume tail ({tail} steps) must split in two equal halves"
+    half = tail // 2
+    resume = resume or (lambda c, out: train_mod.train(c, out, resume=True))
+    copy = cut + "-reads"
+    import shutil
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        shutil.copytree(cut, copy)
+    dist.barrier()
+    short = {**cfg, "train": {**cfg["train"], "max_steps": start + half}}
+    peak = train_mod._peak_flops
+    train_mod._peak_flops = lambda cfg, device: 1e12  # set-up only; keeps the count to the loop
+    try:
+        with count_host_reads() as counts:
+            resume(short, copy)
+            n_short, counts["n"] = counts["n"], 0
+            result = resume(cfg, cut)
+            n_full = counts["n"]
+    finally:
+        train_mod._peak_flops = peak
+    return result, (n_full - n_short) / half
+
+
+def weights_entry(rank: int, result) -> dict:
+    """:func:`train_many`'s per-run report of a TrainResult (a collective: every rank calls it)."""
+    full = result.strategy.full_weights()
+    mesh = getattr(result.strategy, "mesh", None)
+    return {"steps": result.steps, "resumed_from": result.resumed_from,
+            "coords": mesh.coords if mesh is not None else None,
+            "weights": {k: v.float().cpu().clone() for k, v in full.items()} if rank == 0 else None}
+
+
+def train_then_resume(rank, world_size, runs, count_reads=(), entry=None):
+    """Every fresh run, then every resume, in ONE launch (starting 4 ranks and the first train()
+    in each process are the slow part). ``runs``: ``(cfg, out_dir)`` pairs, each trained fresh
+    into ``out_dir + "/full"``; then ``full`` is copied to ``cut`` without its newest checkpoint and
+    resumed with the same cfg. The resumes of the runs whose index is in ``count_reads`` also count
+    the host reads per step (:func:`resume_counting_reads`). Returns ``{"first": [...], "second":
+    [...], "reads": {index: reads per step}}`` with :func:`train_many`'s entries, or what
+    ``entry(rank, result)`` reports of each run."""
+    from course_lib.train import train
+
+    entry = entry or weights_entry
+    first = []
+    for cfg, out in runs:
+        first.append(entry(rank, train(cfg, out + "/full")))
+    second, reads = [], {}
+    for i, (cfg, out) in enumerate(runs):
+        copy_without_newest(out + "/full", out + "/cut")
+        if i in count_reads:
+            start = checkpoint_steps(out + "/cut")[-1]
+            result, reads[i] = resume_counting_reads(cfg, out + "/cut", start)
+        else:
+            result = train(cfg, out + "/cut", resume=True)
+        second.append(entry(rank, result))
+    return {"first": first, "second": second, "reads": reads}
+
+
+def checkpoint_steps(run_dir: str) -> list[int]:
+    """The steps of the checkpoints under ``run_dir/checkpoints``, oldest first."""
+    from pathlib import Path
+
+    return sorted(int(p.name.split("_")[1].split(".")[0]) for p in (Path(run_dir) / "checkpoints").glob("step_*"))
