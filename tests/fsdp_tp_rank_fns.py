@@ -76,10 +76,10 @@ def fresh_then_loads(rank, world_size, fresh, short, to_fsdp, faulty=None, cp_ru
     """Every 4-rank run of the test in one launch (starting ranks and each process's first train()
     are the slow part):
 
-    1. ``fresh = (cfg, out)``: fsdp x tp trains; its final state, coordinates and byte census;
+    1. ``fresh = (cfg, out)``: fsdp x tp trains, its host reads per step counted on the way
+       (model_parallel_rank_fns.train_counting_reads); its final state, coordinates and byte census;
     2. ``short``: more ``(name, cfg, out)`` runs (sequence parallel, bf16): their final weights;
-    3. the resume: a copy of ``out`` without its newest checkpoint, resumed with the same cfg, its
-       host reads per step counted on the way (model_parallel_rank_fns.resume_counting_reads);
+    3. the resume: a copy of ``out`` without its newest checkpoint, resumed with the same cfg;
     4. the cross-layout chain, ``to_fsdp = (cfg_load, cfg_more, out)``: plain FSDP2 on 4 ranks
        loads the fsdp x tp checkpoint (``cfg_load``: max_steps = the saved step, trains nothing),
        then trains on from it and saves (``cfg_more``).
@@ -87,15 +87,15 @@ def fresh_then_loads(rank, world_size, fresh, short, to_fsdp, faulty=None, cp_ru
        resumed with injected faults (skip, roll-back): the spike detector's window comes from the
        checkpoint, so the faults can sit in the last steps;
     6. :func:`device_mesh_matches_kit_mesh`;
-    7. ``cp_run = (cfg, out)``: fsdp x cp trains, then resumes from the checkpoint before its last
-       (bit-exact), counting its host reads per step on the way.
+    7. ``cp_run = (cfg, out)``: fsdp x cp trains, counting its host reads per step on the way, then
+       resumes from the checkpoint before its last (bit-exact).
     Returns a dict per rank (states on rank 0 only)."""
     import course_lib.train as train_mod
-    from model_parallel_rank_fns import checkpoint_steps, copy_without_newest, resume_counting_reads
+    from model_parallel_rank_fns import copy_without_newest, train_counting_reads
 
     cfg, out = fresh
-    res = train_mod.train(cfg, out)
-    report = {"coords": res.strategy.coords, "dp": (res.strategy.dp_rank, res.strategy.dp_size),
+    res, reads = train_counting_reads(cfg, out)
+    report = {"host_reads_per_step": reads, "coords": res.strategy.coords, "dp": (res.strategy.dp_rank, res.strategy.dp_size),
               "strategy": type(res.strategy).__name__, "fresh": full_state(res.strategy),
               "census": census_after_backward(res.strategy, cfg["data"]["vocab_size"],
                                               cfg["train"]["micro_batch"], cfg["data"]["seq_len"])}
@@ -106,7 +106,7 @@ def fresh_then_loads(rank, world_size, fresh, short, to_fsdp, faulty=None, cp_ru
 
     cut = out + "-cut"
     copy_without_newest(out, cut)
-    res, report["host_reads_per_step"] = resume_counting_reads(cfg, cut, checkpoint_steps(cut)[-1])
+    res = train_mod.train(cfg, cut, resume=True)
     report["resume"] = {"resumed_from": res.resumed_from, "steps": res.steps, "state": full_state(res.strategy)}
 
     cfg_load, cfg_more, out4 = to_fsdp
@@ -125,11 +125,11 @@ def fresh_then_loads(rank, world_size, fresh, short, to_fsdp, faulty=None, cp_ru
     report["meshes"] = device_mesh_matches_kit_mesh(rank, world_size)
     if cp_run is not None:
         c, o = cp_run
-        res = train_mod.train(c, o)
+        res, reads = train_counting_reads(c, o)
         fresh_cp = {"coords": res.strategy.coords, "strategy": type(res.strategy).__name__,
                     "state": full_state(res.strategy)}
         copy_without_newest(o, o + "-cut")
-        res, reads = resume_counting_reads(c, o + "-cut", checkpoint_steps(o + "-cut")[-1])
+        res = train_mod.train(c, o + "-cut", resume=True)
         report["cp"] = {"fresh": fresh_cp, "resumed_from": res.resumed_from, "steps": res.steps,
                         "resumed": full_state(res.strategy), "host_reads_per_step": reads}
     return report

@@ -82,41 +82,28 @@ def copy_without_newest(src: str, dst: str) -> None:
     dist.barrier()
 
 
-def resume_counting_reads(cfg: dict, cut: str, start: int, resume=None):
-    """Resume ``cut`` (a run folder whose newest checkpoint is at step ``start``) to
-    ``cfg["train"]["max_steps"]``, and count this rank's host reads per optimizer step on the way
-    (tests/host_reads.py): a copy of ``cut`` is first resumed for half the tail, so the two resumes
-    differ by exactly half the tail's steps (set-up, the checkpoint load and the final save cancel,
-    as in ``host_reads.reads_per_step``). The bit-exact resume and the host-read count then share
-    the same steps. ``resume(cfg, out)``: how a run is resumed (default: ``train(cfg, out,
-    resume=True)``). Returns ``(the full resume's TrainResult, reads per step)``."""
+def train_counting_reads(cfg: dict, out: str):
+    """Train ``cfg`` fresh into ``out`` and count this rank's host reads per optimizer step on the
+    way (tests/host_reads.reads_between_rows: the reads between consecutive metrics rows), so the
+    run a test needs anyway is the counted one: no extra steps. Returns ``(TrainResult, {step:
+    reads})`` for every step from 2 on (step 1 also holds the set-up's reads) but those that
+    follow a checkpoint save (``checkpoint.save_every``), and with ``checkpoint.async_save`` none
+    after the first save (its thread runs on into later steps): saves are counted in the
+    checkpoint tests, not as a step's reads."""
     import course_lib.train as train_mod
-    from host_reads import count_host_reads
+    from host_reads import reads_between_rows
 
-    tail = cfg["train"]["max_steps"] - start
-    assert tail >= 2 and tail % 2 == 0, f"the resume tail ({tail} steps) must split in two equal halves"
-    half = tail // 2
-    resume = resume or (lambda c, out: train_mod.train(c, out, resume=True))
-    copy = cut + "-reads"
-    import shutil
-
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:
-        shutil.copytree(cut, copy)
-    dist.barrier()
-    short = {**cfg, "train": {**cfg["train"], "max_steps": start + half}}
+    steps, every = cfg["train"]["max_steps"], cfg["checkpoint"]["save_every"]
+    saves = set(range(every, steps, every)) if every else set()
+    last = min(saves, default=steps) if cfg["checkpoint"]["async_save"] else steps
     peak = train_mod._peak_flops
     train_mod._peak_flops = lambda cfg, device: 1e12  # set-up only; keeps the count to the loop
+    box = {}
     try:
-        with count_host_reads() as counts:
-            resume(short, copy)
-            n_short, counts["n"] = counts["n"], 0
-            result = resume(cfg, cut)
-            n_full = counts["n"]
+        per_step = reads_between_rows(lambda: box.setdefault("result", train_mod.train(cfg, out)))
     finally:
         train_mod._peak_flops = peak
-    return result, (n_full - n_short) / half
+    return box["result"], {s: n for s, n in per_step.items() if s - 1 not in saves and s <= last}
 
 
 def weights_entry(rank: int, result) -> dict:
@@ -132,30 +119,23 @@ def train_then_resume(rank, world_size, runs, count_reads=(), entry=None):
     """Every fresh run, then every resume, in ONE launch (starting 4 ranks and the first train()
     in each process are the slow part). ``runs``: ``(cfg, out_dir)`` pairs, each trained fresh
     into ``out_dir + "/full"``; then ``full`` is copied to ``cut`` without its newest checkpoint and
-    resumed with the same cfg. The resumes of the runs whose index is in ``count_reads`` also count
-    the host reads per step (:func:`resume_counting_reads`). Returns ``{"first": [...], "second":
-    [...], "reads": {index: reads per step}}`` with :func:`train_many`'s entries, or what
+    resumed with the same cfg. The fresh runs whose index is in ``count_reads`` also count the
+    host reads per step (:func:`train_counting_reads`). Returns ``{"first": [...], "second":
+    [...], "reads": {index: {step: reads}}}`` with :func:`train_many`'s entries, or what
     ``entry(rank, result)`` reports of each run."""
     from course_lib.train import train
 
     entry = entry or weights_entry
-    first = []
-    for cfg, out in runs:
-        first.append(entry(rank, train(cfg, out + "/full")))
-    second, reads = [], {}
+    first, reads = [], {}
     for i, (cfg, out) in enumerate(runs):
-        copy_without_newest(out + "/full", out + "/cut")
         if i in count_reads:
-            start = checkpoint_steps(out + "/cut")[-1]
-            result, reads[i] = resume_counting_reads(cfg, out + "/cut", start)
+            result, reads[i] = train_counting_reads(cfg, out + "/full")
         else:
-            result = train(cfg, out + "/cut", resume=True)
-        second.append(entry(rank, result))
+            result = train(cfg, out + "/full")
+        first.append(entry(rank, result))
+    second = []
+    for cfg, out in runs:
+        copy_without_newest(out + "/full", out + "/cut")
+        second.append(entry(rank, train(cfg, out + "/cut", resume=True)))
     return {"first": first, "second": second, "reads": reads}
 
-
-def checkpoint_steps(run_dir: str) -> list[int]:
-    """The steps of the checkpoints under ``run_dir/checkpoints``, oldest first."""
-    from pathlib import Path
-
-    return sorted(int(p.name.split("_")[1].split(".")[0]) for p in (Path(run_dir) / "checkpoints").glob("step_*"))

@@ -8,12 +8,12 @@ parallelism; bf16 within the tolerance stated below), the rank layout (tp innerm
 course_lib.parallel.mesh numbers it), a bit-exact resume from a sharded (DCP) checkpoint 4 steps
 before the end, the cross-layout chain fsdp x tp 2x2 -> plain fsdp on 4 ranks -> one process
 (weights and AdamW state equal), model-state bytes per rank equal to
-``course_lib.estimate.model_state_bytes``, one host read per step (counted over the resume's last
-steps), a skipped step and a roll-back in the resumed tail; the same match, resume and host-read
+``course_lib.estimate.model_state_bytes``, one host read per step (counted step by step in the
+fresh run), a skipped step and a roll-back in the resumed tail; the same match, resume and host-read
 count for fsdp x cp 2x2.
 
-Launches: one of 4 ranks runs everything in sequence (fresh runs, resumes with their host-read
-count, fsdp 4 loads and trains on, the faults), one of 1 rank loads the sharded checkpoints into
+Launches: one of 4 ranks runs everything in sequence (fresh runs with their host-read count,
+resumes, fsdp 4 loads and trains on, the faults), one of 1 rank loads the sharded checkpoints into
 ``single`` (a sharded load needs a process group).
 """
 from __future__ import annotations
@@ -217,8 +217,9 @@ def test_model_state_bytes_equal_the_estimate(runs):
 
 
 def test_one_host_read_per_step(runs):
-    """Counted over the resume's last 2 steps (model_parallel_rank_fns.resume_counting_reads)."""
-    assert [r["host_reads_per_step"] for r in runs["four"]] == [1.0] * 4
+    """Counted step by step over the fresh run, steps 2 .. EVERY (before its first save;
+    model_parallel_rank_fns.train_counting_reads)."""
+    assert [r["host_reads_per_step"] for r in runs["four"]] == [{s: 1 for s in range(2, EVERY + 1)}] * 4
 
 
 def test_estimator_tp_split():
@@ -252,4 +253,4 @@ def test_fsdp_with_context_parallelism_matches_one_process_and_resumes(runs):
     assert_matches_one_process("fsdp x cp", got, ref)  # losses, gradient norms and clipping decisions
     assert cp["resumed_from"] == EVERY and cp["steps"] == STEPS
     assert_states_equal(cp["resumed"], cp["fresh"]["state"], "resumed fsdp x cp")
-    assert [r["cp"]["host_reads_per_step"] for r in runs["four"]] == [1.0] * 4
+    assert [r["cp"]["host_reads_per_step"] for r in runs["four"]] == [{s: 1 for s in range(2, EVERY + 1)}] * 4

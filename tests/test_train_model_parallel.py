@@ -13,8 +13,8 @@ test_train_zero_model_parallel.py (zero2 x tp), 1F1B pp 2 x dp 2 in test_train_p
 (the explicit split) and test_train_zero_model_parallel.py (zero1 x pp).
 
 One launch of 4 ranks (starting ranks and each process's first train() are the slow part): the
-world-size refusals, the fresh runs, then every resume; tp2 x pp2's resume also counts the host
-reads per step. pp2 x dp2 1F1B (even split) is proven by the layouts named above and runs only
+world-size refusals, the fresh runs (tp2 x pp2's counting its host reads per step), then every
+resume. pp2 x dp2 1F1B (even split) is proven by the layouts named above and runs only
 with ``-m slow``.
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def runs(tmp_path_factory):
     refusals = [(n, cfg(train__micro_batch=4, train__strategy="ddp", **sets)) for n, sets in REFUSED_AT_START]
     jobs = [(layout_cfg(n), str(root / n)) for n in DEFAULT]
     mesh_cfg = cfg(train__micro_batch=4, train__strategy="ddp", parallel__tp=2, parallel__pp=2)
-    # the fresh runs, then each resume from the checkpoint before the last; tp2 x pp2's also counts host reads
+    # the fresh runs (tp2 x pp2's counting host reads), then each resume from the checkpoint before the last
     out = run_ranks(fns.refusals_then_train, 4, refusals, str(root / "refused"), jobs, mesh_cfg,
                     [DEFAULT.index("tp2-pp2")], timeout=600)
     return {"root": root, "single": single, "refusals": [r["refusals"] for r in out],
@@ -231,5 +231,7 @@ def test_mesh_layout_and_drawing():
 def test_tp_and_pp_keep_one_host_read_per_step(runs):
     """tp2 x pp2 on 4 ranks: the vocab-parallel loss and the pipeline add no host read to the
     stabilizer's one per step (the targets' range is checked once, at start-up, not per micro-batch).
-    Counted over the resume's last 2 steps (model_parallel_rank_fns.resume_counting_reads)."""
-    assert runs["reads"] == [1.0] * 4, runs["reads"]
+    Counted step by step in the fresh run: every step from 2 on but the one after its save
+    (model_parallel_rank_fns.train_counting_reads)."""
+    steps = LAYOUTS["tp2-pp2"][0]
+    assert runs["reads"] == [{s: 1 for s in range(2, steps + 1) if s != every(steps) + 1}] * 4, runs["reads"]

@@ -39,19 +39,21 @@ def train_census_faults_resume(rank, world_size, runs, census_cfgs, faulty):
     """One launch (starting 4 ranks and each process's first train() are the slow part): the
     trainer runs ``(cfg, out)`` into ``out/full``, each census, the runs with injected faults
     (``faulty``: model_parallel_rank_fns.train_many's ``(cfg, out, resume, faults)``), then each
-    resume of ``out/cut`` (``out/full`` without its newest checkpoint), counting the host reads per
-    step on the way (model_parallel_rank_fns.resume_counting_reads)."""
+    resume of ``out/cut`` (``out/full`` without its newest checkpoint). The fresh runs count the
+    host reads per step on the way (model_parallel_rank_fns.train_counting_reads)."""
     import model_parallel_rank_fns as mp
 
     from course_lib.train import train
 
-    first = [mp.weights_entry(rank, train(cfg, out + "/full")) for cfg, out in runs]
+    first, reads = [], []
+    for cfg, out in runs:
+        result, per_step = mp.train_counting_reads(cfg, out + "/full")
+        first.append(mp.weights_entry(rank, result))
+        reads.append(per_step)
     census_out = [census(rank, world_size, c) for c in census_cfgs]
     faults_out = mp.train_many(rank, world_size, faulty)
-    second, reads = [], []
+    second = []
     for cfg, out in runs:
         mp.copy_without_newest(out + "/full", out + "/cut")
-        result, per_step = mp.resume_counting_reads(cfg, out + "/cut", mp.checkpoint_steps(out + "/cut")[-1])
-        second.append(mp.weights_entry(rank, result))
-        reads.append(per_step)
+        second.append(mp.weights_entry(rank, train(cfg, out + "/cut", resume=True)))
     return {"runs": first, "census": census_out, "faults": faults_out, "second": second, "host_reads": reads}
