@@ -147,3 +147,10 @@ def single_loads(rank, world_size, runs):
         out.append({"resumed_from": res.resumed_from, "strategy": type(res.strategy).__name__,
                     "state": full_state(res.strategy)})
     return out
+
+
+def train_states(rank, world_size, runs):
+    """Each ``(cfg, out)`` trained fresh: its :func:`full_state` (rank 0; None elsewhere)."""
+    from course_lib.train import train
+
+    return [full_state(train(cfg, out).strategy) for cfg, out in runs]

@@ -30,7 +30,8 @@ from layout_checks import assert_matches_one_process, assert_resumed_bit_exact, 
 
 MB, ACCUM = 8, 2  # the reference: 8 sequences per micro-batch, 2 micro-batches per step
 
-# name -> (steps, [parallel] settings, micro_batch per data-parallel replica, model preset)
+# name -> (steps, [parallel] settings, micro_batch per data-parallel replica with ACCUM micro-batches
+# per step (see accum()), model preset)
 LAYOUTS = {
     "cp2-dp2": (8, {"cp": 2}, MB // 2, "tiny"),
     "tp2-cp2": (30, {"tp": 2, "cp": 2}, MB, "tiny"),
@@ -49,8 +50,15 @@ def every(steps):
     return steps - TAIL
 
 
-def cfg(**sets):
-    return tiny_cfg(ACCUM, **sets)
+def cfg(grad_accum=ACCUM, **sets):
+    return tiny_cfg(grad_accum, **sets)
+
+
+def accum(steps):
+    """Micro-batches per step: the 30-step run (issue 20's loss match) takes its global batch as ONE
+    micro-batch of ``MB * ACCUM`` (accumulation is not its point: a micro-batch costs a forward,
+    a backward and their collectives), the 8-step layouts keep ``ACCUM`` micro-batches."""
+    return 1 if steps == 30 else ACCUM
 
 
 def layout_cfg(name):
@@ -58,8 +66,8 @@ def layout_cfg(name):
     sets = {f"parallel__{k}": v for k, v in par.items()}
     if name == "cp4-rope":
         sets["model__checkpointing"] = "selective"
-    return cfg(train__max_steps=steps, train__micro_batch=mb, train__strategy="ddp", model__preset=preset,
-               checkpoint__save_every=every(steps), **sets)
+    return cfg(accum(steps), train__max_steps=steps, train__micro_batch=mb * ACCUM // accum(steps),
+               train__strategy="ddp", model__preset=preset, checkpoint__save_every=every(steps), **sets)
 
 
 def reference(steps, preset):
@@ -69,8 +77,8 @@ def reference(steps, preset):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("context_parallel")
-    single = {key: train(cfg(train__max_steps=key[0], train__micro_batch=MB, model__preset=key[1]),
-                         root / reference(*key)) for key in REFERENCES}
+    single = {key: train(cfg(accum(key[0]), train__max_steps=key[0], train__micro_batch=MB * ACCUM // accum(key[0]),
+                             model__preset=key[1]), root / reference(*key)) for key in REFERENCES}
     jobs = [(layout_cfg(n), str(root / n)) for n in LAYOUTS]
     bytes_cfg = cfg(train__max_steps=1, train__micro_batch=MB, train__strategy="ddp", parallel__cp=4,
                     schedule__warmup_steps=0)

@@ -39,7 +39,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 MB, ACCUM = 8, 2  # the reference: 8 sequences per micro-batch, 2 micro-batches per step
 
-# name -> (steps, [parallel] settings, micro_batch per data-parallel replica, [model] settings)
+# name -> (steps, [parallel] settings, micro_batch per data-parallel replica with ACCUM micro-batches
+# per step (see accum()), [model] settings)
 LAYOUTS = {
     "tp2-dp2-selective": (30, {"tp": 2}, MB // 2, {"n_layers": 2, "checkpointing": "selective"}),
     "tp2-pp2-full-1f1b": (8, {"tp": 2, "pp": 2, "pp_schedule": "1f1b"}, MB,
@@ -61,22 +62,30 @@ def every(steps):
     return steps - TAIL
 
 
-def cfg(**sets):
-    return tiny_cfg(ACCUM, **sets)
+def cfg(grad_accum=ACCUM, **sets):
+    return tiny_cfg(grad_accum, **sets)
+
+
+def accum(steps):
+    """Micro-batches per step: the 30-step run (issue 20's loss match) takes its global batch as ONE
+    micro-batch of ``MB * ACCUM`` (accumulation is not its point: a micro-batch costs a forward,
+    a backward and their collectives), the 8-step layouts keep ``ACCUM`` micro-batches."""
+    return 1 if steps == 30 else ACCUM
 
 
 def layout_cfg(name):
     steps, par, mb, model = LAYOUTS[name]
     sets = {f"parallel__{k}": v for k, v in par.items()} | {f"model__{k}": v for k, v in model.items()}
-    return cfg(train__max_steps=steps, train__micro_batch=mb, train__strategy="ddp",
-               checkpoint__save_every=every(steps), **sets)
+    return cfg(accum(steps), train__max_steps=steps, train__micro_batch=mb * ACCUM // accum(steps),
+               train__strategy="ddp", checkpoint__save_every=every(steps), **sets)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("recompute_tp")
     for steps, layers in REFERENCES:  # one process, no recomputation
-        train(cfg(train__max_steps=steps, train__micro_batch=MB, model__n_layers=layers), root / f"single-{steps}-{layers}")
+        train(cfg(accum(steps), train__max_steps=steps, train__micro_batch=MB * ACCUM // accum(steps),
+                  model__n_layers=layers), root / f"single-{steps}-{layers}")
     # one launch: the fresh runs (each followed by its census), then each resume from the checkpoint before the last
     out = run_ranks(recompute_rank_fns.train_measure_resume, 4, [(layout_cfg(n), str(root / n)) for n in LAYOUTS],
                     timeout=600, show_output=False)
@@ -109,8 +118,10 @@ def test_the_trained_stages_recompute_what_the_config_says(runs, name):
     Recomputation that silently did nothing would save 0 bytes here."""
     import dataclasses
 
-    _, par, mb, model = LAYOUTS[name]
-    mcfg = train_config.build_model_config(layout_cfg(name))
+    _, par, _, model = LAYOUTS[name]
+    c = layout_cfg(name)
+    mb = c["train"]["micro_batch"]  # the census's micro-batch: the run's (see accum())
+    mcfg = train_config.build_model_config(c)
     kw = tinygpt_activation_kwargs(dataclasses.replace(mcfg, checkpointing="none", checkpoint_every=None,
                                                        offload_activations=False), seq_len=64, micro_batch=mb)
     sp = par.get("sequence_parallel", False)
