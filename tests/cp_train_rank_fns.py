@@ -2,22 +2,6 @@
 from __future__ import annotations
 
 
-def host_reads(rank, world_size, cfg, out_dir, steps):
-    """Host reads per optimizer step made by course_lib on this rank (runs of ``steps`` and
-    ``2 * steps`` steps; see tests/host_reads.py)."""
-    import os
-
-    import course_lib.train as train_mod
-    from host_reads import reads_per_step
-
-    train_mod._peak_flops = lambda cfg, device: 1e12  # set-up only; keeps the count to the loop
-
-    def run(n):
-        train_mod.train({**cfg, "train": {**cfg["train"], "max_steps": n}}, os.path.join(out_dir, f"r{n}"))
-
-    return reads_per_step(run, steps=steps)
-
-
 def ring_bytes(rank, world_size, cfg, out_dir):
     """Bytes this rank's ring attention sent (``bytes_sent_forward`` / ``_backward``) over a run of
     ``cfg``, counted by ring_attention itself through ContextParallelCore.stats."""
@@ -33,12 +17,11 @@ def ring_bytes(rank, world_size, cfg, out_dir):
     return stats
 
 
-def train_then_count_reads(rank, world_size, runs, reads_cfg, reads_dir, reads_steps, bytes_cfg, bytes_dir):
-    """Every fresh run (model_parallel_rank_fns.train_many), then :func:`host_reads` of
-    ``reads_cfg`` and :func:`ring_bytes` of ``bytes_cfg``, in one launch (starting 4 ranks is the
-    slow part)."""
+def train_resume_and_count(rank, world_size, runs, count_reads, bytes_cfg, bytes_dir):
+    """Every fresh run and every resume (model_parallel_rank_fns.train_then_resume; the resumes of
+    ``count_reads`` also count host reads per step), then :func:`ring_bytes` of ``bytes_cfg``, in
+    one launch (starting 4 ranks and each process's first train() are the slow part)."""
     import model_parallel_rank_fns as fns
 
-    return {"runs": fns.train_many(rank, world_size, runs),
-            "reads": host_reads(rank, world_size, reads_cfg, reads_dir, reads_steps),
+    return {**fns.train_then_resume(rank, world_size, runs, count_reads),
             "bytes": ring_bytes(rank, world_size, bytes_cfg, bytes_dir)}

@@ -72,29 +72,30 @@ def device_mesh_matches_kit_mesh(rank, world_size) -> dict:
     return out
 
 
-def fresh_then_loads(rank, world_size, fresh, short, host_cfg, host_dir, to_fsdp, faulty=None, cp_run=None):
-    """Every 4-rank run of the test in one launch (starting ranks is the slow part):
+def fresh_then_loads(rank, world_size, fresh, short, to_fsdp, faulty=None, cp_run=None):
+    """Every 4-rank run of the test in one launch (starting ranks and each process's first train()
+    are the slow part):
 
-    1. ``fresh = (cfg, out)``: fsdp x tp trains; its final state, coordinates and byte census;
+    1. ``fresh = (cfg, out)``: fsdp x tp trains, its host reads per step counted on the way
+       (model_parallel_rank_fns.train_counting_reads); its final state, coordinates and byte census;
     2. ``short``: more ``(name, cfg, out)`` runs (sequence parallel, bf16): their final weights;
-    3. the host reads per step of ``host_cfg`` (tests/host_reads.py: runs of n and 2n steps);
-    4. the resume: a copy of ``out`` without its newest checkpoint, resumed with the same cfg;
-    5. the cross-layout chain, ``to_fsdp = (cfg_load, cfg_more, out)``: plain FSDP2 on 4 ranks
+    3. the resume: a copy of ``out`` without its newest checkpoint, resumed with the same cfg;
+    4. the cross-layout chain, ``to_fsdp = (cfg_load, cfg_more, out)``: plain FSDP2 on 4 ranks
        loads the fsdp x tp checkpoint (``cfg_load``: max_steps = the saved step, trains nothing),
        then trains on from it and saves (``cfg_more``).
-    6. ``faulty = (cfg, out, faults)``: a run with injected faults (skip, roll-back);
-    7. :func:`device_mesh_matches_kit_mesh`;
-    8. ``cp_run = (cfg, out, host_cfg, host_dir)``: fsdp x cp trains, resumes from the checkpoint before
-       its last (bit-exact), and its host reads per step are counted.
+    5. ``faulty = (cfg, out, faults)``: another copy of ``out`` without its newest checkpoint,
+       resumed with injected faults (skip, roll-back): the spike detector's window comes from the
+       checkpoint, so the faults can sit in the last steps;
+    6. :func:`device_mesh_matches_kit_mesh`;
+    7. ``cp_run = (cfg, out)``: fsdp x cp trains, counting its host reads per step on the way, then
+       resumes from the checkpoint before its last (bit-exact).
     Returns a dict per rank (states on rank 0 only)."""
-    import os
-
     import course_lib.train as train_mod
-    from host_reads import reads_per_step
+    from model_parallel_rank_fns import copy_without_newest, train_counting_reads
 
     cfg, out = fresh
-    res = train_mod.train(cfg, out)
-    report = {"coords": res.strategy.coords, "dp": (res.strategy.dp_rank, res.strategy.dp_size),
+    res, reads = train_counting_reads(cfg, out)
+    report = {"host_reads_per_step": reads, "coords": res.strategy.coords, "dp": (res.strategy.dp_rank, res.strategy.dp_size),
               "strategy": type(res.strategy).__name__, "fresh": full_state(res.strategy),
               "census": census_after_backward(res.strategy, cfg["data"]["vocab_size"],
                                               cfg["train"]["micro_batch"], cfg["data"]["seq_len"])}
@@ -103,18 +104,8 @@ def fresh_then_loads(rank, world_size, fresh, short, host_cfg, host_dir, to_fsdp
         r = train_mod.train(c, o)
         report["short"][name] = full_state(r.strategy)
 
-    peak = train_mod._peak_flops
-    train_mod._peak_flops = lambda cfg, device: 1e12  # set-up only; keeps the count to the loop
-
-    def run(steps):
-        c = {**host_cfg, "train": {**host_cfg["train"], "max_steps": steps}}
-        train_mod.train(c, os.path.join(host_dir, f"r{steps}"))
-
-    report["host_reads_per_step"] = reads_per_step(run, steps=3)
-    train_mod._peak_flops = peak
-
     cut = out + "-cut"
-    _copy_on_rank0(out, cut, drop_newest=True)
+    copy_without_newest(out, cut)
     res = train_mod.train(cfg, cut, resume=True)
     report["resume"] = {"resumed_from": res.resumed_from, "steps": res.steps, "state": full_state(res.strategy)}
 
@@ -127,24 +118,20 @@ def fresh_then_loads(rank, world_size, fresh, short, host_cfg, host_dir, to_fsdp
     report["fsdp4_more"] = {"resumed_from": res.resumed_from, "steps": res.steps, "state": full_state(res.strategy)}
     if faulty is not None:
         c, o, faults = faulty
-        res = train_mod.train(c, o, faults=faults)
-        report["faulty"] = {"steps": res.steps, "rollbacks": res.rollbacks, "skipped": res.skipped_steps}
+        copy_without_newest(out, o)
+        res = train_mod.train(c, o, resume=True, faults=faults)
+        report["faulty"] = {"steps": res.steps, "rollbacks": res.rollbacks, "skipped": res.skipped_steps,
+                            "resumed_from": res.resumed_from}
     report["meshes"] = device_mesh_matches_kit_mesh(rank, world_size)
     if cp_run is not None:
-        c, o, hc, hd = cp_run
-        res = train_mod.train(c, o)
+        c, o = cp_run
+        res, reads = train_counting_reads(c, o)
         fresh_cp = {"coords": res.strategy.coords, "strategy": type(res.strategy).__name__,
                     "state": full_state(res.strategy)}
-        _copy_on_rank0(o, o + "-cut", drop_newest=True)
+        copy_without_newest(o, o + "-cut")
         res = train_mod.train(c, o + "-cut", resume=True)
-        train_mod._peak_flops = lambda cfg, device: 1e12
-
-        def run_cp(steps):
-            train_mod.train({**hc, "train": {**hc["train"], "max_steps": steps}}, os.path.join(hd, f"r{steps}"))
-
         report["cp"] = {"fresh": fresh_cp, "resumed_from": res.resumed_from, "steps": res.steps,
-                        "resumed": full_state(res.strategy), "host_reads_per_step": reads_per_step(run_cp, steps=3)}
-        train_mod._peak_flops = peak
+                        "resumed": full_state(res.strategy), "host_reads_per_step": reads}
     return report
 
 
@@ -160,3 +147,10 @@ def single_loads(rank, world_size, runs):
         out.append({"resumed_from": res.resumed_from, "strategy": type(res.strategy).__name__,
                     "state": full_state(res.strategy)})
     return out
+
+
+def train_states(rank, world_size, runs):
+    """Each ``(cfg, out)`` trained fresh: its :func:`full_state` (rank 0; None elsewhere)."""
+    from course_lib.train import train
+
+    return [full_state(train(cfg, out).strategy) for cfg, out in runs]

@@ -46,3 +46,27 @@ def reads_per_step(run, steps: int = 10, where: tuple[str, ...] = ("course_lib",
         run(2 * steps)
         big = counts["n"]
     return (big - small) / steps
+
+
+def reads_between_rows(run, where: tuple[str, ...] = ("course_lib",)) -> dict[int, int]:
+    """``run()`` trains once; returns ``{step: reads}``, the host reads counted between the
+    metrics row of step ``step - 1`` and the row of ``step`` (every step after the first), i.e.
+    the step itself plus whatever ran after the previous row (a checkpoint save, its async
+    thread): a step with no save before it and none in flight counts its own reads only. Every
+    rank calls ``MetricsLog.write`` each step (non-writers return at once), so every rank can
+    count. One run, no extra steps: the fresh run a test needs anyway can be the counted one."""
+    from course_lib.metrics import MetricsLog
+
+    original = MetricsLog.write
+    marks: list[tuple[int, int]] = []
+    with count_host_reads(where) as counts:
+        def marking(self, row):
+            marks.append((row["step"], counts["n"]))
+            return original(self, row)
+
+        MetricsLog.write = marking
+        try:
+            run()
+        finally:
+            MetricsLog.write = original
+    return {step: n - prev for (_, prev), (step, n) in zip(marks, marks[1:])}

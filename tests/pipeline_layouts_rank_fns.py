@@ -9,18 +9,19 @@ def train_layouts(rank, world_size, runs):
     the strategy."""
     from course_lib.train import train
 
-    out = []
-    for cfg, out_dir, resume in runs:
-        result = train(cfg, out_dir, resume=resume)
-        strategy = result.strategy
-        full = strategy.full_weights()  # a collective: every rank calls it
-        blocks = sorted(int(k) for k in strategy.model.blocks.keys())
-        out.append({"steps": result.steps, "resumed_from": result.resumed_from,
-                    "split": getattr(strategy, "split", None), "blocks": blocks,
-                    "logits_dtype": _last_stage_logits_dtype(strategy),
-                    "coords": strategy.mesh.coords,
-                    "weights": {k: v.float().cpu().clone() for k, v in full.items()} if rank == 0 else None})
-    return out
+    return [layout_entry(rank, train(cfg, out_dir, resume=resume)) for cfg, out_dir, resume in runs]
+
+
+def layout_entry(rank, result) -> dict:
+    """:func:`train_layouts`' report of one run (a collective: every rank calls it)."""
+    strategy = result.strategy
+    full = strategy.full_weights()  # a collective: every rank calls it
+    blocks = sorted(int(k) for k in strategy.model.blocks.keys())
+    return {"steps": result.steps, "resumed_from": result.resumed_from,
+            "split": getattr(strategy, "split", None), "blocks": blocks,
+            "logits_dtype": _last_stage_logits_dtype(strategy),
+            "coords": strategy.mesh.coords,
+            "weights": {k: v.float().cpu().clone() for k, v in full.items()} if rank == 0 else None}
 
 
 def _last_stage_logits_dtype(strategy):
@@ -38,20 +39,10 @@ def _last_stage_logits_dtype(strategy):
     return None
 
 
-def layouts_then_host_reads(rank, world_size, runs, reads_cfg, reads_dir, reads_steps):
-    """:func:`train_layouts`, then the host reads per optimizer step made by course_lib on this
-    rank for ``reads_cfg`` (runs of ``reads_steps`` and twice that many steps; tests/host_reads.py),
-    in one launch (starting 4 ranks is the slow part)."""
-    import os
+def layouts_then_resumes(rank, world_size, runs, count_reads):
+    """Every fresh run, then every resume, with :func:`layout_entry`'s report of each, in one launch
+    (model_parallel_rank_fns.train_then_resume: starting 4 ranks and each process's first train()
+    are the slow part); the resumes of ``count_reads`` also count the host reads per step."""
+    import model_parallel_rank_fns as fns
 
-    from host_reads import reads_per_step
-
-    from course_lib.train import train
-
-    out = train_layouts(rank, world_size, runs)
-
-    def run(steps):
-        cfg = {**reads_cfg, "train": {**reads_cfg["train"], "max_steps": steps}}
-        train(cfg, os.path.join(reads_dir, f"r{steps}"))
-
-    return {"runs": out, "reads": reads_per_step(run, steps=reads_steps)}
+    return fns.train_then_resume(rank, world_size, runs, count_reads, entry=layout_entry)

@@ -79,18 +79,23 @@ def _stage_census(strategy, cfg) -> dict:
     return {"with": with_recompute, "without": without, "blocks": blocks}
 
 
-def train_and_measure(rank, world_size, runs):
-    """``model_parallel_rank_fns.train_many``, plus after each fresh run (not a resume) the census
-    of :func:`_stage_census` on the trained model: is recomputation really on where it should be."""
+def train_measure_resume(rank, world_size, runs):
+    """Every fresh run ``(cfg, out)`` into ``out/full`` with, after it, the census of
+    :func:`_stage_census` on the trained model (is recomputation really on where it should be);
+    then every resume of ``out/cut`` (``out/full`` without its newest checkpoint), in one launch
+    (model_parallel_rank_fns; starting 4 ranks and each process's first train() are the slow part).
+    Returns ``{"first": [...], "second": [...]}``, model_parallel_rank_fns.weights_entry's reports,
+    the first with ``"census"``."""
+    import model_parallel_rank_fns as fns
+
     from course_lib.train import train
 
-    out = []
-    for cfg, out_dir, resume in runs:
-        result = train(cfg, out_dir, resume=resume)
-        full = result.strategy.full_weights()  # a collective: every rank calls it
-        entry = {"steps": result.steps, "resumed_from": result.resumed_from,
-                 "weights": {k: v.float().cpu().clone() for k, v in full.items()} if rank == 0 else None}
-        if not resume:
-            entry["census"] = _stage_census(result.strategy, cfg)
-        out.append(entry)
-    return out
+    first = []
+    for cfg, out in runs:
+        result = train(cfg, out + "/full")
+        first.append({**fns.weights_entry(rank, result), "census": _stage_census(result.strategy, cfg)})
+    second = []
+    for cfg, out in runs:
+        fns.copy_without_newest(out + "/full", out + "/cut")
+        second.append(fns.weights_entry(rank, train(cfg, out + "/cut", resume=True)))
+    return {"first": first, "second": second}

@@ -2,15 +2,16 @@
 
 Every layout runs on 4 gloo ranks (fp32) on the same global batch as one process: a cp group
 reads the sequences of its data-parallel replica and each cp rank keeps 2 of 2 * cp pieces of
-each. Per-step losses and gradient norms equal one process's within 1e-4 relative (cp2 x dp2 and
-tp2 x cp2 on the GPT-2-style tiny model, learned positions, 30 steps; cp4 and tp2 x cp2 with
-sequence parallelism on llama-tiny - RoPE, grouped-query heads; cp4 with selective recomputation,
-so the ring runs again in backward - over 8), the final weights too,
-and every layout resumes bit-exact from a mid-run checkpoint written in the dense layout. The host
-reads per step stay at one (the stabilizer's verdict), and the bytes each rank's ring sends equal
-the estimator's.
+each. Per-step losses and gradient norms equal one process's within 1e-4 relative (tp2 x cp2 on
+the GPT-2-style tiny model, learned positions, 30 steps, issue 20's figure for tp x cp; cp2 x dp2
+(ddp) on it over 8 - issue 20's dp x cp layout is fsdp x cp, matched over 30 steps in
+tests/test_train_fsdp_tp.py; cp4 and tp2 x cp2 with sequence parallelism on llama-tiny - RoPE,
+grouped-query heads; cp4 with selective recomputation, so the ring runs again in backward - over 8),
+the final weights too, and every layout resumes bit-exact from its checkpoint 4 steps before the
+end, written in the dense layout. The host reads per step stay at one (the stabilizer's verdict;
+counted step by step in tp2 x cp2's fresh run), and the bytes each rank's ring sends equal the estimator's.
 
-Two launches of 4 ranks in all: the fresh runs plus the host-read count, then every resume.
+One launch of 4 ranks: the fresh runs, every resume, then the ring's bytes.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import pytest
 import torch
 
 import cp_train_rank_fns as fns
-import model_parallel_rank_fns as mp_fns
 from course_lib import train_config
 from course_lib.parallel import run_ranks
 from course_lib.parallel.context_parallel.in_trainer import local_chunk, loss_share, zigzag_positions
@@ -30,9 +30,10 @@ from layout_checks import assert_matches_one_process, assert_resumed_bit_exact, 
 
 MB, ACCUM = 8, 2  # the reference: 8 sequences per micro-batch, 2 micro-batches per step
 
-# name -> (steps, [parallel] settings, micro_batch per data-parallel replica, model preset)
+# name -> (steps, [parallel] settings, micro_batch per data-parallel replica with ACCUM micro-batches
+# per step (see accum()), model preset)
 LAYOUTS = {
-    "cp2-dp2": (30, {"cp": 2}, MB // 2, "tiny"),
+    "cp2-dp2": (8, {"cp": 2}, MB // 2, "tiny"),
     "tp2-cp2": (30, {"tp": 2, "cp": 2}, MB, "tiny"),
     # + model.checkpointing = "selective": the ring runs again inside the recomputed attention core
     "cp4-rope": (8, {"cp": 4}, MB, "llama-tiny"),
@@ -41,13 +42,23 @@ LAYOUTS = {
 REFERENCES = sorted({(steps, preset) for steps, _, _, preset in LAYOUTS.values()})
 
 
+TAIL = 4  # steps resumed: the run saves at max_steps - TAIL and at the end; the resume starts from the first
+
+
 def every(steps):
-    """Checkpoint interval: the resume starts from the one before the last."""
-    return 10 if steps == 30 else 4
+    """Checkpoint interval: the resume starts from the one before the last, TAIL steps before the end."""
+    return steps - TAIL
 
 
-def cfg(**sets):
-    return tiny_cfg(ACCUM, **sets)
+def cfg(grad_accum=ACCUM, **sets):
+    return tiny_cfg(grad_accum, **sets)
+
+
+def accum(steps):
+    """Micro-batches per step: the 30-step run (issue 20's loss match) takes its global batch as ONE
+    micro-batch of ``MB * ACCUM`` (accumulation is not its point: a micro-batch costs a forward,
+    a backward and their collectives), the 8-step layouts keep ``ACCUM`` micro-batches."""
+    return 1 if steps == 30 else ACCUM
 
 
 def layout_cfg(name):
@@ -55,8 +66,8 @@ def layout_cfg(name):
     sets = {f"parallel__{k}": v for k, v in par.items()}
     if name == "cp4-rope":
         sets["model__checkpointing"] = "selective"
-    return cfg(train__max_steps=steps, train__micro_batch=mb, train__strategy="ddp", model__preset=preset,
-               checkpoint__save_every=every(steps), **sets)
+    return cfg(accum(steps), train__max_steps=steps, train__micro_batch=mb * ACCUM // accum(steps),
+               train__strategy="ddp", model__preset=preset, checkpoint__save_every=every(steps), **sets)
 
 
 def reference(steps, preset):
@@ -66,24 +77,17 @@ def reference(steps, preset):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("context_parallel")
-    single = {key: train(cfg(train__max_steps=key[0], train__micro_batch=MB, model__preset=key[1]),
-                         root / reference(*key)) for key in REFERENCES}
-    jobs = [(layout_cfg(n), str(root / n / "full"), False) for n in LAYOUTS]
-    reads_cfg = layout_cfg("tp2-cp2")
-    reads_cfg["checkpoint"]["save_every"] = 0  # saves gather to the writer: counted in their own tests
+    single = {key: train(cfg(accum(key[0]), train__max_steps=key[0], train__micro_batch=MB * ACCUM // accum(key[0]),
+                             model__preset=key[1]), root / reference(*key)) for key in REFERENCES}
+    jobs = [(layout_cfg(n), str(root / n)) for n in LAYOUTS]
     bytes_cfg = cfg(train__max_steps=1, train__micro_batch=MB, train__strategy="ddp", parallel__cp=4,
                     schedule__warmup_steps=0)
-    first = run_ranks(fns.train_then_count_reads, 4, jobs, reads_cfg, str(root / "reads"), 4, bytes_cfg,
-                      str(root / "bytes"), timeout=600)
-    for n in LAYOUTS:  # drop the newest checkpoint: the resume starts from the one before
-        shutil.copytree(root / n / "full", root / n / "cut")
-        shutil.rmtree(sorted((root / n / "cut" / "checkpoints").glob("step_*"))[-1])
-    second = run_ranks(mp_fns.train_many, 4, [(layout_cfg(n), str(root / n / "cut"), True) for n in LAYOUTS],
-                       timeout=600)
-    return {"root": root, "single": single, "first": dict(zip(LAYOUTS, first[0]["runs"])),
-            "second": dict(zip(LAYOUTS, second[0])), "reads": [r["reads"] for r in first],
-            "bytes": [r["bytes"] for r in first], "bytes_cfg": bytes_cfg,
-            "coords": [dict(zip(LAYOUTS, r["runs"])) for r in first]}
+    reads_of = list(LAYOUTS).index("tp2-cp2")  # its fresh run counts the host reads per step
+    out = run_ranks(fns.train_resume_and_count, 4, jobs, [reads_of], bytes_cfg, str(root / "bytes"), timeout=600)
+    return {"root": root, "single": single, "first": dict(zip(LAYOUTS, out[0]["first"])),
+            "second": dict(zip(LAYOUTS, out[0]["second"])), "reads": [r["reads"][reads_of] for r in out],
+            "bytes": [r["bytes"] for r in out], "bytes_cfg": bytes_cfg,
+            "coords": [dict(zip(LAYOUTS, r["first"])) for r in out]}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -99,7 +103,7 @@ def test_layout_matches_one_process(runs, name):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_resume_is_bit_exact(runs, name):
     steps = LAYOUTS[name][0]
-    start = steps - every(steps)
+    start = steps - TAIL
     assert_resumed_bit_exact(name, runs["first"][name], runs["second"][name], start, steps, runs["root"] / name)
 
 
@@ -108,8 +112,9 @@ def test_checkpoint_loads_in_one_process(runs, tmp_path):
     """The cp2 x dp2 checkpoint is the dense layout: one process loads exactly the gathered weights."""
     out = tmp_path / "single"
     shutil.copytree(runs["root"] / "cp2-dp2" / "full", out)
-    loaded = train(cfg(train__max_steps=30, train__micro_batch=MB), out, resume=True)
-    assert loaded.resumed_from == 30 and loaded.steps == 30
+    steps = LAYOUTS["cp2-dp2"][0]
+    loaded = train(cfg(train__max_steps=steps, train__micro_batch=MB), out, resume=True)
+    assert loaded.resumed_from == steps and loaded.steps == steps
     for k, v in loaded.model.state_dict().items():
         assert torch.equal(v, runs["first"]["cp2-dp2"]["weights"][k]), f"{k} differs in one process"
 
@@ -145,7 +150,10 @@ def test_ring_bytes_per_rank_equal_the_estimator(runs):
 
 
 def test_one_host_read_per_step_under_cp(runs):
-    assert runs["reads"] == [1.0] * 4, runs["reads"]
+    """tp2 x cp2, counted step by step in the fresh run: every step from 2 on but the one after
+    its save (model_parallel_rank_fns.train_counting_reads)."""
+    steps = LAYOUTS["tp2-cp2"][0]
+    assert runs["reads"] == [{s: 1 for s in range(2, steps + 1) if s != every(steps) + 1}] * 4, runs["reads"]
 
 
 # ---------------------------------------------------------------- no ranks

@@ -1,7 +1,8 @@
 """Pipeline stages as real jobs have them: a chosen split (``parallel.pp_split``) and the interleaved
 schedule with tensor parallelism and bf16, in the trainer, against one process on the same global batch.
 
-On 4 gloo ranks, one launch for the fresh runs and one for every resume (starting ranks is the slow part):
+On 4 gloo ranks, one launch for the fresh runs and then every resume (starting ranks and each
+process's first train() are the slow part):
 
 * ``split-1-3``: pp 2 x dp 2, 1F1B, 4 blocks split [1, 3] by hand, fp32, 30 steps: per-step losses
   and gradient norms within 1e-4 relative of one process, final weights too;
@@ -19,13 +20,12 @@ On 4 gloo ranks, one launch for the fresh runs and one for every resume (startin
   (bf16 gradients, element-wise error near 2^-8 that does not average out in a norm): 5e-2.
   That autocast really reaches torch's stages is checked directly: the last stage's logits are bf16.
 
-Every layout resumes bit-exact from the checkpoint before its last; the interleaved tp2 bf16
-layout makes one host read per step (the stabilizer's), counted in the first launch. Pure tests of the split
+Every layout resumes bit-exact from the checkpoint before its last (4 steps before the end); the
+interleaved tp2 bf16 layout makes one host read per step (the stabilizer's), counted step by step
+in its fresh run (model_parallel_rank_fns.train_counting_reads). Pure tests of the split
 function (course_lib.estimate.stage_split) and of the config refusals need no ranks.
 """
 from __future__ import annotations
-
-import shutil
 
 import pytest
 
@@ -51,9 +51,12 @@ LAYOUTS = {
 REFERENCES = sorted({(steps, layers, prec) for steps, _, _, layers, prec in LAYOUTS.values()})
 
 
+TAIL = 4  # steps resumed: the run saves at max_steps - TAIL and at the end; the resume starts from the first
+
+
 def every(steps):
-    """Checkpoint interval: the resume starts from the one before the last."""
-    return 10 if steps == 30 else 4
+    """Checkpoint interval: the resume starts from the one before the last, TAIL steps before the end."""
+    return steps - TAIL
 
 
 def cfg(**sets):
@@ -81,18 +84,12 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline_layouts")
     single = {key: train(cfg(train__max_steps=key[0], train__micro_batch=MB, model__n_layers=key[1],
                              train__precision=key[2]), root / reference(*key)) for key in REFERENCES}
-    reads_cfg = layout_cfg("interleaved-tp2-bf16")
-    reads_cfg["checkpoint"]["save_every"] = 0  # saves gather to the writer: counted apart, in their own tests
-    first = run_ranks(fns.layouts_then_host_reads, 4, [(layout_cfg(n), str(root / n / "full"), False) for n in LAYOUTS],
-                      reads_cfg, str(root / "reads"), 3, timeout=900)
-    reads, first = [r["reads"] for r in first], [r["runs"] for r in first]
-    for n in LAYOUTS:  # drop the newest checkpoint: the resume starts from the one before
-        shutil.copytree(root / n / "full", root / n / "cut")
-        shutil.rmtree(sorted((root / n / "cut" / "checkpoints").glob("step_*"))[-1])
-    second = run_ranks(fns.train_layouts, 4, [(layout_cfg(n), str(root / n / "cut"), True) for n in LAYOUTS],
-                       timeout=900)
-    return {"root": root, "single": single, "reads": reads, "first": [dict(zip(LAYOUTS, r)) for r in first],
-            "second": [dict(zip(LAYOUTS, r)) for r in second]}
+    reads_of = list(LAYOUTS).index("interleaved-tp2-bf16")  # its fresh run counts the host reads per step
+    out = run_ranks(fns.layouts_then_resumes, 4, [(layout_cfg(n), str(root / n)) for n in LAYOUTS], [reads_of],
+                    timeout=900)
+    return {"root": root, "single": single, "reads": [r["reads"][reads_of] for r in out],
+            "first": [dict(zip(LAYOUTS, r["first"])) for r in out],
+            "second": [dict(zip(LAYOUTS, r["second"])) for r in out]}
 
 
 # ------------------------------------------------------------------ on ranks
@@ -129,14 +126,16 @@ def test_interleaved_tp_bf16_matches_one_process_under_the_same_autocast(runs):
 
 def test_interleaved_tp_bf16_keeps_one_host_read_per_step(runs):
     """Torch's schedule with our autocast, loss and scale hooks adds no host read to the
-    stabilizer's one per step (the loss stays on the device; the scale is the scaler's tensor)."""
-    assert runs["reads"] == [1.0] * 4, runs["reads"]
+    stabilizer's one per step (the loss stays on the device; the scale is the scaler's tensor).
+    Every step from 2 on but the one after the save."""
+    steps = LAYOUTS["interleaved-tp2-bf16"][0]
+    assert runs["reads"] == [{s: 1 for s in range(2, steps + 1) if s != every(steps) + 1}] * 4, runs["reads"]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_resume_is_bit_exact(runs, name):
     steps = LAYOUTS[name][0]
-    start = steps - every(steps)
+    start = steps - TAIL
     assert_resumed_bit_exact(name, runs["first"][0][name], runs["second"][0][name], start, steps,
                              runs["root"] / name)
 

@@ -8,8 +8,8 @@ Two claims, on gloo CPU ranks in fp32:
    offloading under tp 2 x dp 2 with sequence parallelism, and selective (attention core)
    recomputation under tp 2 x pp 2 with sequence parallelism and GPipe (8 steps each). Per-step
    losses and gradient norms equal one process *without* recomputation on the same global batch
-   within 1e-4 relative, and every layout resumes bit-exact from a mid-run checkpoint (a second
-   launch). A recomputed TP block re-runs its collectives inside backward: a rank that recomputed
+   within 1e-4 relative, and every layout resumes bit-exact from its checkpoint 4 steps before the
+   end (in the same launch). A recomputed TP block re-runs its collectives inside backward: a rank that recomputed
    in another order than its peers would deadlock or mix up tensors, not pass. Since equal losses
    would also follow from no recomputation at all, each rank then counts the bytes its trained part
    (TP model or TP pipeline stage) saves with and without the run's recomputation: the difference
@@ -24,11 +24,8 @@ Two claims, on gloo CPU ranks in fp32:
 """
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-import model_parallel_rank_fns as fns
 import recompute_rank_fns
 from course_lib import train_config
 from course_lib.estimate import activation_bytes_per_layer
@@ -42,7 +39,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 MB, ACCUM = 8, 2  # the reference: 8 sequences per micro-batch, 2 micro-batches per step
 
-# name -> (steps, [parallel] settings, micro_batch per data-parallel replica, [model] settings)
+# name -> (steps, [parallel] settings, micro_batch per data-parallel replica with ACCUM micro-batches
+# per step (see accum()), [model] settings)
 LAYOUTS = {
     "tp2-dp2-selective": (30, {"tp": 2}, MB // 2, {"n_layers": 2, "checkpointing": "selective"}),
     "tp2-pp2-full-1f1b": (8, {"tp": 2, "pp": 2, "pp_schedule": "1f1b"}, MB,
@@ -56,36 +54,43 @@ LAYOUTS = {
 REFERENCES = sorted({(steps, model["n_layers"]) for steps, _, _, model in LAYOUTS.values()})
 
 
+TAIL = 4  # steps resumed: the run saves at max_steps - TAIL and at the end; the resume starts from the first
+
+
 def every(steps):
-    """Checkpoint interval: the resume starts from the one before the last."""
-    return 10 if steps == 30 else 4
+    """Checkpoint interval: the resume starts from the one before the last, TAIL steps before the end."""
+    return steps - TAIL
 
 
-def cfg(**sets):
-    return tiny_cfg(ACCUM, **sets)
+def cfg(grad_accum=ACCUM, **sets):
+    return tiny_cfg(grad_accum, **sets)
+
+
+def accum(steps):
+    """Micro-batches per step: the 30-step run (issue 20's loss match) takes its global batch as ONE
+    micro-batch of ``MB * ACCUM`` (accumulation is not its point: a micro-batch costs a forward,
+    a backward and their collectives), the 8-step layouts keep ``ACCUM`` micro-batches."""
+    return 1 if steps == 30 else ACCUM
 
 
 def layout_cfg(name):
     steps, par, mb, model = LAYOUTS[name]
     sets = {f"parallel__{k}": v for k, v in par.items()} | {f"model__{k}": v for k, v in model.items()}
-    return cfg(train__max_steps=steps, train__micro_batch=mb, train__strategy="ddp",
-               checkpoint__save_every=every(steps), **sets)
+    return cfg(accum(steps), train__max_steps=steps, train__micro_batch=mb * ACCUM // accum(steps),
+               train__strategy="ddp", checkpoint__save_every=every(steps), **sets)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("recompute_tp")
     for steps, layers in REFERENCES:  # one process, no recomputation
-        train(cfg(train__max_steps=steps, train__micro_batch=MB, model__n_layers=layers), root / f"single-{steps}-{layers}")
-    first = run_ranks(recompute_rank_fns.train_and_measure, 4,
-                      [(layout_cfg(n), str(root / n / "full"), False) for n in LAYOUTS], timeout=600, show_output=False)
-    for n in LAYOUTS:  # drop the newest checkpoint: the resume starts from the one before
-        shutil.copytree(root / n / "full", root / n / "cut")
-        shutil.rmtree(sorted((root / n / "cut" / "checkpoints").glob("step_*"))[-1])
-    second = run_ranks(fns.train_many, 4, [(layout_cfg(n), str(root / n / "cut"), True) for n in LAYOUTS],
-                       timeout=600, show_output=False)
-    return {"root": root, "first": dict(zip(LAYOUTS, first[0])), "second": dict(zip(LAYOUTS, second[0])),
-            "census": [dict(zip(LAYOUTS, rank)) for rank in first]}
+        train(cfg(accum(steps), train__max_steps=steps, train__micro_batch=MB * ACCUM // accum(steps),
+                  model__n_layers=layers), root / f"single-{steps}-{layers}")
+    # one launch: the fresh runs (each followed by its census), then each resume from the checkpoint before the last
+    out = run_ranks(recompute_rank_fns.train_measure_resume, 4, [(layout_cfg(n), str(root / n)) for n in LAYOUTS],
+                    timeout=600, show_output=False)
+    return {"root": root, "first": dict(zip(LAYOUTS, out[0]["first"])), "second": dict(zip(LAYOUTS, out[0]["second"])),
+            "census": [dict(zip(LAYOUTS, rank["first"])) for rank in out]}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -100,7 +105,7 @@ def test_recomputation_matches_one_process_without_it(runs, name):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_resume_is_bit_exact(runs, name):
     steps = LAYOUTS[name][0]
-    start = steps - every(steps)
+    start = steps - TAIL
     assert_resumed_bit_exact(name, runs["first"][name], runs["second"][name], start, steps, runs["root"] / name)
 
 
@@ -113,8 +118,10 @@ def test_the_trained_stages_recompute_what_the_config_says(runs, name):
     Recomputation that silently did nothing would save 0 bytes here."""
     import dataclasses
 
-    _, par, mb, model = LAYOUTS[name]
-    mcfg = train_config.build_model_config(layout_cfg(name))
+    _, par, _, model = LAYOUTS[name]
+    c = layout_cfg(name)
+    mb = c["train"]["micro_batch"]  # the census's micro-batch: the run's (see accum())
+    mcfg = train_config.build_model_config(c)
     kw = tinygpt_activation_kwargs(dataclasses.replace(mcfg, checkpointing="none", checkpoint_every=None,
                                                        offload_activations=False), seq_len=64, micro_batch=mb)
     sp = par.get("sequence_parallel", False)

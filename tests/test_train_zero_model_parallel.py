@@ -2,21 +2,19 @@
 trainer (course_lib/parallel/model_parallel_dp.py), and DeepSpeed's honest refusal of layouts it
 does not run.
 
-On 4 gloo ranks, one launch: zero1 x pp (2 x 2, 1F1B) and zero2 x tp (2 x 2) train 30 steps in
+On 4 gloo ranks, in one launch: zero1 x pp (2 x 2, 1F1B) and zero2 x tp (2 x 2) train 30 steps in
 fp32 on the same global batch as one process (each dp replica reads half of the reference's
 micro-batch); per-step losses and gradient norms must equal one process within 1e-4 relative,
 the final weights too. Then the model-state census of one step of each layout, per rank, must
 equal ``course_lib.estimate.model_state_bytes`` for the parameters that rank holds
-(``ModelShape.params_on_rank``), to the byte. A second launch resumes both runs from their
-step-20 checkpoint (dense layout, the optimizer state gathered from the dp shards): weights
-``torch.equal`` and losses ``==`` to the uninterrupted runs. The first launch also counts the
-host reads per step of both layouts (one: the stabilizer's). The second launch also runs both
-layouts through injected faults: a NaN loss, and an Inf in the gradient of a parameter that only
-some ranks hold (one pipeline stage; some dp ranges): every rank skips those steps, as one process.
+(``ModelShape.params_on_rank``), to the byte. Both layouts run through injected faults (4 steps):
+a NaN loss, and an Inf in the gradient of a parameter that only some ranks hold (one pipeline
+stage; some dp ranges): every rank skips those steps, as one process. Last, both runs resume from
+their step-26 checkpoint (dense layout, the optimizer state gathered from the dp shards): weights
+``torch.equal`` and losses ``==`` to the uninterrupted runs. The fresh runs also count the host
+reads of every step (but the first and the one after a save), on every rank (one: the stabilizer's).
 """
 from __future__ import annotations
-
-import shutil
 
 import pytest
 
@@ -29,8 +27,8 @@ from course_lib.parallel.registry import MODEL_PARALLEL_DP
 from course_lib.train import train
 from layout_checks import assert_matches_one_process, assert_resumed_bit_exact, max_rel, rows, tiny_cfg
 
-MB, ACCUM, STEPS, EVERY = 8, 2, 30, 10
-FAULT_STEPS, INF_STEP, INF_PARAM = 6, 3, "blocks.1.mlp.down.weight"  # on the second pipeline stage only
+MB, ACCUM, STEPS, EVERY = 8, 2, 30, 26  # saves at 26 and 30: the resume runs the last 4 steps
+FAULT_STEPS, INF_STEP, INF_PARAM = 4, 3, "blocks.1.mlp.down.weight"  # on the second pipeline stage only
 FAULTS = ["nan_loss@1", f"inf_grad@{INF_STEP}={INF_PARAM}"]
 
 # name -> (train.strategy, [parallel] settings, zero stage)
@@ -55,23 +53,14 @@ def layout_cfg(name, **more):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("zero_model_parallel")
     single = train(cfg(train__max_steps=STEPS, train__micro_batch=MB), root / "single")
-    jobs = [(layout_cfg(n), str(root / n / "full"), False) for n in LAYOUTS]
-    host = [layout_cfg(n, checkpoint__save_every=0) for n in LAYOUTS]  # saves gather: counted in their own tests
-    first = run_ranks(fns.train_and_census, 4, jobs, [layout_cfg(n) for n in LAYOUTS], host, str(root / "host"),
-                      timeout=600)
-    for n in LAYOUTS:  # drop the newest checkpoint: the resume starts from the one before
-        shutil.copytree(root / n / "full", root / n / "cut")
-        shutil.rmtree(sorted((root / n / "cut" / "checkpoints").glob("step_*"))[-1])
-    import model_parallel_rank_fns as mp
-
     train(cfg(train__max_steps=FAULT_STEPS, train__micro_batch=MB), root / "single-faults", faults=FAULTS)
+    jobs = [(layout_cfg(n), str(root / n)) for n in LAYOUTS]
     faulty = [(layout_cfg(n, train__max_steps=FAULT_STEPS, checkpoint__save_every=0), str(root / n / "faults"),
                False, FAULTS) for n in LAYOUTS]
-    second = run_ranks(mp.train_many, 4, [(layout_cfg(n), str(root / n / "cut"), True) for n in LAYOUTS] + faulty,
-                       timeout=600)
-    return {"root": root, "single": single, "first": dict(zip(LAYOUTS, first[0]["runs"])),
-            "census": [dict(zip(LAYOUTS, r["census"])) for r in first], "second": dict(zip(LAYOUTS, second[0])),
-            "host_reads": [dict(zip(LAYOUTS, r["host_reads"])) for r in first]}
+    out = run_ranks(fns.train_census_faults_resume, 4, jobs, [layout_cfg(n) for n in LAYOUTS], faulty, timeout=600)
+    return {"root": root, "single": single, "first": dict(zip(LAYOUTS, out[0]["runs"])),
+            "census": [dict(zip(LAYOUTS, r["census"])) for r in out], "second": dict(zip(LAYOUTS, out[0]["second"])),
+            "host_reads": [dict(zip(LAYOUTS, r["host_reads"])) for r in out]}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -85,7 +74,7 @@ def test_zero_layout_matches_one_process(runs, name):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_zero_resume_is_bit_exact(runs, name):
-    assert_resumed_bit_exact(name, runs["first"][name], runs["second"][name], STEPS - EVERY, STEPS,
+    assert_resumed_bit_exact(name, runs["first"][name], runs["second"][name], EVERY, STEPS,
                              runs["root"] / name)
 
 
@@ -139,8 +128,9 @@ def test_model_state_bytes_equal_the_estimator(runs, name):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_zero_keeps_one_host_read_per_step(runs, name):
     """The reduce-scatter, the norm's all-reduce and the all-gather stay on the device: the
-    stabilizer's verdict is still the step's only host read, on every rank."""
-    assert [r[name] for r in runs["host_reads"]] == [1.0] * 4
+    stabilizer's verdict is still the step's only host read, on every rank (counted step by step
+    in the fresh run: every step from 2 on but the one after the save at EVERY)."""
+    assert [r[name] for r in runs["host_reads"]] == [{s: 1 for s in range(2, STEPS + 1) if s != EVERY + 1}] * 4
 
 
 # ---------------------------------------------------------------- refusals (no ranks started)

@@ -35,14 +35,25 @@ def census(rank, world_size, cfg):
             "blocks": len(getattr(stage, "block_ids", range(mcfg.n_layers)))}
 
 
-def train_and_census(rank, world_size, runs, census_cfgs, host_cfgs, host_root):
-    """The trainer runs (model_parallel_rank_fns.train_many), each census, then the host reads per
-    step of each ``host_cfgs`` run (rank_fns.host_reads_on_rank), in one launch."""
-    import os
-
+def train_census_faults_resume(rank, world_size, runs, census_cfgs, faulty):
+    """One launch (starting 4 ranks and each process's first train() are the slow part): the
+    trainer runs ``(cfg, out)`` into ``out/full``, each census, the runs with injected faults
+    (``faulty``: model_parallel_rank_fns.train_many's ``(cfg, out, resume, faults)``), then each
+    resume of ``out/cut`` (``out/full`` without its newest checkpoint). The fresh runs count the
+    host reads per step on the way (model_parallel_rank_fns.train_counting_reads)."""
     import model_parallel_rank_fns as mp
-    import rank_fns
 
-    return {"runs": mp.train_many(rank, world_size, runs), "census": [census(rank, world_size, c) for c in census_cfgs],
-            "host_reads": [rank_fns.host_reads_on_rank(rank, world_size, c, os.path.join(host_root, str(i)))
-                           for i, c in enumerate(host_cfgs)]}
+    from course_lib.train import train
+
+    first, reads = [], []
+    for cfg, out in runs:
+        result, per_step = mp.train_counting_reads(cfg, out + "/full")
+        first.append(mp.weights_entry(rank, result))
+        reads.append(per_step)
+    census_out = [census(rank, world_size, c) for c in census_cfgs]
+    faults_out = mp.train_many(rank, world_size, faulty)
+    second = []
+    for cfg, out in runs:
+        mp.copy_without_newest(out + "/full", out + "/cut")
+        second.append(mp.weights_entry(rank, train(cfg, out + "/cut", resume=True)))
+    return {"runs": first, "census": census_out, "faults": faults_out, "second": second, "host_reads": reads}
