@@ -35,6 +35,22 @@ def tiny_cfg(grad_accum: int, extra: tuple[str, ...] = (), **sets) -> dict:
     return train_config.load(TINY, overrides)
 
 
+RESUME_TAIL = 4  # steps a layout test resumes: its run saves at max_steps - RESUME_TAIL and at the end
+
+
+def resume_save_every(steps: int) -> int:
+    """Checkpoint interval (steps) of a layout run whose resume starts from the checkpoint before
+    the last one, RESUME_TAIL steps before the end."""
+    return steps - RESUME_TAIL
+
+
+def micro_batches_per_step(steps: int, accum: int) -> int:
+    """Micro-batches per optimizer step of a layout run: the 30-step run (issue 20's loss match)
+    takes its global batch as ONE micro-batch (accumulation is not its point, and a micro-batch
+    costs a forward, a backward and their collectives); the shorter layouts keep ``accum``."""
+    return 1 if steps == 30 else accum
+
+
 def rows(out) -> list[dict]:
     """The run's metrics.jsonl rows."""
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]

@@ -33,7 +33,8 @@ from course_lib.measure import tinygpt_activation_kwargs
 from course_lib.parallel import run_ranks
 from course_lib.labs import lab10_tensor_parallel as lab_runs
 from course_lib.train import train
-from layout_checks import assert_matches_one_process, assert_resumed_bit_exact, rows, tiny_cfg
+from layout_checks import (RESUME_TAIL, assert_matches_one_process, assert_resumed_bit_exact, micro_batches_per_step,
+                           resume_save_every, rows, tiny_cfg)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,12 +55,7 @@ LAYOUTS = {
 REFERENCES = sorted({(steps, model["n_layers"]) for steps, _, _, model in LAYOUTS.values()})
 
 
-TAIL = 4  # steps resumed: the run saves at max_steps - TAIL and at the end; the resume starts from the first
-
-
-def every(steps):
-    """Checkpoint interval: the resume starts from the one before the last, TAIL steps before the end."""
-    return steps - TAIL
+every = resume_save_every  # the resume starts RESUME_TAIL steps before the end
 
 
 def cfg(grad_accum=ACCUM, **sets):
@@ -67,10 +63,8 @@ def cfg(grad_accum=ACCUM, **sets):
 
 
 def accum(steps):
-    """Micro-batches per step: the 30-step run (issue 20's loss match) takes its global batch as ONE
-    micro-batch of ``MB * ACCUM`` (accumulation is not its point: a micro-batch costs a forward,
-    a backward and their collectives), the 8-step layouts keep ``ACCUM`` micro-batches."""
-    return 1 if steps == 30 else ACCUM
+    """Micro-batches per step (layout_checks.micro_batches_per_step)."""
+    return micro_batches_per_step(steps, ACCUM)
 
 
 def layout_cfg(name):
@@ -105,7 +99,7 @@ def test_recomputation_matches_one_process_without_it(runs, name):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_resume_is_bit_exact(runs, name):
     steps = LAYOUTS[name][0]
-    start = steps - TAIL
+    start = steps - RESUME_TAIL
     assert_resumed_bit_exact(name, runs["first"][name], runs["second"][name], start, steps, runs["root"] / name)
 
 
