@@ -8,7 +8,7 @@ os.environ.setdefault("COURSE_SMOKE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
 
-# `./kit test` runs two pytest workers (pytest-xdist) on machines with 2 cores. torch's default of
+# `COURSE_TEST_WORKERS=2 ./kit test` runs two pytest workers (pytest-xdist) on 2 cores. torch's default of
 # one OpenMP thread per core, in each worker, its notebook kernels and its subprocesses, puts more
 # threads than cores to work, and spinning OpenMP threads then wait for each other: a lab cell
 # that takes 6 s alone took 95 s next to a 4-rank job. One thread each (inherited by kernels and
