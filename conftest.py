@@ -1,6 +1,8 @@
 """Root pytest configuration: loaded for every test path, notebooks (nbval) included."""
 import os
 
+import pytest
+
 # Notebook kernels started by nbval inherit this environment. nbval cannot inject parameters, so
 # COURSE_SMOKE=1 is how it gets smoke-test sizes (course_lib.smoke reads it); Agg keeps
 # matplotlib headless.
@@ -32,3 +34,44 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Under two workers, a check that compares measured times (a pipeline bubble, an overlap, a
+# bandwidth fit) would measure the other worker too. Such tests carry the marker `exclusive`, and
+# such notebook cells the tag `timing`; each of them runs alone: it takes a file lock exclusively,
+# every other test takes it shared. A turnstile lock, held by a waiting exclusive test, stops new
+# shared tests from slipping in ahead of it, so it waits for at most the one test already running.
+_XDIST_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+
+
+def _runs_alone(item) -> bool:
+    if item.get_closest_marker("exclusive") is not None:
+        return True
+    cell = getattr(item, "cell", None)  # an nbval notebook cell
+    return cell is not None and "timing" in cell.get("metadata", {}).get("tags", [])
+
+
+def _lock_files():
+    import tempfile
+    from pathlib import Path
+
+    base = Path(tempfile.gettempdir()) / f"course-pytest-{_XDIST_RUN}"
+    return base.with_suffix(".turnstile"), base.with_suffix(".lock")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _XDIST_RUN:
+        return (yield)
+    import fcntl
+
+    turnstile_path, lock_path = _lock_files()
+    with open(turnstile_path, "a") as turnstile, open(lock_path, "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if _runs_alone(item):
+            fcntl.flock(lock, fcntl.LOCK_EX)  # waits for the test running on the other worker
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        else:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        return (yield)  # set-up, call and tear-down all run under the lock

@@ -168,7 +168,7 @@ check(estimate.accelerator("h100-sxm5-80gb").peak_flops("fp32") >= 100 * per_thr
 # computed per round against that round's peak, so a busy moment slows numerator and denominator
 # together.
 
-# %%
+# %% tags=["timing"]
 cfg = ModelConfig.preset("tiny", d_model=D_MODEL, n_layers=N_LAYERS, n_heads=N_HEADS, block_size=SEQ)
 torch.manual_seed(0)
 model = TinyGPT(cfg)

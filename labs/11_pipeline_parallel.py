@@ -96,7 +96,7 @@ for schedule in ("gpipe", "1f1b"):
 # compute (a micro-batch's forward sleeps `FWD_S / m`, its backward twice that, so the ideal
 # step time is the same for every m).
 
-# %%
+# %% tags=["timing"]
 HEAVY = lab_runs.model_config(vocab_size=896)  # section 5: an LM head that costs two blocks
 BLOCK_FLOPS = stage_costs(HEAVY, HEAVY.n_layers)[0]  # one block's forward FLOPs, one sequence
 jobs = [dict(schedule=s, m=m, timed=REPEATS, fwd_s=FWD_S, train_steps=TRAIN_STEPS if m == GANTT_M else 0)
@@ -358,7 +358,7 @@ for s in range(PP):
 # longer than section 1's, because torch spends more time per op than our runner) and counts the
 # live saved bytes.
 
-# %%
+# %% tags=["timing"]
 torch_jobs = [dict(schedule=s, v=v, m=GANTT_M, train_steps=TRAIN_STEPS, timed=REPEATS, fwd_s=TORCH_FWD_S)
               for s, v in (("1f1b", 1), ("interleaved", 2))]
 torch_res = run_ranks(lab_runs.torch_runs, PP, torch_jobs, GLOBAL_BATCH, threads_per_rank=1, show_output=False,

@@ -101,7 +101,7 @@ def model_sets(batch):
 # Collective time that ran *while* something computed is "hidden" by overlap and reported on its
 # own. Every run of this lab is launched once, on `WORLD` ranks, one after the other:
 
-# %%
+# %% tags=["timing"]
 JOBS = {
     "tiny-cpu config": trainer_cfg("train.util_sample_s=0.1", steps=UTIL_STEPS),
     "comm-bound (few tokens)": trainer_cfg(*model_sets(SMALL_BATCH), "train.strategy='ddp-scratch'",
@@ -242,7 +242,7 @@ check(hidden[names3[1]] > hidden[names3[0]], "with several buckets some all-redu
 # GPU kernels, so the waiting is real and the machine's load matters less). The even split gives
 # every stage 2 blocks; `balanced_split` moves one off the last stage.
 
-# %%
+# %% tags=["timing"]
 HEAVY = lab_runs.model_config(vocab_size=896)  # the output layer costs about two blocks
 BLOCK_FLOPS = stage_costs(HEAVY, HEAVY.n_layers)[0]
 flop_s = PIPE_FWD_S / 2 / (BLOCK_FLOPS * 16)  # seconds per FLOP: a block's forward = PIPE_FWD_S / 2

@@ -329,6 +329,7 @@ FWD_S, BWD_S = 0.03, 0.06  # simulated compute per micro-batch: >> the tiny mode
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive
 @pytest.mark.parametrize("world", [2, 4])
 def test_measured_bubble_matches_the_estimate_with_fixed_compute_time(world):
     results = run_ranks(fns.bubble_runs, world, FWD_S, BWD_S, timeout=240, threads_per_rank=1,
@@ -345,6 +346,7 @@ def test_measured_bubble_matches_the_estimate_with_fixed_compute_time(world):
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive
 def test_a_heavy_head_makes_the_even_split_idle_and_balancing_fixes_it():
     m = 8
     results = run_ranks(fns.imbalance_runs, 2, fns.HEAVY_HEAD, 0.02 / 425_984, m, timeout=240,

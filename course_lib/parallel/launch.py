@@ -267,6 +267,13 @@ class _OutputRelay:
 
 
 RANK_START_METHODS = ("forkserver", "spawn")
+# What the fork server imports once, so that no rank pays for it: torch and its distributed
+# packages only (none runs compute or starts a thread on import). Measured on 2 cores: a 4-rank
+# launch that imports FSDP2, DTensor TP, pipelining and DCP took 3.8 s with torch alone
+# preloaded, 0.3 s with these. course_lib and the user's modules are imported fresh after the
+# fork, so an edited one is never stale.
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
+                      "torch.distributed.pipelining", "torch.distributed.checkpoint")
 
 
 def _start_context(mp):
@@ -279,9 +286,7 @@ def _start_context(mp):
         method = "spawn"
     ctx = mp.get_context(method)
     if method == "forkserver":
-        # torch only (it runs no compute and starts no thread on import): a rank imports
-        # course_lib and the user's modules fresh after the fork, so an edited one is never stale.
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     return ctx
 
 
