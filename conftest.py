@@ -19,9 +19,29 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def pytest_collection_modifyitems(config, items):
-    import pytest
+def _longest_files_first(items) -> None:
+    """Two workers take whole files in collection order, so a long file collected last leaves
+    one worker idle at the end. Order the files longest first (tests/file_seconds.json, measured
+    in one process; unknown files last), each file's items in their own order."""
+    import json
+    from pathlib import Path
 
+    table = Path(__file__).with_name("tests") / "file_seconds.json"
+    seconds = json.loads(table.read_text()) if table.exists() else {}
+    root = Path(__file__).parent
+
+    def weight(item) -> float:
+        try:
+            return seconds.get(Path(str(item.fspath)).relative_to(root).as_posix(), 0.0)
+        except ValueError:  # a path outside the kit
+            return 0.0
+
+    items.sort(key=lambda item: -weight(item))  # stable: a file's items keep their order
+
+
+def pytest_collection_modifyitems(config, items):
+    if _XDIST_RUN:
+        _longest_files_first(items)
     try:
         import torch
 

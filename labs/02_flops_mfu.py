@@ -132,7 +132,7 @@ check(abs(per_token - 855_166_464) < 1, "6N + 12LHQT for GPT-2 124M should be 85
 # the best time of a large fp32 matrix multiply (`measure.cpu_matmul_peak_flops`), on the same
 # threads the training uses. It is the best the chip can do on the friendliest possible workload.
 
-# %%
+# %% tags=["timing"]
 sizes = [128, 256, 512] if SMOKE else [128, 256, 512, 1024, 2048]
 # Three passes over all sizes, best per size: a moment when another program holds a core then
 # costs one pass of one size, not the whole curve.

@@ -36,7 +36,7 @@ PIPE_FWD_S = 0.16  # section 4: simulated forward seconds of a 2-block stage for
 MEM_BATCHES = (2, 4, 8, 16)  # section 5
 STALL_TIMEOUT_S = 3.0  # section 7: train.watchdog_s
 
-# %%
+# %% tags=["timing"]
 import tempfile
 from pathlib import Path
 
