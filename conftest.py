@@ -87,6 +87,9 @@ def pytest_runtest_protocol(item, nextitem):
 
     turnstile_path, lock_path = _lock_files()
     with open(turnstile_path, "a") as turnstile, open(lock_path, "a") as lock:
+        import time
+
+        asked = time.monotonic()
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         if _runs_alone(item):
             fcntl.flock(lock, fcntl.LOCK_EX)  # waits for the test running on the other worker
@@ -94,4 +97,7 @@ def pytest_runtest_protocol(item, nextitem):
         else:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
             fcntl.flock(lock, fcntl.LOCK_SH)
+        waited = time.monotonic() - asked
+        if waited >= 0.5:  # in the JUnit report (--junitxml): what running alone costs
+            item.user_properties.append(("lock_wait_s", round(waited, 1)))
         return (yield)  # set-up, call and tear-down all run under the lock

@@ -125,7 +125,7 @@ print("all four collectives did what the table says")
 # start-up cost (latency) plus a cost per byte. A ring all-reduce over `p` ranks sends
 # `2 (p-1)/p x n` bytes per rank. We time gloo's all-reduce over a range of sizes and fit both.
 
-# %% tags=["timing"]
+# %%
 sizes = [2**k for k in range(10, 21 if SMOKE else 27, 2)]  # bytes per rank: 1 KiB .. 64 MiB
 repeats = 3 if SMOKE else 10
 seconds = run_ranks(collectives.time_all_reduce, WORLD_SIZE, sizes, repeats)[0]

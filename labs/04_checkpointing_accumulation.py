@@ -250,7 +250,7 @@ print(f"one layer, fused attention: none {per_layer['none'] / MiB:.2f} MiB, sele
 # estimate is the extra FLOPs of recomputation (`estimate.model_flops_per_iteration` with
 # `recompute=`): full adds one forward of every block, about a third of a step's block FLOPs.
 
-# %% tags=["timing"]
+# %%
 timers = {(att, s): measure.StepTimer(tokens_per_step=BATCH * SEQ_LEN, warmup=1)
           for att in models for s in STRATEGIES}
 for _ in range(TIMED_ROUNDS + 1):
@@ -660,7 +660,7 @@ check(rel_err(naive, big_pad) > 100 * rel_err(weighted, big_pad), "with unequal 
 # What accumulation buys: memory per micro-batch. Activations scale with the micro-batch size,
 # the gradient does not change, and the price is smaller matmuls run one after another:
 
-# %% tags=["timing"]
+# %%
 KS = (1, 2, ACCUM)
 acc_saved = {k: measure.saved_activation_bytes(model, x[:BATCH // k], y[:BATCH // k]).total_bytes for k in KS}
 acc_timers = {k: measure.StepTimer(warmup=1) for k in KS}

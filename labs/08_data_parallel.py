@@ -122,7 +122,7 @@ check(weight_diff < 1e-5, f"NaiveDDP's weights differ from one process by {weigh
 # (the configurations take turns, one step each, so load from elsewhere hits them alike):
 # NaiveDDP, BucketedDDP with one bucket, and BucketedDDP with `TIMELINE_BUCKET_MB` MiB buckets.
 
-# %% tags=["timing"]
+# %%
 SPECS = {"NaiveDDP": {"kind": "naive"},
          "BucketedDDP, one bucket": {"kind": "bucketed", "bucket_mb": None},
          f"BucketedDDP, {TIMELINE_BUCKET_MB:g} MiB buckets": {"kind": "bucketed", "bucket_mb": TIMELINE_BUCKET_MB}}
@@ -403,7 +403,7 @@ check(ref["losses"][-1] < ref["losses"][0] - 0.3, "the loss should fall clearly 
 #
 # First we fit alpha and the bandwidth on this machine, as in lab 00:
 
-# %% tags=["timing"]
+# %%
 sizes = [2**k for k in range(10, 21 if SMOKE else 25, 2)]  # bytes per rank: 1 KiB .. 16 MiB
 seconds = run_ranks(collectives.time_all_reduce, WORLD_SIZE, sizes, 3 if SMOKE else 10)[0]
 fit = comm.fit_alpha_beta(sizes, seconds, collective="all-reduce", n_ranks=WORLD_SIZE)
@@ -417,7 +417,7 @@ print(f"alpha = {fit.alpha_s * 1e6:.0f} us per all-reduce, bus bandwidth = "
 # (no compute to hide behind: this is the pure communication cost). The bucket sizes come from
 # BucketedDDP itself (its timeline records each message's bytes).
 
-# %% tags=["timing"]
+# %%
 configs = [None, 25.0, TIMELINE_BUCKET_MB, 0.05, 1e-4, "naive"]
 measured = run_ranks(lab_runs.sync_cost, WORLD_SIZE, configs, SYNC_REPEATS,
                      d_model=TIMELINE_D_MODEL, n_layers=TIMELINE_LAYERS)[0]

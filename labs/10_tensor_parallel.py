@@ -507,7 +507,7 @@ check(first["dtensor_comm"].get("all_gather_into_tensor") == first["scratch_wire
 # replay the collectives that one TinyGPT step of section 5 issued (their sizes as the wire
 # counter recorded them), alone, back to back.
 
-# %% tags=["timing"]
+# %%
 sizes = [2**k for k in range(10, 23 if SMOKE else 25, 2)]  # bytes per rank: 1 KiB .. 16 MiB
 calls = first["scratch_calls"]  # (kind, elements of the full tensor, dtype), as recorded in section 5
 # the same step without SP: each all-gather + reduce-scatter pair is one all-reduce of the same tensor

@@ -85,15 +85,17 @@ def train_measure_resume(rank, world_size, runs):
     then every resume of ``out/cut`` (``out/full`` without its newest checkpoint), in one launch
     (model_parallel_rank_fns; starting 4 ranks and each process's first train() are the slow part).
     Returns ``{"first": [...], "second": [...]}``, model_parallel_rank_fns.weights_entry's reports,
-    the first with ``"census"``."""
+    the first with ``"census"`` and ``"reads"`` (the fresh run's host reads per step,
+    model_parallel_rank_fns.train_counting_reads)."""
     import model_parallel_rank_fns as fns
 
     from course_lib.train import train
 
     first = []
     for cfg, out in runs:
-        result = train(cfg, out + "/full")
-        first.append({**fns.weights_entry(rank, result), "census": _stage_census(result.strategy, cfg)})
+        result, reads = fns.train_counting_reads(cfg, out + "/full")
+        first.append({**fns.weights_entry(rank, result), "census": _stage_census(result.strategy, cfg),
+                      "reads": reads})
     second = []
     for cfg, out in runs:
         fns.copy_without_newest(out + "/full", out + "/cut")

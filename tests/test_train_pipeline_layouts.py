@@ -20,9 +20,9 @@ process's first train() are the slow part):
   (bf16 gradients, element-wise error near 2^-8 that does not average out in a norm): 5e-2.
   That autocast really reaches torch's stages is checked directly: the last stage's logits are bf16.
 
-Every layout resumes bit-exact from the checkpoint before its last (4 steps before the end); the
-interleaved tp2 bf16 layout makes one host read per step (the stabilizer's), counted step by step
-in its fresh run (model_parallel_rank_fns.train_counting_reads). Pure tests of the split
+Every layout resumes bit-exact from the checkpoint before its last (4 steps before the end) and
+makes one host read per step (the stabilizer's), counted step by step in its fresh run
+(model_parallel_rank_fns.train_counting_reads). Pure tests of the split
 function (course_lib.estimate.stage_split) and of the config refusals need no ranks.
 """
 from __future__ import annotations
@@ -84,10 +84,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline_layouts")
     single = {key: train(cfg(train__max_steps=key[0], train__micro_batch=MB, model__n_layers=key[1],
                              train__precision=key[2]), root / reference(*key)) for key in REFERENCES}
-    reads_of = list(LAYOUTS).index("interleaved-tp2-bf16")  # its fresh run counts the host reads per step
-    out = run_ranks(fns.layouts_then_resumes, 4, [(layout_cfg(n), str(root / n)) for n in LAYOUTS], [reads_of],
+    counted = range(len(LAYOUTS))  # every fresh run counts the host reads per step
+    out = run_ranks(fns.layouts_then_resumes, 4, [(layout_cfg(n), str(root / n)) for n in LAYOUTS], counted,
                     timeout=900)
-    return {"root": root, "single": single, "reads": [r["reads"][reads_of] for r in out],
+    return {"root": root, "single": single,
+            "reads": {n: [r["reads"][i] for r in out] for i, n in enumerate(LAYOUTS)},
             "first": [dict(zip(LAYOUTS, r["first"])) for r in out],
             "second": [dict(zip(LAYOUTS, r["second"])) for r in out]}
 
@@ -124,12 +125,13 @@ def test_interleaved_tp_bf16_matches_one_process_under_the_same_autocast(runs):
     assert [r[name]["logits_dtype"] for r in runs["first"]] == [None, None, "torch.bfloat16", "torch.bfloat16"]
 
 
-def test_interleaved_tp_bf16_keeps_one_host_read_per_step(runs):
-    """Torch's schedule with our autocast, loss and scale hooks adds no host read to the
-    stabilizer's one per step (the loss stays on the device; the scale is the scaler's tensor).
-    Every step from 2 on but the one after the save."""
-    steps = LAYOUTS["interleaved-tp2-bf16"][0]
-    assert runs["reads"] == [{s: 1 for s in range(2, steps + 1) if s != every(steps) + 1}] * 4, runs["reads"]
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_split_and_schedule_keeps_one_host_read_per_step(runs, name):
+    """A chosen split or torch's interleaved schedule with our autocast, loss and scale hooks adds
+    no host read to the stabilizer's one per step (the loss stays on the device; the scale is the
+    scaler's tensor). Every step from 2 on but the one after the save, on every rank."""
+    steps = LAYOUTS[name][0]
+    assert runs["reads"][name] == [{s: 1 for s in range(2, steps + 1) if s != every(steps) + 1}] * 4, runs["reads"]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -97,6 +97,16 @@ def test_recomputation_matches_one_process_without_it(runs, name):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
+def test_recomputation_keeps_one_host_read_per_step(runs, name):
+    """Recomputing a block replays its forward, never a host read: every rank's fresh run makes
+    the stabilizer's one read per step (every step from 2 on but the one after the save)."""
+    steps = LAYOUTS[name][0]
+    want = {s: 1 for s in range(2, steps + 1) if s != every(steps) + 1}
+    got = [rank[name]["reads"] for rank in runs["census"]]
+    assert got == [want] * 4, got
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_resume_is_bit_exact(runs, name):
     steps = LAYOUTS[name][0]
     start = steps - RESUME_TAIL
