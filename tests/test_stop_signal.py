@@ -101,6 +101,9 @@ def _stopped_step(out: Path, log: str, reference, took: float, what: str) -> int
     return stopped_at
 
 
+@pytest.mark.slow  # the default suite holds the same path in lab 14 section 7 (labs/14_capstone.ipynb,
+# run by nbval): SIGUSR1 to one worker of a 2-rank torchrun job, the stop exit code, "stopped by a
+# peer rank's signal", the checkpoint step, and a resume whose losses equal the reference's exactly
 def test_sigusr1_to_one_worker_stops_both_ranks_at_one_step_and_resumes_exactly(tmp_path, reference):
     out = tmp_path / "usr1"
     proc = _torchrun(out)
@@ -118,7 +121,7 @@ def test_sigusr1_to_one_worker_stops_both_ranks_at_one_step_and_resumes_exactly(
     assert _losses(out) == reference  # bit-exact: the same floats at every step, 1..STEPS
 
 
-@pytest.mark.slow  # two more torchrun jobs (~20 s on 2 loaded cores); the default run keeps the one above
+@pytest.mark.slow  # two more torchrun jobs (~20 s on 2 loaded cores)
 def test_sigterm_to_the_torchrun_agent_reaches_every_worker_and_checkpoints(tmp_path, reference):
     """torchrun's agent forwards SIGTERM to its workers and waits (--shutdown-timeout, 30 s by
     default) before SIGKILL: time enough to checkpoint and leave."""
