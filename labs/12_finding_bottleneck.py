@@ -171,8 +171,11 @@ plt.show()
 
 
 def mean_share(name, key="comm_share"):
-    rows = bottleneck_runs.breakdown_rows(OUT[name], name)
-    return sum(r[key] for r in rows) / len(rows)
+    values = [r[key] for r in bottleneck_runs.breakdown_rows(OUT[name], name)]
+    check(None not in values, f"{name}: some steps logged no {key}. The trainer leaves MFU out rather than print "
+          "one above 100%, which happens when the peak measured at the top of this lab came out too low (another "
+          "program held a core then): run the lab again on a quiet machine")
+    return sum(values) / len(values)
 
 
 comm_bound, compute_bound = mean_share("comm-bound (few tokens)"), mean_share("compute-bound (many tokens)")
