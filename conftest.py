@@ -18,6 +18,8 @@ os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+_XDIST_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set in the workers of an xdist run
+
 
 def _longest_files_first(items) -> None:
     """Two workers take whole files in collection order, so a long file collected last leaves
@@ -61,9 +63,6 @@ def pytest_collection_modifyitems(config, items):
 # such notebook cells the tag `timing`; each of them runs alone: it takes a file lock exclusively,
 # every other test takes it shared. A turnstile lock, held by a waiting exclusive test, stops new
 # shared tests from slipping in ahead of it, so it waits for at most the one test already running.
-_XDIST_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-
-
 def _runs_alone(item) -> bool:
     if item.get_closest_marker("exclusive") is not None:
         return True
@@ -84,11 +83,10 @@ def pytest_runtest_protocol(item, nextitem):
     if not _XDIST_RUN:
         return (yield)
     import fcntl
+    import time
 
     turnstile_path, lock_path = _lock_files()
     with open(turnstile_path, "a") as turnstile, open(lock_path, "a") as lock:
-        import time
-
         asked = time.monotonic()
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         if _runs_alone(item):
