@@ -44,6 +44,13 @@ def resume_save_every(steps: int) -> int:
     return steps - RESUME_TAIL
 
 
+def one_read_per_step(steps: int) -> dict[int, int]:
+    """The host reads per step a synchronously saving layout run of ``steps`` steps must show
+    (model_parallel_rank_fns.train_counting_reads): one, the stabilizer's, at every step from 2 on
+    but the one after the save at resume_save_every(steps)."""
+    return {s: 1 for s in range(2, steps + 1) if s != resume_save_every(steps) + 1}
+
+
 def micro_batches_per_step(steps: int, accum: int) -> int:
     """Micro-batches per optimizer step of a layout run: the 30-step run (issue 20's loss match)
     takes its global batch as ONE micro-batch (accumulation is not its point, and a micro-batch

@@ -133,9 +133,19 @@ def train_then_resume(rank, world_size, runs, count_reads=(), entry=None):
         else:
             result = train(cfg, out + "/full")
         first.append(entry(rank, result))
-    second = []
+    return {"first": first, "second": resume_each(rank, runs, entry), "reads": reads}
+
+
+def resume_each(rank, runs, entry=None) -> list:
+    """For each ``(cfg, out_dir)`` whose fresh run is in ``out_dir + "/full"``: copy it to
+    ``out_dir + "/cut"`` without its newest checkpoint, resume that with the same cfg, and report
+    the result with ``entry(rank, result)`` (default :func:`weights_entry`)."""
+    from course_lib.train import train
+
+    entry = entry or weights_entry
+    reports = []
     for cfg, out in runs:
         copy_without_newest(out + "/full", out + "/cut")
-        second.append(entry(rank, train(cfg, out + "/cut", resume=True)))
-    return {"first": first, "second": second, "reads": reads}
+        reports.append(entry(rank, train(cfg, out + "/cut", resume=True)))
+    return reports
 

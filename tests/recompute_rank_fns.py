@@ -89,15 +89,9 @@ def train_measure_resume(rank, world_size, runs):
     model_parallel_rank_fns.train_counting_reads)."""
     import model_parallel_rank_fns as fns
 
-    from course_lib.train import train
-
     first = []
     for cfg, out in runs:
         result, reads = fns.train_counting_reads(cfg, out + "/full")
         first.append({**fns.weights_entry(rank, result), "census": _stage_census(result.strategy, cfg),
                       "reads": reads})
-    second = []
-    for cfg, out in runs:
-        fns.copy_without_newest(out + "/full", out + "/cut")
-        second.append(fns.weights_entry(rank, train(cfg, out + "/cut", resume=True)))
-    return {"first": first, "second": second}
+    return {"first": first, "second": fns.resume_each(rank, runs)}

@@ -27,7 +27,7 @@ from course_lib.parallel.context_parallel.in_trainer import local_chunk, loss_sh
 from course_lib.parallel.context_parallel.layout import merge_sequence
 from course_lib.train import train
 from layout_checks import (RESUME_TAIL, assert_matches_one_process, assert_resumed_bit_exact, max_rel, micro_batches_per_step,
-                           resume_save_every, rows, tiny_cfg)
+                           one_read_per_step, resume_save_every, rows, tiny_cfg)
 
 MB, ACCUM = 8, 2  # the reference: 8 sequences per micro-batch, 2 micro-batches per step
 
@@ -147,7 +147,7 @@ def test_one_host_read_per_step_under_cp(runs):
     """tp2 x cp2, counted step by step in the fresh run: every step from 2 on but the one after
     its save (model_parallel_rank_fns.train_counting_reads)."""
     steps = LAYOUTS["tp2-cp2"][0]
-    assert runs["reads"] == [{s: 1 for s in range(2, steps + 1) if s != every(steps) + 1}] * 4, runs["reads"]
+    assert runs["reads"] == [one_read_per_step(steps)] * 4, runs["reads"]
 
 
 # ---------------------------------------------------------------- no ranks

@@ -30,10 +30,10 @@ from course_lib import train_config
 from course_lib.estimate.memory import model_state_bytes
 from course_lib.parallel import run_ranks
 from course_lib.train import train
-from layout_checks import assert_matches_one_process, max_rel, rows, tiny_cfg
+from layout_checks import assert_matches_one_process, max_rel, resume_save_every, rows, tiny_cfg
 
 MB, ACCUM, STEPS, SHORT = 8, 2, 30, 5
-EVERY = 26  # saves at 26 and at the end (30): the resume from 26 runs the last 4 steps
+EVERY = resume_save_every(STEPS)  # saves at 26 and at the end (30): the resume from 26 runs the last 4 steps
 # The faults ride on a resume from step 26: the spike detector needs 16 steps of history (its
 # window comes back from the checkpoint). Step 28 is skipped (inf), a save at 28, then a spike at
 # step 30 rolled back to it.

@@ -29,7 +29,8 @@ from course_lib import train_config
 from course_lib.parallel import run_ranks
 from course_lib.parallel.mesh import MeshLayout, mesh_layout
 from course_lib.train import train
-from layout_checks import assert_matches_one_process, assert_resumed_bit_exact, rows, tiny_cfg
+from layout_checks import (RESUME_TAIL, assert_matches_one_process, assert_resumed_bit_exact, one_read_per_step,
+                           resume_save_every, rows, tiny_cfg)
 
 MB, ACCUM = 8, 2  # the reference: 8 sequences per micro-batch, 2 micro-batches per step
 
@@ -51,12 +52,7 @@ DEFAULT = [n for n in LAYOUTS if n not in SLOW]
 REFERENCES = sorted({(LAYOUTS[n][0], LAYOUTS[n][3]) for n in DEFAULT})  # (steps, n_layers)
 
 
-TAIL = 4  # steps resumed: the run saves at max_steps - TAIL and at the end; the resume starts from the first
-
-
-def every(steps):
-    """Checkpoint interval: the resume starts from the one before the last, TAIL steps before the end."""
-    return steps - TAIL
+every = resume_save_every  # the resume starts RESUME_TAIL steps before the end
 
 
 def cfg(**sets):
@@ -114,7 +110,7 @@ def test_layout_matches_one_process(runs, name):
 @pytest.mark.parametrize("name", DEFAULT)
 def test_resume_is_bit_exact(runs, name):
     steps = LAYOUTS[name][0]
-    start = steps - TAIL
+    start = steps - RESUME_TAIL
     assert_resumed_bit_exact(name, runs["first"][name], runs["second"][name], start, steps, runs["root"] / name)
 
 
@@ -132,7 +128,7 @@ def test_slow_layouts_match_and_resume(tmp_path):
         first, second = out[0]["first"][i], out[0]["second"][i]
         check_layout_matches_one_process(name, tmp_path, first, refs[name].model)
         steps = LAYOUTS[name][0]
-        assert_resumed_bit_exact(name, first, second, steps - TAIL, steps, tmp_path / name)
+        assert_resumed_bit_exact(name, first, second, steps - RESUME_TAIL, steps, tmp_path / name)
 
 
 def test_rank_layout_is_tp_innermost(runs):
@@ -234,4 +230,4 @@ def test_tp_and_pp_keep_one_host_read_per_step(runs):
     Counted step by step in the fresh run: every step from 2 on but the one after its save
     (model_parallel_rank_fns.train_counting_reads)."""
     steps = LAYOUTS["tp2-pp2"][0]
-    assert runs["reads"] == [{s: 1 for s in range(2, steps + 1) if s != every(steps) + 1}] * 4, runs["reads"]
+    assert runs["reads"] == [one_read_per_step(steps)] * 4, runs["reads"]

@@ -36,7 +36,8 @@ from course_lib.estimate.stage_split import end_weights, split_for_config, split
 from course_lib.parallel import run_ranks
 from course_lib.parallel.mesh import mesh_layout
 from course_lib.train import train
-from layout_checks import assert_matches_one_process, assert_resumed_bit_exact, rows, tiny_cfg
+from layout_checks import (RESUME_TAIL, assert_matches_one_process, assert_resumed_bit_exact, one_read_per_step,
+                           resume_save_every, rows, tiny_cfg)
 
 MB, ACCUM = 8, 2  # the reference: 8 sequences per micro-batch, 2 micro-batches per step
 BF16_LOSS_RTOL, BF16_GRAD_NORM_RTOL = 1e-3, 5e-2
@@ -51,12 +52,7 @@ LAYOUTS = {
 REFERENCES = sorted({(steps, layers, prec) for steps, _, _, layers, prec in LAYOUTS.values()})
 
 
-TAIL = 4  # steps resumed: the run saves at max_steps - TAIL and at the end; the resume starts from the first
-
-
-def every(steps):
-    """Checkpoint interval: the resume starts from the one before the last, TAIL steps before the end."""
-    return steps - TAIL
+every = resume_save_every  # the resume starts RESUME_TAIL steps before the end
 
 
 def cfg(**sets):
@@ -131,13 +127,13 @@ def test_every_split_and_schedule_keeps_one_host_read_per_step(runs, name):
     no host read to the stabilizer's one per step (the loss stays on the device; the scale is the
     scaler's tensor). Every step from 2 on but the one after the save, on every rank."""
     steps = LAYOUTS[name][0]
-    assert runs["reads"][name] == [{s: 1 for s in range(2, steps + 1) if s != every(steps) + 1}] * 4, runs["reads"]
+    assert runs["reads"][name] == [one_read_per_step(steps)] * 4, runs["reads"]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_resume_is_bit_exact(runs, name):
     steps = LAYOUTS[name][0]
-    start = steps - TAIL
+    start = steps - RESUME_TAIL
     assert_resumed_bit_exact(name, runs["first"][0][name], runs["second"][0][name], start, steps,
                              runs["root"] / name)
 

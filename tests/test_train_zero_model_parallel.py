@@ -25,9 +25,11 @@ from course_lib.measure import tinygpt_shape
 from course_lib.parallel import run_ranks
 from course_lib.parallel.registry import MODEL_PARALLEL_DP
 from course_lib.train import train
-from layout_checks import assert_matches_one_process, assert_resumed_bit_exact, max_rel, rows, tiny_cfg
+from layout_checks import (assert_matches_one_process, assert_resumed_bit_exact, max_rel, one_read_per_step,
+                           resume_save_every, rows, tiny_cfg)
 
-MB, ACCUM, STEPS, EVERY = 8, 2, 30, 26  # saves at 26 and 30: the resume runs the last 4 steps
+MB, ACCUM, STEPS = 8, 2, 30
+EVERY = resume_save_every(STEPS)  # saves at 26 and 30: the resume runs the last RESUME_TAIL steps
 FAULT_STEPS, INF_STEP, INF_PARAM = 4, 3, "blocks.1.mlp.down.weight"  # on the second pipeline stage only
 FAULTS = ["nan_loss@1", f"inf_grad@{INF_STEP}={INF_PARAM}"]
 
@@ -130,7 +132,7 @@ def test_zero_keeps_one_host_read_per_step(runs, name):
     """The reduce-scatter, the norm's all-reduce and the all-gather stay on the device: the
     stabilizer's verdict is still the step's only host read, on every rank (counted step by step
     in the fresh run: every step from 2 on but the one after the save at EVERY)."""
-    assert [r[name] for r in runs["host_reads"]] == [{s: 1 for s in range(2, STEPS + 1) if s != EVERY + 1}] * 4
+    assert [r[name] for r in runs["host_reads"]] == [one_read_per_step(STEPS)] * 4
 
 
 # ---------------------------------------------------------------- refusals (no ranks started)

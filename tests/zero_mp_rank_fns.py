@@ -43,8 +43,6 @@ def train_census_faults_resume(rank, world_size, runs, census_cfgs, faulty):
     host reads per step on the way (model_parallel_rank_fns.train_counting_reads)."""
     import model_parallel_rank_fns as mp
 
-    from course_lib.train import train
-
     first, reads = [], []
     for cfg, out in runs:
         result, per_step = mp.train_counting_reads(cfg, out + "/full")
@@ -52,8 +50,5 @@ def train_census_faults_resume(rank, world_size, runs, census_cfgs, faulty):
         reads.append(per_step)
     census_out = [census(rank, world_size, c) for c in census_cfgs]
     faults_out = mp.train_many(rank, world_size, faulty)
-    second = []
-    for cfg, out in runs:
-        mp.copy_without_newest(out + "/full", out + "/cut")
-        second.append(mp.weights_entry(rank, train(cfg, out + "/cut", resume=True)))
-    return {"runs": first, "census": census_out, "faults": faults_out, "second": second, "host_reads": reads}
+    return {"runs": first, "census": census_out, "faults": faults_out, "second": mp.resume_each(rank, runs),
+            "host_reads": reads}
