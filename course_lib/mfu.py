@@ -18,32 +18,49 @@ import warnings
 
 import torch
 
-# Sizes the trainer's CPU peak is measured at. 1024 and up are where the arithmetic peak shows on
-# the course machines (smaller ones time thread start-up: 256 gave 2 GFLOP/s against 59 at 1024);
-# two sizes so one size's unlucky packing or cache behaviour does not decide the figure.
+# Sizes the trainer's CPU peak is measured at, by torch's thread count. With several threads, 768
+# and up are where the arithmetic peak shows on the course machines (smaller ones time thread
+# start-up: at 2 threads 128 gave 44-80 GFLOP/s against 136-141 at 768-1024). One thread has no
+# start-up to hide, and its peak shows by 256 (71-73 GFLOP/s at 256, 51-69 at 1024): the ranks the
+# kit starts run one thread each, and a smaller pair costs each of them 0.07 s of start-up, not 0.5.
+# Two sizes, so one size's unlucky packing or cache behaviour does not decide the figure.
 CPU_PEAK_SIZES = (768, 1024)
-# bf16/fp16 matmuls on a CPU without native support are emulated at ~1 GFLOP/s (measured here): one
-# 1024 matmul takes 2 s, and six timings of it cost 30 s of start-up. Half-precision peaks are taken
-# at sizes whose timings stay well under a second; where such a peak is too low, the guard below
-# catches the MFU it would produce.
+CPU_PEAK_SIZES_ONE_THREAD = (256, 512)
+# bf16/fp16 matmuls on a CPU without native support are emulated at ~1-2 GFLOP/s (measured here,
+# one thread: 1.9 at 128, 1.3 at 256, 1.2 at 512): one 1024 matmul takes 2 s, and six timings of it
+# cost 30 s of start-up. Half-precision peaks are taken at sizes whose timings stay well under a
+# second (one thread: 0.35 s in all, against 1.6 s at 256 and 512); where such a peak is too low,
+# the guard below catches the MFU it would produce.
 CPU_PEAK_SIZES_HALF = (256, 512)
+CPU_PEAK_SIZES_HALF_ONE_THREAD = (128, 256)
 CPU_PEAK_PASSES = 3
+
+
+def cpu_peak_sizes(dtype: torch.dtype, threads: int) -> tuple[int, ...]:
+    """Matrix sizes (n of an n x n matmul) that show this CPU's peak for ``dtype`` on ``threads``
+    threads (the constants above say why)."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    if dtype == torch.float32:
+        return CPU_PEAK_SIZES_ONE_THREAD if threads == 1 else CPU_PEAK_SIZES
+    return CPU_PEAK_SIZES_HALF_ONE_THREAD if threads == 1 else CPU_PEAK_SIZES_HALF
 
 
 def robust_cpu_peak_flops(dtype: torch.dtype = torch.float32, *, sizes: tuple[int, ...] | None = None,
                           passes: int = CPU_PEAK_PASSES, min_seconds: float = 0.03) -> float:
     """This CPU's matmul peak in FLOP/s (per process, on torch's current thread count).
 
-    ``passes`` interleaved passes over ``sizes`` (default CPU_PEAK_SIZES for fp32,
-    CPU_PEAK_SIZES_HALF otherwise; each size timed once per pass, for at least ``min_seconds``
+    ``passes`` interleaved passes over ``sizes`` (default ``cpu_peak_sizes`` for ``dtype`` and
+    torch's thread count; each size timed once per pass, for at least ``min_seconds``
     seconds), and the best of all the timings: other processes only ever slow a timing down, so
     the fastest is the closest to the chip's peak. About ``passes * len(sizes) * min_seconds``
-    seconds plus one warm-up matmul per timing (0.7 s for fp32 on the course machine).
+    seconds plus one warm-up matmul per timing (on the course machine, one thread: 0.1 s in fp32,
+    0.35 s in bf16; several threads: 0.5 s in fp32).
     """
     from course_lib.measure import cpu_matmul_peak_flops
 
     if sizes is None:
-        sizes = CPU_PEAK_SIZES if dtype == torch.float32 else CPU_PEAK_SIZES_HALF
+        sizes = cpu_peak_sizes(dtype, torch.get_num_threads())
     best = 0.0
     for _ in range(passes):
         for n in sizes:

@@ -18,7 +18,7 @@
 SMOKE = False  # True: small sizes, so the automated tests finish quickly
 D_MODEL, N_LAYERS, N_HEADS = 256, 4, 8  # the TinyGPT we train on this CPU
 SEQ, BATCH = 128, 16  # tokens per sequence, sequences per step
-ROUNDS, STEPS_PER_ROUND = 4, 6  # timing: each round re-measures the CPU peak, then times steps
+ROUNDS, STEPS_PER_ROUND = 4, 6  # timing: each round measures the CPU peak again, then times steps
 
 # %%
 import matplotlib.pyplot as plt
@@ -132,7 +132,7 @@ check(abs(per_token - 855_166_464) < 1, "6N + 12LHQT for GPT-2 124M should be 85
 # the best time of a large fp32 matrix multiply (`measure.cpu_matmul_peak_flops`), on the same
 # threads the training uses. It is the best the chip can do on the friendliest possible workload.
 
-# %% tags=["timing"]
+# %%
 sizes = [128, 256, 512] if SMOKE else [128, 256, 512, 1024, 2048]
 # Three passes over all sizes, best per size: a moment when another program holds a core then
 # costs one pass of one size, not the whole curve.
@@ -163,12 +163,13 @@ check(estimate.accelerator("h100-sxm5-80gb").peak_flops("fp32") >= 100 * per_thr
 #
 # ## 4. MFU of a training run on this CPU
 #
-# A TinyGPT on a synthetic Markov-chain task, AdamW, fp32. Other programs share this machine, so we
-# time in **rounds**: each round measures the matmul peak and then times a few steps, and MFU is
-# computed per round against that round's peak, so a busy moment slows numerator and denominator
-# together.
+# A TinyGPT on a synthetic Markov-chain task, AdamW, fp32, timed in **rounds**: each round measures
+# the matmul peak again, then times a few steps. Other programs share this machine, and a busy
+# moment can only make a timing *slower*. So the ceiling we divide by is the **best** peak measured
+# anywhere in this notebook (section 3's passes and every round's): the closest to what the chip
+# can do. A round that ran while the machine was busy then shows a low MFU, never one above 100%.
 
-# %% tags=["timing"]
+# %%
 cfg = ModelConfig.preset("tiny", d_model=D_MODEL, n_layers=N_LAYERS, n_heads=N_HEADS, block_size=SEQ)
 torch.manual_seed(0)
 model = TinyGPT(cfg)
@@ -196,19 +197,23 @@ rounds = []
 for _ in range(ROUNDS):
     peak = measure.cpu_matmul_peak_flops(1024 if not SMOKE else 512, repeats=3).flops_per_second
     run = measure.time_steps(train_step, STEPS_PER_ROUND, warmup=0, tokens_per_step=BATCH * SEQ)
-    rounds.append((peak, run.tokens_per_second,
-                   estimate.mfu(run.tokens_per_second, flops_per_token["matmul count"], n_devices=1,
-                                peak_flops_per_device=peak)))
-cpu_peak, tokens_per_s, mfu_cpu = sorted(rounds, key=lambda r: r[2])[len(rounds) // 2]  # the median round
+    rounds.append((peak, run.tokens_per_second))
+cpu_peak = max(max(peaks.values()), *(peak for peak, _ in rounds))  # the best matmul of the notebook
+mfus = [estimate.mfu(tps, flops_per_token["matmul count"], n_devices=1, peak_flops_per_device=cpu_peak)
+        for _, tps in rounds]
+rounds = [(peak, tps, m) for (peak, tps), m in zip(rounds, mfus)]
+_, tokens_per_s, mfu_cpu = sorted(rounds, key=lambda r: r[2])[len(rounds) // 2]  # the median round
 print(f"TinyGPT: {model.num_params():,} parameters, {N_LAYERS} layers, d_model {D_MODEL}, "
       f"batch {BATCH} x {SEQ} tokens; loss {losses[0]:.2f} -> {losses[-1]:.2f} nats")
 print("FLOPs per token: " + ", ".join(f"{k} {format_si(v, 'FLOP')}" for k, v in flops_per_token.items()))
-print(f"\n{'round':<7}{'CPU peak':>16}{'tokens/s':>11}{'MFU':>8}")
+print(f"\n{'round':<7}{'its own peak':>16}{'tokens/s':>11}{'MFU':>8}")
 for i, (peak, tps, m) in enumerate(rounds):
     print(f"{i:<7}{format_si(peak, 'FLOP/s'):>16}{tps:>11,.0f}{m:>8.1%}")
-print(f"\nmedian round: MFU {mfu_cpu:.1%}, {tokens_per_s:,.0f} tokens/s, peak {format_si(cpu_peak, 'FLOP/s')}")
-check(0 < mfu_cpu < 1, "MFU must lie between 0 and 1; above 1 means the peak was measured while the "
-      "machine was busier than during the steps: run the cell again")
+print(f"\nMFU against the best peak measured ({format_si(cpu_peak, 'FLOP/s')}); "
+      f"median round: {mfu_cpu:.1%}, {tokens_per_s:,.0f} tokens/s")
+check(0 < mfu_cpu < 1, "MFU must lie between 0 and 1; above 1 means the steps did more model "
+      "arithmetic per second than the fastest matmul measured: a FLOP count that is too high "
+      "(compare the three counts above) or a peak that is too low")
 
 # %%
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
@@ -221,8 +226,8 @@ ax2.axhline(100 * mfu_cpu, color="black", linestyle="--", label=f"median {mfu_cp
 ax2.set_xticks(range(len(rounds)))
 ax2.set_ylim(0, 130 * max(r[2] for r in rounds))
 ax2.set_xlabel("round")
-ax2.set_ylabel("MFU against this CPU's peak (%)")
-ax2.set_title("model FLOP/s / measured matmul peak")
+ax2.set_ylabel("MFU against this CPU's best peak (%)")
+ax2.set_title("model FLOP/s / best measured matmul")
 ax2.legend()
 fig.tight_layout()
 plt.show()
@@ -232,6 +237,8 @@ plt.show()
 # matrices are small (each matmul is far from the friendly square case that set the peak), and
 # softmax, norms, the optimizer step and Python overhead do work that is not counted as model
 # FLOPs at all. The three FLOP counts differ by a few percent here; we used the exact matmul count.
+# On a quiet machine the rounds agree; a round that shared the machine shows a lower peak of its
+# own and a lower MFU, which is why the headline is the median round, not the best one.
 #
 # ## 5. The same run on an A100 or H100
 #

@@ -422,7 +422,7 @@ plt.show()
 #
 # The plans above are for GPUs this machine does not have. To run one end to end here, shrink the
 # job until it fits 4 CPU ranks: a 2-block Llama-style model (d = 64, byte vocabulary), sequences
-# of 64 tokens, 32 sequences a step, on 4 "GPUs" of about 1 MiB each (the planner takes a custom
+# of 64 tokens, 8 sequences a step, on 4 "GPUs" of about 1 MiB each (the planner takes a custom
 # device: memory and peak FLOP/s). So little memory forces the planner to split the model: its
 # answer shards the model state with FSDP (ZeRO-3) over 2 data-parallel ranks *and* cuts each layer
 # in half with tensor parallelism. The plan's `train.toml` says so (`train.strategy = "fsdp"`,
@@ -432,7 +432,7 @@ plt.show()
 
 # %%
 tiny_plan = plan(gpu="custom", gpu_memory_gib=0.001, gpu_tflops=0.05, gpus=4, gpus_per_node=4, tokens="2M",
-                 seq=64, global_batch_tokens=32 * 64,
+                 seq=64, global_batch_tokens=8 * 64,
                  shape_overrides=dict(n_layers=2, d_model=64, n_heads=4, vocab_size=256))
 print(table(tiny_plan, 3))
 print(f"\n(the table rounds to GiB: the best layout needs {format_bytes(tiny_plan.best.memory_total, 'KiB')} per "

@@ -7,7 +7,7 @@ import pytest
 
 from course_lib import train_config
 from course_lib.metrics import read_rows
-from course_lib.mfu import MfuGuard, robust_cpu_peak_flops
+from course_lib.mfu import MfuGuard, cpu_peak_sizes, robust_cpu_peak_flops
 from course_lib.train import train
 from pathlib import Path
 
@@ -37,6 +37,19 @@ def test_quiet_guard_on_non_writer_ranks():
 def test_robust_peak_is_a_positive_flop_rate():
     peak = robust_cpu_peak_flops(sizes=(64, 128), passes=2, min_seconds=0.005)
     assert 1e6 < peak < 1e15  # FLOP/s: from a slow emulator to beyond any CPU
+
+
+def test_peak_sizes_follow_the_thread_count_and_the_precision():
+    """One thread has no thread start-up to time, so smaller (cheaper) matmuls show its peak;
+    emulated half precision is timed smaller still."""
+    import torch
+
+    one, many = cpu_peak_sizes(torch.float32, 1), cpu_peak_sizes(torch.float32, 8)
+    assert max(one) < max(many) and min(many) >= 768
+    assert max(cpu_peak_sizes(torch.bfloat16, 1)) < max(one)
+    assert cpu_peak_sizes(torch.bfloat16, 2) == cpu_peak_sizes(torch.float16, 16)
+    with pytest.raises(ValueError, match="threads"):
+        cpu_peak_sizes(torch.float32, 0)
 
 
 def test_training_with_a_too_small_peak_logs_no_mfu_above_one_and_warns(tmp_path):

@@ -1,8 +1,9 @@
 """FSDP2 as the data-parallel dimension under DTensor tensor parallelism, in the trainer
 (``train.strategy = "fsdp"`` with ``parallel.tp = 2`` on 4 gloo ranks: dp 2 x tp 2).
 
-The tiny config (fp32) on the same global batch as one process: each dp replica reads
-``MB / 2`` sequences per micro-batch, its two TP ranks the same ones. Checked: per-step losses and
+The tiny config (fp32) on the same global batch as one process: each dp replica reads half of
+each step's sequences, its two TP ranks the same ones (the 30-step runs in one micro-batch, the
+bf16 run in ACCUM). Checked: per-step losses and
 gradient norms within 1e-4 relative of one process over 30 steps (bf16 with sequence parallelism
 within the tolerance stated below; the fp32 sequence-parallel variant, whose DTensor plan
 tests/test_dtensor_tp.py holds to the dense model in fp32, runs with ``-m slow``), the rank layout (tp innermost, as
@@ -30,9 +31,14 @@ from course_lib import train_config
 from course_lib.estimate.memory import model_state_bytes
 from course_lib.parallel import run_ranks
 from course_lib.train import train
-from layout_checks import assert_matches_one_process, max_rel, resume_save_every, rows, tiny_cfg
+from layout_checks import (assert_matches_one_process, max_rel, micro_batches_per_step, resume_save_every, rows,
+                           tiny_cfg)
 
 MB, ACCUM, STEPS, SHORT = 8, 2, 30, 5
+# The 30-step family (the loss match, its resume, the cross-layout chain, the faults, fsdp x cp)
+# takes the global batch (MB x ACCUM sequences) as LONG micro-batches; the bf16 run keeps ACCUM, so
+# accumulation under fsdp x tp (FSDP2's gradient sync on the last micro-batch only) is still run.
+LONG = micro_batches_per_step(STEPS, ACCUM)
 EVERY = resume_save_every(STEPS)  # saves at 26 and at the end (30): the resume from 26 runs the last 4 steps
 # The faults ride on a resume from step 26: the spike detector needs 16 steps of history (its
 # window comes back from the checkpoint). Step 28 is skipped (inf), a save at 28, then a spike at
@@ -42,49 +48,56 @@ MORE = STEPS + 2  # plain FSDP2 trains on from the loaded step to here, then one
 BF16_REL = 2e-3  # bf16: FSDP2 casts the weights (MixedPrecisionPolicy), one process autocasts; measured 2.4e-4 (8 steps)
 
 
-def cfg(**sets):
-    return tiny_cfg(ACCUM, **sets)
+def cfg(grad_accum=ACCUM, **sets):
+    return tiny_cfg(grad_accum, **sets)
 
 
-def fsdp_tp(**sets):
-    return cfg(train__strategy="fsdp", parallel__tp=2, train__micro_batch=MB // 2, **sets)
+def mb(sequences, grad_accum):
+    """Micro-batch that keeps ``sequences`` per rank per step of the ACCUM-micro-batch reference
+    when a step takes ``grad_accum`` micro-batches."""
+    return sequences * ACCUM // grad_accum
 
 
-def fsdp_cp(**sets):
-    """fsdp x cp 2x2: each dp replica reads MB / 2 sequences, its two cp ranks a zig-zag half of
-    every sequence each (ring attention), FSDP2 shards over the 4 ranks (dp x cp)."""
-    return cfg(train__strategy="fsdp", parallel__cp=2, train__micro_batch=MB // 2, **sets)
+def fsdp_tp(grad_accum=ACCUM, **sets):
+    return cfg(grad_accum, train__strategy="fsdp", parallel__tp=2, train__micro_batch=mb(MB // 2, grad_accum), **sets)
+
+
+def fsdp_cp(grad_accum=ACCUM, **sets):
+    """fsdp x cp 2x2: each dp replica reads MB / 2 sequences per ACCUM micro-batches, its two cp
+    ranks a zig-zag half of every sequence each (ring attention), FSDP2 shards over the 4 ranks
+    (dp x cp)."""
+    return cfg(grad_accum, train__strategy="fsdp", parallel__cp=2, train__micro_batch=mb(MB // 2, grad_accum), **sets)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp_tp")
     single = {
-        "main": train(cfg(train__max_steps=STEPS, train__micro_batch=MB), root / "single"),
+        "main": train(cfg(LONG, train__max_steps=STEPS, train__micro_batch=mb(MB, LONG)), root / "single"),
         "bf16": train(cfg(train__max_steps=SHORT, train__micro_batch=MB, train__precision="bf16"),
                       root / "single-bf16"),
     }
     faulty = {"train__max_steps": STEPS, "checkpoint__save_every": FAULT_SAVE_EVERY,
               "stability__spike_policy": "rollback"}
-    single["faulty"] = train(cfg(train__micro_batch=MB, **faulty), root / "single-faulty", faults=FAULTS)
+    single["faulty"] = train(cfg(LONG, train__micro_batch=mb(MB, LONG), **faulty), root / "single-faulty", faults=FAULTS)
     main = str(root / "fsdp_tp")
     short = [("bf16", fsdp_tp(train__max_steps=SHORT, parallel__sequence_parallel=True, train__precision="bf16",
                               parallel__reshard_after_forward=False), str(root / "bf16"))]
-    fsdp4 = {"train__strategy": "fsdp", "train__micro_batch": MB // 4}
-    to_fsdp = (cfg(train__max_steps=STEPS, **fsdp4), cfg(train__max_steps=MORE, **fsdp4), str(root / "fsdp4"))
+    fsdp4 = {"train__strategy": "fsdp", "train__micro_batch": mb(MB // 4, LONG)}
+    to_fsdp = (cfg(LONG, train__max_steps=STEPS, **fsdp4), cfg(LONG, train__max_steps=MORE, **fsdp4), str(root / "fsdp4"))
     # The 4-rank runs that save (fsdp x tp, fsdp x cp, the roll-back run) save asynchronously
     # (checkpoint.async_save: a staged copy, the write in the background); their checkpoints are
     # loaded bit-exact below, so the async path is held to the same bar as the sync one.
-    cp_run = (fsdp_cp(train__max_steps=STEPS, checkpoint__save_every=EVERY, checkpoint__async_save=True),
+    cp_run = (fsdp_cp(LONG, train__max_steps=STEPS, checkpoint__save_every=EVERY, checkpoint__async_save=True),
               str(root / "fsdp_cp"))
-    four = run_ranks(fns.fresh_then_loads, 4, (fsdp_tp(train__max_steps=STEPS, checkpoint__save_every=EVERY,
+    four = run_ranks(fns.fresh_then_loads, 4, (fsdp_tp(LONG, train__max_steps=STEPS, checkpoint__save_every=EVERY,
                                                       checkpoint__async_save=True), main),
-                     short, to_fsdp, (fsdp_tp(**faulty, checkpoint__async_save=True), str(root / "faulty"), FAULTS),
+                     short, to_fsdp, (fsdp_tp(LONG, **faulty, checkpoint__async_save=True), str(root / "faulty"), FAULTS),
                      cp_run, timeout=900)
-    one_cfg = {"train__micro_batch": MB, "checkpoint__format": "sharded"}
+    one_cfg = {"train__micro_batch": mb(MB, LONG), "checkpoint__format": "sharded"}
     one = run_ranks(fns.single_loads, 1, [
-        (cfg(train__max_steps=MORE, **one_cfg), str(root / "fsdp4"), str(root / "single-from-fsdp4")),
-        (cfg(train__max_steps=STEPS, **one_cfg), main, str(root / "single-from-fsdp_tp")),
+        (cfg(LONG, train__max_steps=MORE, **one_cfg), str(root / "fsdp4"), str(root / "single-from-fsdp4")),
+        (cfg(LONG, train__max_steps=STEPS, **one_cfg), main, str(root / "single-from-fsdp_tp")),
     ], timeout=300)[0]
     return {"root": root, "single": single, "four": four, "one": one}
 
