@@ -169,21 +169,12 @@ def test_single_node_launch_trains_here(tmp_path):
     assert (tmp_path / "launch" / "launch_torchrun.sh").exists()
 
 
-def test_sbatch_body_trains_on_two_fake_nodes(tmp_path):
-    train = tmp_path / "train"
-    cluster = Cluster(nodes=2, nproc_per_node=1, cpus_per_task=1, rdzv_id="unused")
-    script = tmp_path / "job.sbatch"
-    script.write_text(sbatch_script(CONFIG, ["train.strategy=ddp", "train.max_steps=4", "schedule.warmup_steps=1"], cluster, str(train)))
-    res = subprocess.run(["bash", str(script)], cwd=ROOT, env=fake_slurm_env(tmp_path),
-                         capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    assert [r["step"] for r in metrics_rows(train)] == [1, 2, 3, 4]
-    assert "rendezvous 127.0.0.1:" in res.stderr
-
-
-def test_sbatch_usr1_checkpoints_the_training_step_then_requeues(tmp_path):
-    """USR1 to the batch shell (what --signal=B:USR1@LEAD does) -> SIGTERM through srun and both
-    torchrun agents to the ranks -> both checkpoint the same step and exit -> requeue."""
+def test_sbatch_body_trains_on_two_fake_nodes_then_usr1_checkpoints_and_requeues(tmp_path):
+    """The job script on two fake nodes (fake srun, a real torchrun agent per node, rendezvous on
+    the first node) trains; then USR1 to the batch shell (what --signal=B:USR1@LEAD does) ->
+    SIGTERM through srun and both torchrun agents to the ranks -> both checkpoint the same step
+    and exit -> requeue. (The planner's job.sbatch runs to its end the same way:
+    tests/test_plan_scripts.py.)"""
     train = tmp_path / "train"
     cluster = Cluster(nodes=2, nproc_per_node=1, cpus_per_task=1, rdzv_id="unused")
     script = tmp_path / "job.sbatch"
@@ -212,6 +203,9 @@ def test_sbatch_usr1_checkpoints_the_training_step_then_requeues(tmp_path):
     steps = [int(p.name.split("_")[-1]) for p in (train / "checkpoints").glob("step_*")]
     assert len(steps) == 1 and 3 <= steps[0] < 1000, steps      # save_every = 0: only the signal saved
     assert "stopped by SIGTERM after step" in text
+    assert "rendezvous 127.0.0.1:" in text  # both agents met on the first node
+    logged = [r["step"] for r in metrics_rows(train)]
+    assert logged == list(range(1, len(logged) + 1)) and steps[0] in logged, logged  # every step once
 
 
 def test_jobs_restart_by_default_and_several_nodes_get_a_fresh_store_per_attempt(tmp_path, capsys):
