@@ -22,7 +22,7 @@ import torch
 # and up are where the arithmetic peak shows on the course machines (smaller ones time thread
 # start-up: at 2 threads 128 gave 44-80 GFLOP/s against 136-141 at 768-1024). One thread has no
 # start-up to hide, and its peak shows by 256 (71-73 GFLOP/s at 256, 51-69 at 1024): the ranks the
-# kit starts run one thread each, and a smaller pair costs each of them 0.07 s of start-up, not 0.5.
+# kit starts run one thread each, and the smaller pair costs each of them 0.24 s of start-up, not 0.47.
 # Two sizes, so one size's unlucky packing or cache behaviour does not decide the figure.
 CPU_PEAK_SIZES = (768, 1024)
 CPU_PEAK_SIZES_ONE_THREAD = (256, 512)
@@ -54,8 +54,8 @@ def robust_cpu_peak_flops(dtype: torch.dtype = torch.float32, *, sizes: tuple[in
     torch's thread count; each size timed once per pass, for at least ``min_seconds``
     seconds), and the best of all the timings: other processes only ever slow a timing down, so
     the fastest is the closest to the chip's peak. About ``passes * len(sizes) * min_seconds``
-    seconds plus one warm-up matmul per timing (on the course machine, one thread: 0.1 s in fp32,
-    0.35 s in bf16; several threads: 0.5 s in fp32).
+    seconds plus one warm-up matmul per timing (on the course machine, one thread: 0.24 s in fp32,
+    0.33 s in bf16; two threads: 0.4 s in fp32).
     """
     from course_lib.measure import cpu_matmul_peak_flops
 

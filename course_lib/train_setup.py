@@ -92,7 +92,7 @@ _CPU_PEAKS: dict[tuple, float] = {}  # (dtype, threads) -> FLOP/s: the chip does
 
 def _measured_cpu_peak(dtype: torch.dtype, threads: int) -> float:
     """This CPU's matmul peak (FLOP/s) for ``dtype`` on ``threads`` threads, measured once per
-    process (0.1 to 0.5 s of matmuls, mfu.cpu_peak_sizes): a notebook or test that trains many
+    process (0.24 to 0.5 s of matmuls, mfu.cpu_peak_sizes): a notebook or test that trains many
     times pays it once. The best of interleaved passes, so a busy moment costs one timing."""
     key = (dtype, threads)
     if key not in _CPU_PEAKS:
