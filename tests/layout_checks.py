@@ -51,6 +51,14 @@ def one_read_per_step(steps: int) -> dict[int, int]:
     return {s: 1 for s in range(2, steps + 1) if s != resume_save_every(steps) + 1}
 
 
+def micro_batch(sequences: int, accum: int, grad_accum: int) -> int:
+    """Micro-batch (sequences) that keeps a step's batch when a step of ``accum`` micro-batches of
+    ``sequences`` is taken as ``grad_accum`` micro-batches instead."""
+    if (sequences * accum) % grad_accum:
+        raise ValueError(f"{sequences} x {accum} sequences do not split into {grad_accum} micro-batches")
+    return sequences * accum // grad_accum
+
+
 def micro_batches_per_step(steps: int, accum: int) -> int:
     """Micro-batches per optimizer step of a layout run: the 30-step run (issue 20's loss match)
     takes its global batch as ONE micro-batch (accumulation is not its point, and a micro-batch

@@ -26,8 +26,8 @@ from course_lib.parallel import run_ranks
 from course_lib.parallel.context_parallel.in_trainer import local_chunk, loss_share, zigzag_positions
 from course_lib.parallel.context_parallel.layout import merge_sequence
 from course_lib.train import train
-from layout_checks import (RESUME_TAIL, assert_matches_one_process, assert_resumed_bit_exact, max_rel, micro_batches_per_step,
-                           one_read_per_step, resume_save_every, rows, tiny_cfg)
+from layout_checks import (RESUME_TAIL, assert_matches_one_process, assert_resumed_bit_exact, max_rel, micro_batch,
+                           micro_batches_per_step, one_read_per_step, resume_save_every, rows, tiny_cfg)
 
 MB, ACCUM = 8, 2  # the reference: 8 sequences per micro-batch, 2 micro-batches per step
 
@@ -60,7 +60,7 @@ def layout_cfg(name):
     sets = {f"parallel__{k}": v for k, v in par.items()}
     if name == "cp4-rope":
         sets["model__checkpointing"] = "selective"
-    return cfg(accum(steps), train__max_steps=steps, train__micro_batch=mb * ACCUM // accum(steps),
+    return cfg(accum(steps), train__max_steps=steps, train__micro_batch=micro_batch(mb, ACCUM, accum(steps)),
                train__strategy="ddp", model__preset=preset, checkpoint__save_every=every(steps), **sets)
 
 
@@ -71,7 +71,7 @@ def reference(steps, preset):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("context_parallel")
-    single = {key: train(cfg(accum(key[0]), train__max_steps=key[0], train__micro_batch=MB * ACCUM // accum(key[0]),
+    single = {key: train(cfg(accum(key[0]), train__max_steps=key[0], train__micro_batch=micro_batch(MB, ACCUM, accum(key[0])),
                              model__preset=key[1]), root / reference(*key)) for key in REFERENCES}
     jobs = [(layout_cfg(n), str(root / n)) for n in LAYOUTS]
     bytes_cfg = cfg(train__max_steps=1, train__micro_batch=MB, train__strategy="ddp", parallel__cp=4,

@@ -31,8 +31,8 @@ from course_lib import train_config
 from course_lib.estimate.memory import model_state_bytes
 from course_lib.parallel import run_ranks
 from course_lib.train import train
-from layout_checks import (assert_matches_one_process, max_rel, micro_batches_per_step, resume_save_every, rows,
-                           tiny_cfg)
+from layout_checks import (assert_matches_one_process, max_rel, micro_batch, micro_batches_per_step, resume_save_every,
+                           rows, tiny_cfg)
 
 MB, ACCUM, STEPS, SHORT = 8, 2, 30, 5
 # The 30-step family (the loss match, its resume, the cross-layout chain, the faults, fsdp x cp)
@@ -53,9 +53,9 @@ def cfg(grad_accum=ACCUM, **sets):
 
 
 def mb(sequences, grad_accum):
-    """Micro-batch that keeps ``sequences`` per rank per step of the ACCUM-micro-batch reference
-    when a step takes ``grad_accum`` micro-batches."""
-    return sequences * ACCUM // grad_accum
+    """The micro-batch of ``grad_accum`` micro-batches per step that holds the sequences of ACCUM
+    micro-batches of ``sequences`` (layout_checks.micro_batch)."""
+    return micro_batch(sequences, ACCUM, grad_accum)
 
 
 def fsdp_tp(grad_accum=ACCUM, **sets):

@@ -33,8 +33,8 @@ from course_lib.measure import tinygpt_activation_kwargs
 from course_lib.parallel import run_ranks
 from course_lib.labs import lab10_tensor_parallel as lab_runs
 from course_lib.train import train
-from layout_checks import (RESUME_TAIL, assert_matches_one_process, assert_resumed_bit_exact, micro_batches_per_step,
-                           one_read_per_step, resume_save_every, rows, tiny_cfg)
+from layout_checks import (RESUME_TAIL, assert_matches_one_process, assert_resumed_bit_exact, micro_batch,
+                           micro_batches_per_step, one_read_per_step, resume_save_every, rows, tiny_cfg)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,7 +70,7 @@ def accum(steps):
 def layout_cfg(name):
     steps, par, mb, model = LAYOUTS[name]
     sets = {f"parallel__{k}": v for k, v in par.items()} | {f"model__{k}": v for k, v in model.items()}
-    return cfg(accum(steps), train__max_steps=steps, train__micro_batch=mb * ACCUM // accum(steps),
+    return cfg(accum(steps), train__max_steps=steps, train__micro_batch=micro_batch(mb, ACCUM, accum(steps)),
                train__strategy="ddp", checkpoint__save_every=every(steps), **sets)
 
 
@@ -78,7 +78,7 @@ def layout_cfg(name):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("recompute_tp")
     for steps, layers in REFERENCES:  # one process, no recomputation
-        train(cfg(accum(steps), train__max_steps=steps, train__micro_batch=MB * ACCUM // accum(steps),
+        train(cfg(accum(steps), train__max_steps=steps, train__micro_batch=micro_batch(MB, ACCUM, accum(steps)),
                   model__n_layers=layers), root / f"single-{steps}-{layers}")
     # one launch: the fresh runs (each followed by its census), then each resume from the checkpoint before the last
     out = run_ranks(recompute_rank_fns.train_measure_resume, 4, [(layout_cfg(n), str(root / n)) for n in LAYOUTS],
