@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 
-from course_lib import metrics as metrics_mod
-from course_lib import train_config
+from course_lib.trainer import metrics as metrics_mod
+from course_lib.trainer import config as train_config
 from course_lib.data import BatchStream, make_dataset
-from course_lib.metrics import read_rows
+from course_lib.trainer.metrics import read_rows
 from course_lib.model import TinyGPT
 from course_lib.train import train
 
@@ -199,8 +199,8 @@ PARTS = [
     ("course_lib.stability.stabilizer", "ClipController", "clip_", "stabilizer: clip multiply"),
     ("course_lib.stability.stabilizer", "Stabilizer", "on_loss", "stabilizer: fault hook"),
     ("course_lib.stability.stabilizer", "StepDecision", "log_row", "metrics: row fields (log_row)"),
-    ("course_lib.metrics", "MetricsLog", "write", "metrics: write"),
-    ("course_lib.metrics", "MetricsLog", "flush", "metrics: write"),
+    ("course_lib.trainer.metrics", "MetricsLog", "write", "metrics: write"),
+    ("course_lib.trainer.metrics", "MetricsLog", "flush", "metrics: write"),
     ("course_lib.schedules", "ScheduleLR", "step", "LR scheduler step"),
     ("course_lib.checkpoint.manager", "CheckpointManager", "maybe_save", "checkpoint policy"),
     ("course_lib.checkpoint.manager", "CheckpointManager", "should_save", "checkpoint policy"),

@@ -133,7 +133,7 @@ def gpt2_small_overrides(micro_batch: int, steps: int) -> list[str]:
 def run_trainer_case(overrides: list[str], skip: int) -> dict:
     """Train with the kit's own trainer; tokens/s and MFU are the medians of the logged steps
     after the first ``skip`` (compilation and allocator warm-up)."""
-    from course_lib import train_config
+    from course_lib.trainer import config as train_config
     from course_lib.train import train
 
     modes = [o.split("=", 1)[1] for o in overrides if o.startswith("compile_mode=")]
@@ -199,7 +199,7 @@ def run_profile(args) -> dict:
     metrics row, i.e. once per optimizer step, without touching the trainer."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from course_lib import metrics
+    from course_lib.trainer import metrics
 
     active = 5
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
@@ -395,7 +395,8 @@ def accum_row(strategy: str, precision: str, grad_accum: int, micro_batch: int) 
     transients only."""
     import gc
 
-    from course_lib import estimate, train_config
+    from course_lib import estimate
+    from course_lib.trainer import config as train_config
     from course_lib.measure import saved_activation_bytes
     from course_lib.model import TinyGPT
     from course_lib.train import train

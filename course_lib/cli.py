@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from course_lib.kit_root import find_root  # noqa: F401 - also course_lib.cli.find_root for callers
+from course_lib.kit.root import find_root  # noqa: F401 - also course_lib.cli.find_root for callers
 
 
 # --------------------------------------------------------------------------------------------
@@ -19,7 +19,7 @@ from course_lib.kit_root import find_root  # noqa: F401 - also course_lib.cli.fi
 # --------------------------------------------------------------------------------------------
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from course_lib import doctor
+    from course_lib.kit import doctor
 
     if args.clear_stale_locks:
         for path in doctor.clear_stale_locks():
@@ -34,7 +34,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 
 def cmd_notebooks(args: argparse.Namespace) -> int:
-    from course_lib import notebooks
+    from course_lib.kit import notebooks
 
     root = find_root()
     try:
@@ -81,7 +81,8 @@ def _select_labs(root: Path, names: list[str]) -> list[Path]:
 def cmd_labs_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from course_lib import notebooks, run_notebooks
+    from course_lib.kit import notebooks
+    from course_lib.kit import run_notebooks
 
     root = find_root()
     if args.in_place and args.smoke:
@@ -175,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)  # `course plan`: layout search, configs, launch scripts, checkpoint plan, budget
 
-    from course_lib.data_prepare import add_data_parser
+    from course_lib.data.prepare import add_data_parser
 
     add_data_parser(sub)  # `course data prepare`: a text file -> a token file for data.task = "tokens"
 

@@ -27,21 +27,23 @@ from typing import Any
 
 import torch
 
-from course_lib import train_config, train_setup
-from course_lib.train_args import build_parser, cli_overrides  # noqa: F401 - build_parser re-exported
-from course_lib.train_check import check_cli
-from course_lib.train_config import ConfigError
+from course_lib.trainer import config as train_config
+from course_lib.trainer import startup as train_setup
+from course_lib.trainer.args import build_parser, cli_overrides  # noqa: F401 - build_parser re-exported
+from course_lib.trainer.check_config import check_cli
+from course_lib.trainer.config import ConfigError
 from course_lib.watch import control as watch_control
-from course_lib import profiling, utilization
-from course_lib.mfu import MfuGuard, model_flops_per_token
-from course_lib.progress import StepBar, Throughput, append_event, run_summary, step_row
-# Start-up facts live in train_setup; their names stay importable from here (course_lib.train.
+from course_lib.trainer import profiling
+from course_lib.trainer import utilization
+from course_lib.trainer.mfu import MfuGuard, model_flops_per_token
+from course_lib.trainer.progress import StepBar, Throughput, append_event, run_summary, step_row
+# Start-up facts live in trainer.startup; their names stay importable from here (course_lib.train.
 # choose_device, rank_seed), and train() calls _peak_flops through this module so that tests can
 # monkeypatch course_lib.train._peak_flops to skip measuring the CPU's peak.
-from course_lib.train_setup import choose_device, rank_seed  # noqa: F401 - re-exported
-from course_lib.train_setup import distributed as _distributed
-from course_lib.train_setup import peak_flops as _peak_flops
-from course_lib.train_setup import stabilizer as _stabilizer
+from course_lib.trainer.startup import choose_device, rank_seed  # noqa: F401 - re-exported
+from course_lib.trainer.startup import distributed as _distributed
+from course_lib.trainer.startup import peak_flops as _peak_flops
+from course_lib.trainer.startup import stabilizer as _stabilizer
 
 
 @dataclass
@@ -66,21 +68,21 @@ class TrainResult:
 
 def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[str] = (),
           info=None) -> TrainResult:
-    """Run the loop described by ``cfg`` (from :func:`course_lib.train_config.load`).
+    """Run the loop described by ``cfg`` (from :func:`course_lib.trainer.config.load`).
 
     ``resume=True`` continues from the newest valid checkpoint under ``out_dir/checkpoints`` (a
     fresh start only when there is none at all; checkpoints that exist but cannot be loaded stop
     the run with CheckpointLoadError). ``faults``: ``KIND@STEP[=VALUE]`` strings injected by the
     stabilizer. ``info``: a :class:`DistInfo` (default: join the group torchrun describes)."""
-    from course_lib import data as data_lib
-    from course_lib import token_data
-    from course_lib.metrics import MetricsLog
+    from course_lib.data import tasks as data_lib
+    from course_lib.data import tokens as token_data
+    from course_lib.trainer.metrics import MetricsLog
     from course_lib.model import TinyGPT
     from course_lib.parallel.checkpointing import TrainState
     from course_lib.parallel import resume_guard
     from course_lib.parallel.registry import make_strategy
     from course_lib.schedules import make_scheduler, schedule_from_config
-    from course_lib.wandb_log import WandbLog
+    from course_lib.trainer.wandb_log import WandbLog
 
     t, d, ck = cfg["train"], cfg["data"], cfg["checkpoint"]
     info, device = _distributed(cfg, info)
@@ -255,14 +257,14 @@ def _ckpt_metrics(last_loss: float | None) -> dict:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Validate everything, train, print a one-line summary (``--check-config``: validate only, see
-    :mod:`course_lib.train_check`). Exit codes: 2 for a config error
+    :mod:`course_lib.trainer.check_config`). Exit codes: 2 for a config error
     (nothing written), 3 when checkpoints exist but none can be resumed from, 4 when a DeepSpeed op's
-    build lock is stale or held too long (parallel/op_locks.py), 75 when SIGUSR1/SIGTERM
+    build lock is stale or held too long (parallel/deepspeed/op_locks.py), 75 when SIGUSR1/SIGTERM
     stopped the run after a checkpoint, 86 when the watchdog aborted a hung job (course_lib.watch)."""
     if getattr(args, "check_config", False):  # --check-config: validate for this world size, train nothing
         return check_cli(args)
     from course_lib.checkpoint import CheckpointLoadError
-    from course_lib.parallel.op_locks import OpLockError
+    from course_lib.parallel.deepspeed.op_locks import OpLockError
     from course_lib.stability import parse_faults
 
     overrides = cli_overrides(args)
@@ -282,7 +284,7 @@ def run_cli(args: argparse.Namespace) -> int:
     except OpLockError as exc:  # a JIT op's build lock left by a killed build (course doctor names it)
         print(f"cannot start: {exc}", file=sys.stderr)
         return 4
-    from course_lib.parallel.launch import is_main
+    from course_lib.parallel.ranks.launch import is_main
 
     if is_main():
         for line in run_summary(result, watch_control.STOP_EXIT_CODE):
@@ -297,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     code = main()
     if "RANK" in os.environ:  # under torchrun: leave without gloo's exit-time crash
-        from course_lib.parallel.launch import teardown
+        from course_lib.parallel.ranks.launch import teardown
 
         teardown(code)
     sys.exit(code)

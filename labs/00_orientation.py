@@ -24,8 +24,9 @@ WORLD_SIZE = 2  # ranks to start; 2 fits a 2-core laptop
 import matplotlib.pyplot as plt
 
 import course_lib
-from course_lib import catalog, doctor
-from course_lib.checks import check
+from course_lib.kit import catalog
+from course_lib.kit import doctor
+from course_lib.kit.checks import check
 from course_lib.estimate import comm
 from course_lib.labs import lab00_orientation as collectives
 from course_lib.parallel import run_ranks

@@ -34,11 +34,11 @@ import torch
 
 import course_lib
 from course_lib import estimate, measure
-from course_lib.checks import check
+from course_lib.kit.checks import check
 from course_lib.estimate import format_bytes
 from course_lib.model import ModelConfig, TinyGPT
-from course_lib.plots_memory import stacked_memory_bars
-from course_lib.widgets import COMPONENTS, MemoryCalculator, memory_per_rank
+from course_lib.labs.plots_memory import stacked_memory_bars
+from course_lib.labs.widgets import COMPONENTS, MemoryCalculator, memory_per_rank
 
 SMOKE = course_lib.smoke(SMOKE)
 TINY_SEQ, TINY_BATCH = (32, 2) if SMOKE else (128, 8)  # the model we measure on this CPU
@@ -216,7 +216,7 @@ plt.show()
 #
 # Move the sliders: model, precision recipe, micro-batch, sequence length, ZeRO stage, data-parallel
 # ranks, recomputation, attention kind. The table and the chart (all four ZeRO stages, yours
-# marked) follow. The logic is `course_lib.widgets.memory_per_rank`, a plain function you can call.
+# marked) follow. The logic is `course_lib.labs.widgets.memory_per_rank`, a plain function you can call.
 
 # %%
 calc = MemoryCalculator(model=MODEL, seq=SEQ, micro_batch=MICRO_BATCH, dp=DP)

@@ -25,8 +25,9 @@ import matplotlib.pyplot as plt
 import torch
 
 import course_lib
-from course_lib import data, estimate, measure
-from course_lib.checks import check
+from course_lib import estimate, measure
+from course_lib.data import tasks as data
+from course_lib.kit.checks import check
 from course_lib.estimate import format_si
 from course_lib.model import ModelConfig, TinyGPT
 

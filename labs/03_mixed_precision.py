@@ -33,8 +33,8 @@ import matplotlib.pyplot as plt
 import torch
 
 import course_lib
-from course_lib import plots
-from course_lib.checks import check
+from course_lib.labs import plots
+from course_lib.kit.checks import check
 from course_lib.data import BatchStream, MarkovTask
 from course_lib.model import ModelConfig, TinyGPT
 from course_lib.precision import (cast_report, dtype_ranges, flat_grads, format_dtype_table,

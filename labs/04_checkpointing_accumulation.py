@@ -44,11 +44,11 @@ import torch
 
 import course_lib
 from course_lib import estimate, measure
-from course_lib.checks import check, check_close
+from course_lib.kit.checks import check, check_close
 from course_lib.data import BatchStream, MarkovTask
 from course_lib.estimate import format_bytes
 from course_lib.model import ModelConfig, TinyGPT
-from course_lib.model_layers import sliding_window_mask
+from course_lib.model.layers import sliding_window_mask
 
 SMOKE = course_lib.smoke(SMOKE)
 if SMOKE:

@@ -46,11 +46,12 @@ import matplotlib.pyplot as plt
 import torch
 
 import course_lib
-from course_lib import plots, train_config
+from course_lib.labs import plots
+from course_lib.trainer import config as train_config
 from course_lib.checkpoint import CheckpointManager
-from course_lib.checks import check, check_close
+from course_lib.kit.checks import check, check_close
 from course_lib.data import BatchStream, MarkovTask
-from course_lib.metrics import read_rows
+from course_lib.trainer.metrics import read_rows
 from course_lib.model import INIT_SCHEMES, ModelConfig, TinyGPT
 from course_lib.stability import NonFiniteError
 from course_lib.stability import SpikeDetector

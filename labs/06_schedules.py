@@ -32,8 +32,8 @@ import matplotlib.pyplot as plt
 import torch
 
 import course_lib
-from course_lib import plots
-from course_lib.checks import check
+from course_lib.labs import plots
+from course_lib.kit.checks import check
 from course_lib.data import BatchStream, MarkovTask
 from course_lib.model import ModelConfig, TinyGPT
 from course_lib.schedules import Schedule, lr_at, make_scheduler

@@ -43,11 +43,11 @@ import torch
 from safetensors.torch import load_file
 
 import course_lib
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.checkpoint import CheckpointError, CheckpointManager
 from course_lib.labs.lab07_checkpoints import kill_while_saving, loaded_step
-from course_lib.checks import check
-from course_lib.metrics import read_rows
+from course_lib.kit.checks import check
+from course_lib.trainer.metrics import read_rows
 from course_lib.model import ModelConfig, TinyGPT
 
 SMOKE = course_lib.smoke(SMOKE)

@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 import course_lib
-from course_lib.checks import check
+from course_lib.kit.checks import check
 from course_lib.estimate import comm
 from course_lib.model import ModelConfig, TinyGPT
 from course_lib.labs import lab00_orientation as collectives

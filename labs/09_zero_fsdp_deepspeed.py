@@ -38,8 +38,8 @@ import matplotlib.pyplot as plt
 import torch
 
 import course_lib
-from course_lib import train_config
-from course_lib.checks import check
+from course_lib.trainer import config as train_config
+from course_lib.kit.checks import check
 from course_lib.estimate import format_bytes
 from course_lib.estimate.comm import comm_elements_per_step
 from course_lib.estimate.memory import RECIPES, PrecisionRecipe, model_state_bytes

@@ -39,7 +39,7 @@ import matplotlib.pyplot as plt
 import torch
 
 import course_lib
-from course_lib.checks import check
+from course_lib.kit.checks import check
 from course_lib.estimate import (ModelShape, accelerator, activation_breakdown_per_layer, comm,
                                  model_flops_per_iteration, tp_comm_bytes_per_layer)
 from course_lib.measure import tinygpt_activation_kwargs

@@ -48,8 +48,9 @@ import torch
 import torch.nn.functional as F
 
 import course_lib
-from course_lib import measure, train_config
-from course_lib.checks import check
+from course_lib import measure
+from course_lib.trainer import config as train_config
+from course_lib.kit.checks import check
 from course_lib.estimate import (accelerator, activation_bytes_first_stage, activation_bytes_per_layer,
                                  bubble_fraction, cp_comm_bytes_per_layer)
 from course_lib.model import ModelConfig

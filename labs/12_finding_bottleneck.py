@@ -44,15 +44,16 @@ import matplotlib.pyplot as plt
 import torch
 
 import course_lib
-from course_lib import measure, train_config
-from course_lib.checks import check
-from course_lib.metrics import read_rows
+from course_lib import measure
+from course_lib.trainer import config as train_config
+from course_lib.kit.checks import check
+from course_lib.trainer.metrics import read_rows
 from course_lib.model import ModelConfig
 from course_lib.parallel import run_ranks
 from course_lib.labs import lab11_pipeline_parallel as lab_runs
 from course_lib.labs import lab12_finding_bottleneck as bottleneck_runs
 from course_lib.parallel.pipeline import measure_bubble, stage_costs, summarize_timeline
-from course_lib.profiling import load_summary
+from course_lib.trainer.profiling import load_summary
 
 SMOKE = course_lib.smoke(SMOKE)
 if SMOKE:

@@ -38,8 +38,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 import course_lib
-from course_lib import train_config
-from course_lib.checks import check
+from course_lib.trainer import config as train_config
+from course_lib.kit.checks import check
 from course_lib.estimate import format_bytes
 from course_lib.launchers.cluster import Cluster
 from course_lib.launchers.commands import shell_join, torchrun_single_node

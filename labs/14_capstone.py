@@ -35,10 +35,10 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 import course_lib
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.labs import lab14_capstone as capstone
-from course_lib.checks import check
-from course_lib.metrics import read_rows
+from course_lib.kit.checks import check
+from course_lib.trainer.metrics import read_rows
 from course_lib.parallel.mesh import mesh_layout
 from course_lib.watch import STOP_EXIT_CODE
 

@@ -23,7 +23,7 @@ SMOKE = False  # True: the tests run this notebook at small sizes
 import importlib
 
 import course_lib
-from course_lib.checks import check
+from course_lib.kit.checks import check
 from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 from course_lib.labs import lab00_orientation as collectives
 

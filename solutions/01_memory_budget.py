@@ -16,7 +16,7 @@ import math
 
 import course_lib
 from course_lib import estimate
-from course_lib.checks import check
+from course_lib.kit.checks import check
 from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 
 SMOKE = course_lib.smoke(SMOKE)

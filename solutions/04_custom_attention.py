@@ -38,10 +38,10 @@ from torch.utils.checkpoint import checkpoint
 
 import course_lib
 from course_lib import measure
-from course_lib.checks import check, check_close
+from course_lib.kit.checks import check, check_close
 from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 from course_lib.data import BatchStream, MarkovTask
-from course_lib.model_layers import sliding_window_mask
+from course_lib.model.layers import sliding_window_mask
 
 SMOKE = course_lib.smoke(SMOKE)
 if SMOKE:

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 import course_lib
-from course_lib import train_config
-from course_lib.checks import check, check_close
+from course_lib.trainer import config as train_config
+from course_lib.kit.checks import check, check_close
 from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
-from course_lib.metrics import read_rows
+from course_lib.trainer.metrics import read_rows
 from course_lib.train import train
 
 SMOKE = course_lib.smoke(SMOKE)

@@ -26,7 +26,7 @@ import torch
 
 import course_lib
 from course_lib.labs.lab07_checkpoints import kill_while_saving, loaded_step
-from course_lib.checks import check
+from course_lib.kit.checks import check
 from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 
 SMOKE = course_lib.smoke(SMOKE)

@@ -27,7 +27,7 @@ import importlib
 import matplotlib.pyplot as plt
 
 import course_lib
-from course_lib.checks import check
+from course_lib.kit.checks import check
 from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 from course_lib.labs import exercise10_tp_linear as exercise_runs
 

@@ -25,7 +25,7 @@ M_RUN = [1, 4]  # micro-batch counts executed on 2 ranks in Part 5
 import matplotlib.pyplot as plt
 
 import course_lib
-from course_lib.checks import check
+from course_lib.kit.checks import check
 from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 from course_lib.labs import exercise11_one_f_one_b as exercise_runs
 from course_lib.parallel.pipeline.schedules import stage_actions

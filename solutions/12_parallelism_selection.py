@@ -18,7 +18,7 @@ SMOKE = False  # True: the tests run this notebook (it is fast at any size)
 
 # %%
 import course_lib
-from course_lib.checks import check
+from course_lib.kit.checks import check
 from course_lib.grading import record
 from course_lib.estimate import format_bytes
 from course_lib.planner import evaluate

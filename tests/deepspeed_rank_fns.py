@@ -21,7 +21,7 @@ def train_many(rank, world_size, runs):
 
 def _build(cfg, info):
     """A DeepSpeedStrategy set up the way the trainer does it (same seed: same initial weights)."""
-    from course_lib import train_config
+    from course_lib.trainer import config as train_config
     from course_lib.model import TinyGPT
     from course_lib.parallel.registry import make_strategy
 
@@ -35,7 +35,7 @@ def _build(cfg, info):
 
 
 def _batches(cfg, rank, world_size, steps):
-    from course_lib import data as data_lib
+    from course_lib.data import tasks as data_lib
 
     t, d = cfg["train"], cfg["data"]
     dataset = data_lib.make_dataset(d["task"], seq_len=d["seq_len"], seed=t["seed"], vocab_size=d["vocab_size"])
@@ -67,7 +67,7 @@ def skip_and_lr(rank, world_size, cfg, offload_cfg):
     """ZeRO-2 strategy-level checks: the LR the trainer's scheduler (and lr_factor) sets is the LR
     DeepSpeed's optimizer steps with; a skipped step changes nothing and the next step equals the
     one a run that never saw the skipped batch takes; offload steps with DeepSpeedCPUAdam."""
-    from course_lib.parallel.launch import init_distributed
+    from course_lib.parallel.ranks.launch import init_distributed
     from course_lib.precision import make_policy
     from course_lib.schedules import Schedule, make_scheduler
     from rank_fns import param_digest
@@ -191,9 +191,9 @@ def resume_convert_fallback(rank, world_size, cfg, root):
 
     import torch.distributed as dist
 
-    from course_lib import train_config
+    from course_lib.trainer import config as train_config
     from course_lib.model import TinyGPT
-    from course_lib.parallel.deepspeed_checkpoints import deepspeed_to_state_dict
+    from course_lib.parallel.deepspeed.checkpoints import deepspeed_to_state_dict
     from rank_fns import param_digest
 
     root = Path(root)
@@ -230,7 +230,7 @@ def refusals(rank, world_size, cases, root):
     import torch.distributed as dist
 
     from course_lib.train import train
-    from course_lib.train_config import ConfigError
+    from course_lib.trainer.config import ConfigError
 
     out = {}
     for name, cfg, *faults in cases:
@@ -254,7 +254,7 @@ def start_with_op_folder(rank, world_size, ext_dir, cfg, out_dir):
     import time
 
     os.environ["TORCH_EXTENSIONS_DIR"] = ext_dir
-    from course_lib.parallel.op_locks import OpLockError
+    from course_lib.parallel.deepspeed.op_locks import OpLockError
     from course_lib.train import train
 
     t0 = time.monotonic()

@@ -58,7 +58,7 @@ def _copy_on_rank0(src: str, dst: str, drop_newest: bool) -> None:
 def device_mesh_matches_kit_mesh(rank, world_size) -> dict:
     """The torch DeviceMeshes the strategy builds (dp x tp, and dp x cp x tp with its flattened
     dp_cp dim) hold, along each dim, the same global ranks as course_lib.parallel.mesh's groups."""
-    from course_lib.parallel.fsdp_tp_strategy import build_device_mesh
+    from course_lib.parallel.composed.fsdp_tp import build_device_mesh
     from course_lib.parallel.mesh import MeshLayout
 
     out = {}

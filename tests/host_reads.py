@@ -55,7 +55,7 @@ def reads_between_rows(run, where: tuple[str, ...] = ("course_lib",)) -> dict[in
     thread): a step with no save before it and none in flight counts its own reads only. Every
     rank calls ``MetricsLog.write`` each step (non-writers return at once), so every rank can
     count. One run, no extra steps: the fresh run a test needs anyway can be the counted one."""
-    from course_lib.metrics import MetricsLog
+    from course_lib.trainer.metrics import MetricsLog
 
     original = MetricsLog.write
     marks: list[tuple[int, int]] = []

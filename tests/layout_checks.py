@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 
 TINY = Path(__file__).resolve().parents[1] / "labs" / "configs" / "tiny-cpu.toml"
 FP32_REL = 1e-4  # fp32, the same global batch: equal up to summation order (measured 1e-7 to 3e-7)

@@ -27,7 +27,7 @@ def refusals(rank, world_size, cases, root):
     import torch.distributed as dist
 
     from course_lib.train import train
-    from course_lib.train_config import ConfigError
+    from course_lib.trainer.config import ConfigError
 
     out = {}
     for name, cfg in cases:
@@ -47,9 +47,9 @@ def explicit_mesh(rank, world_size, cfg):
     coordinates and the global ranks of its groups, and whether the strategy kept that object."""
     import torch
 
-    from course_lib.parallel.launch import DistInfo
+    from course_lib.parallel.ranks.launch import DistInfo
     from course_lib.parallel.mesh import build_mesh, mesh_layout
-    from course_lib.parallel.model_parallel_strategy import ModelParallel
+    from course_lib.parallel.composed.model_parallel import ModelParallel
 
     par = cfg["parallel"]
     mesh = build_mesh(mesh_layout(world_size, tp=par["tp"], pp=par["pp"]))

@@ -71,7 +71,7 @@ def fsdp_refuses_a_model_without_blocks(rank, world_size):
     from torch import nn
 
     from course_lib.parallel.data_parallel.fsdp2 import FSDP2
-    from course_lib.parallel.launch import init_distributed
+    from course_lib.parallel.ranks.launch import init_distributed
 
     info = init_distributed(backend="gloo")
     strategy = FSDP2(info, torch.device("cpu"))
@@ -91,7 +91,7 @@ def resume_into_other_formats(rank, world_size, cases, root):
     import torch.distributed as dist
 
     from course_lib.train import train
-    from course_lib.train_config import ConfigError
+    from course_lib.trainer.config import ConfigError
 
     def snapshot(folder):
         steps = sorted(p.name for p in (folder / "checkpoints").iterdir())

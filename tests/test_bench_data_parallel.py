@@ -14,7 +14,7 @@ SCRIPT = ROOT / "benchmarks" / "bench_data_parallel.py"
 
 @pytest.mark.timeout(170)
 def test_quick_run_prints_table_and_writes_json(tmp_path):
-    from course_lib.parallel.deepspeed_ops import build
+    from course_lib.parallel.deepspeed.ops import build
 
     build()  # cached by ./kit setup; otherwise built here once, not inside the ranks' timeouts
     out = tmp_path / "dp.json"

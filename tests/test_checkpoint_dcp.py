@@ -9,7 +9,7 @@ import torch
 
 import checkpoint_rank_fns  # tests/ is on sys.path under pytest; spawned ranks import it too
 from course_lib.checkpoint import CheckpointError
-from course_lib.parallel.launch import run_ranks
+from course_lib.parallel.ranks.launch import run_ranks
 
 
 @pytest.fixture(scope="module")

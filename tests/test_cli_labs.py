@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import cli, notebooks
+from course_lib import cli
+from course_lib.kit import notebooks
 
 GOOD = '# %% tags=["parameters"]\nSMOKE = False\n\n# %%\nprint("smoke" if SMOKE else "full")\n'
 BAD = '# %% tags=["parameters"]\nSMOKE = False\n\n# %%\nraise RuntimeError("planted")\n'

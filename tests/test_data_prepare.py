@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.cli import main
 from course_lib.data import DEFAULT_TEXT
-from course_lib.data_prepare import dtype_for_vocab, prepare
+from course_lib.data.prepare import dtype_for_vocab, prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "labs" / "configs" / "tiny-cpu.toml"

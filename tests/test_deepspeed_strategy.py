@@ -23,13 +23,13 @@ pytest.importorskip("deepspeed")
 import deepspeed_rank_fns as ds_fns  # noqa: E402
 from rank_fns import several  # noqa: E402
 from adam_tolerance import assert_weights_match_after_adam  # noqa: E402
-from course_lib import train_config  # noqa: E402
-from course_lib.metrics import read_rows  # noqa: E402
+from course_lib.trainer import config as train_config  # noqa: E402
+from course_lib.trainer.metrics import read_rows  # noqa: E402
 from course_lib.parallel import run_ranks  # noqa: E402
-from course_lib.parallel.data_parallel.deepspeed_engine import check_faults  # noqa: E402
-from course_lib.parallel.deepspeed_config import build_ds_config, validate_ds_config  # noqa: E402
+from course_lib.parallel.deepspeed.engine import check_faults  # noqa: E402
+from course_lib.parallel.deepspeed.config import build_ds_config, validate_ds_config  # noqa: E402
 from course_lib.train import train  # noqa: E402
-from course_lib.train_config import ConfigError  # noqa: E402
+from course_lib.trainer.config import ConfigError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "labs" / "configs" / "tiny-cpu.toml"
@@ -136,7 +136,7 @@ def deepspeed_ops():
     """DeepSpeed's JIT ops, loaded from the venv's cache (``./kit setup`` built them; a venv made
     another way builds them here, once, in this process, before any rank starts and races for
     them inside its timeouts)."""
-    from course_lib.parallel.deepspeed_ops import build
+    from course_lib.parallel.deepspeed.ops import build
 
     assert os.environ.get("TORCH_EXTENSIONS_DIR"), "course_lib sets TORCH_EXTENSIONS_DIR on import"
     build()
@@ -178,7 +178,7 @@ def stage_runs(tmp_path_factory, deepspeed_ops):
 def test_every_zero_stage_in_bf16_tracks_one_process_in_bf16(stage_runs, stage):
     """ZeRO-0 in bf16 wraps AdamW in FP16_UnfusedOptimizer, whose constructor stepped it once on
     zero gradients (weight decay applied, Adam's step count 1 ahead: 1.3e-2 off in 12 steps);
-    the strategy undoes that step (course_lib/parallel/deepspeed_init_step.py)."""
+    the strategy undoes that step (course_lib/parallel/deepspeed/init_step.py)."""
     root, _, _ = stage_runs
     got, ref = losses(root / f"z{stage}-bf16"), losses(root / "single-bf16")
     assert len(got) == BF16_STEPS
@@ -197,7 +197,7 @@ def test_zero0_fp32_faults_reach_p_grad_and_skip_like_one_process(stage_runs):
 
 def test_every_zero_stage_and_offload_matches_one_process_with_the_global_batch(stage_runs):
     from course_lib.model import TinyGPT
-    from course_lib.parallel.deepspeed_checkpoints import deepspeed_to_state_dict
+    from course_lib.parallel.deepspeed.checkpoints import deepspeed_to_state_dict
     from safetensors.torch import load_file
 
     tmp_path, results, _ = stage_runs
@@ -280,7 +280,7 @@ def test_resume_is_bit_exact_a_corrupt_checkpoint_falls_back_and_conversion_is_e
 
 def test_an_error_deepspeed_raises_without_text_says_where():
     """A bare ``assert`` inside DeepSpeed has an empty message: the load error names its place."""
-    from course_lib.parallel.deepspeed_checkpoints import _engine_error
+    from course_lib.parallel.deepspeed.checkpoints import _engine_error
 
     def bare():
         raise AssertionError()

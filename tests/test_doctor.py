@@ -2,7 +2,9 @@
 import json
 from pathlib import Path
 
-from course_lib import catalog, cli, doctor
+from course_lib import cli
+from course_lib.kit import catalog
+from course_lib.kit import doctor
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +52,7 @@ def test_broken_install_exits_non_zero_with_the_fix(monkeypatch, capsys):
 
 def test_every_lab_has_a_catalog_entry():
     for path in sorted((ROOT / "labs").glob("[0-9][0-9]_*.py")):
-        assert path.stem in catalog.LABS, f"add {path.stem} to course_lib/catalog.py"
+        assert path.stem in catalog.LABS, f"add {path.stem} to course_lib/kit/catalog.py"
     info = catalog.LABS["00_orientation"]
     assert catalog.verdict(info, has_cuda=True) == "runs fully here"
 
@@ -59,7 +61,7 @@ def test_doctor_lists_the_full_size_time_an_in_place_run_recorded(tmp_path):
     """`course labs run NN --in-place` records the wall time; a rebuild keeps it; doctor prints it."""
     import nbformat
 
-    from course_lib import notebooks
+    from course_lib.kit import notebooks
 
     (tmp_path / "labs").mkdir()
     (tmp_path / "labs" / "00_orientation.py").write_text("# %%\nprint(1)\n")
@@ -82,7 +84,7 @@ def test_record_time_keeps_outputs_and_refuses_stale_labs(tmp_path):
     import nbformat
     import pytest
 
-    from course_lib import notebooks
+    from course_lib.kit import notebooks
 
     lab = tmp_path / "00_x.ipynb"
     cell = nbformat.v4.new_code_cell("print(1)")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.checks import CheckFailed
+from course_lib.kit.checks import CheckFailed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,7 +78,7 @@ def test_exercise_12_untouched_part_1_says_what_to_fill_in():
 @pytest.mark.parametrize("what", ["your f and g", "your tensor-parallel layers", "your BucketedDDP"])
 def test_not_implemented_message_is_grammatical_for_any_subject(what, monkeypatch):
     from course_lib.labs import exercise_harness as exercise_runs
-    from course_lib.parallel.launch import RankFailedError
+    from course_lib.parallel.ranks.launch import RankFailedError
 
     def fails(*_a, **_k):
         raise RankFailedError(1, "NotImplementedError: hint", exc_type="NotImplementedError")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import rank_fns
-from course_lib.parallel import launch
-from course_lib.parallel.launch import RankFailedError, run_ranks
+from course_lib.parallel.ranks import launch
+from course_lib.parallel.ranks.launch import RankFailedError, run_ranks
 
 TESTS = Path(__file__).parent
 

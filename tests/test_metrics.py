@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import metrics
-from course_lib.metrics import MetricsLog, read_rows
+from course_lib.trainer import metrics
+from course_lib.trainer.metrics import MetricsLog, read_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,7 +55,7 @@ def test_flushed_rows_survive_sigkill_unflushed_ones_are_only_lost(tmp_path):
     path = tmp_path / "metrics.jsonl"
     proc = _child(f"""
         import sys, time
-        from course_lib.metrics import MetricsLog
+        from course_lib.trainer.metrics import MetricsLog
         log = MetricsLog({str(path)!r}, flush_every_s=3600, flush_every_rows=10**6)
         for step in range(1, 51):
             log.write({{"step": step, "loss": 1.0 / step, "lr": 3e-3}})
@@ -83,7 +83,7 @@ def test_sigkill_mid_stream_leaves_whole_unique_rows(tmp_path):
     the rows, each once; only the very last line may be torn, and read_rows skips it."""
     path = tmp_path / "metrics.jsonl"
     proc = _child(f"""
-        from course_lib.metrics import MetricsLog
+        from course_lib.trainer.metrics import MetricsLog
         log = MetricsLog({str(path)!r}, flush_every_s=3600, flush_every_rows=7)
         step = 0
         while True:
@@ -114,7 +114,7 @@ def test_unclosed_log_is_flushed_at_interpreter_exit(tmp_path):
     """An uncaught exception ends the program normally: the buffered rows still reach the file."""
     path = tmp_path / "metrics.jsonl"
     proc = _child(f"""
-        from course_lib.metrics import MetricsLog
+        from course_lib.trainer.metrics import MetricsLog
         log = MetricsLog({str(path)!r}, flush_every_s=3600)
         for step in range(1, 6):
             log.write({{"step": step}})
@@ -328,7 +328,7 @@ def test_trainer_event_files_read_back_with_tensorboards_own_reader(tmp_path):
     `tensorboard --logdir RUN/tensorboard`)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from course_lib import train_config
+    from course_lib.trainer import config as train_config
     from course_lib.train import train
 
     tiny = Path(__file__).resolve().parents[1] / "labs" / "configs" / "tiny-cpu.toml"

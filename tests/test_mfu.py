@@ -5,9 +5,9 @@ import warnings
 
 import pytest
 
-from course_lib import train_config
-from course_lib.metrics import read_rows
-from course_lib.mfu import MfuGuard, cpu_peak_sizes, robust_cpu_peak_flops
+from course_lib.trainer import config as train_config
+from course_lib.trainer.metrics import read_rows
+from course_lib.trainer.mfu import MfuGuard, cpu_peak_sizes, robust_cpu_peak_flops
 from course_lib.train import train
 from pathlib import Path
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from course_lib.model import INIT_SCHEMES, ModelConfig, TinyGPT
-from course_lib.model_layers import apply_rope, rope_tables, sliding_window_mask
+from course_lib.model.layers import apply_rope, rope_tables, sliding_window_mask
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import deprecation_rank_fns as fns
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.parallel import run_ranks
 from course_lib.train import train
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib import cli, notebooks
+from course_lib import cli
+from course_lib.kit import notebooks
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ import json
 import re
 from pathlib import Path
 
-from course_lib import notebooks
+from course_lib.kit import notebooks
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = '''# %% [markdown]

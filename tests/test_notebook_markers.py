@@ -1,7 +1,7 @@
 """Exercise generation from solution sources: markers replaced, hidden tests removed, errors named."""
 import pytest
 
-from course_lib.notebooks import (HIDDEN_PLACEHOLDER, NotebookSourceError, find_markers,
+from course_lib.kit.notebooks import (HIDDEN_PLACEHOLDER, NotebookSourceError, find_markers,
                                   make_exercise_source, to_notebook)
 
 PARAMS = '# %% tags=["parameters"]\nSMOKE = False\n\n'

@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib import run_notebooks
+from course_lib.kit import run_notebooks
 from tests import test_grading_batch
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
 """A DeepSpeed op build killed half-way leaves ``TORCH_EXTENSIONS_DIR/<op>/lock``; torch's loader
-then waits on it forever. course_lib/parallel/op_locks.py tells a stale lock (no process here holds
+then waits on it forever. course_lib/parallel/deepspeed/op_locks.py tells a stale lock (no process here holds
 it, old enough) from a live build's, ``course doctor`` names it and clears it on request, and the
 kit's op loads give up with a message naming it. Every lock here is planted in a fake
 ``TORCH_EXTENSIONS_DIR`` (tmp_path); the venv's real extensions are never touched.
@@ -14,8 +14,9 @@ import time
 import pytest
 from torch.utils.file_baton import FileBaton
 
-from course_lib import cli, doctor
-from course_lib.parallel.op_locks import OpLockError, find_locks, guard
+from course_lib import cli
+from course_lib.kit import doctor
+from course_lib.parallel.deepspeed.op_locks import OpLockError, find_locks, guard
 
 HOUR = 3600.0
 
@@ -140,7 +141,7 @@ def test_the_trainers_deepspeed_start_fails_on_a_stale_lock_with_its_path(ext_di
     path and the fix, writes nothing, and the rank finishes well inside the launch's limit."""
     pytest.importorskip("deepspeed")
     import deepspeed_rank_fns as ds_fns
-    from course_lib import train_config
+    from course_lib.trainer import config as train_config
     from course_lib.parallel import run_ranks
     from layout_checks import TINY
 

@@ -7,7 +7,7 @@ torchrun and SLURM scripts really train on 2 CPU ranks (issue 21, "What to build
   (``*.sh``, ``*.sbatch``) runs under bash with tests/fake_cluster_tools first on PATH: the fake
   torchrun / deepspeed / accelerate parse their command lines as the real tools do, work out the
   world they would start and hand ``-m course_lib.train ...`` to the trainer's ``--check-config``
-  (course_lib.train_check: the TOML and overrides validated, dp x tp x pp x cp = ranks, strategy
+  (course_lib.trainer.check_config: the TOML and overrides validated, dp x tp x pp x cp = ranks, strategy
   composition; torch-free). ``job.sbatch`` runs as SLURM's batch step on the first node of a fake
   allocation (SLURM_* set, scontrol naming node0..node{N-1}); its srun starts the torchrun line once
   per node. Scripts that say "run on every node" run on the first and the last node. Each call must

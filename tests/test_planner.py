@@ -13,7 +13,7 @@ import pytest
 
 from course_lib.parallel.mesh import mesh_layout
 
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.estimate import (activation_bytes_first_stage, model_state_bytes, output_backward_transient_bytes,
                                  training_step_peak_bytes)
 from course_lib.estimate.activations import activation_breakdown_per_layer
@@ -263,7 +263,7 @@ def test_deepspeed_json_passes_deepspeeds_parser(tmp_path, plans):
     """A data-parallel plan (7B on one node) gets DeepSpeed's config, checked by DeepSpeed's parser
     for the ranks it will start on."""
     pytest.importorskip("deepspeed")
-    from course_lib.parallel.deepspeed_config import validate_ds_config
+    from course_lib.parallel.deepspeed.config import validate_ds_config
 
     p7 = plans["1"]
     write_plan(p7, tmp_path)
@@ -366,7 +366,7 @@ def test_exercise_review_explains_what_is_wrong():
 
 
 def test_exercise_chooser_runs_with_the_planner_switched_off():
-    from course_lib.checks import CheckFailed
+    from course_lib.kit.checks import CheckFailed
     from course_lib.planner.exercise import check_chooser, scenario
 
     def cheat(spec):

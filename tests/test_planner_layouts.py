@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.estimate import (ModelShape, activation_bytes_first_stage, bubble_fraction, model_flops_per_iteration)
 from course_lib.estimate.activations import activation_bytes_per_layer
 from course_lib.estimate.stage_split import stage_split

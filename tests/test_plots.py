@@ -8,7 +8,7 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from course_lib import plots
+from course_lib.labs import plots
 from course_lib.schedules import Schedule
 
 

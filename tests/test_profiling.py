@@ -1,4 +1,4 @@
-"""The trainer's profiler (course_lib.profiling): traces and a summary whose numbers agree with
+"""The trainer's profiler (course_lib.trainer.profiling): traces and a summary whose numbers agree with
 each other and with metrics.jsonl; communication seen on 2 gloo ranks; the step split on a
 hand-made trace; config errors naming the key; nothing at all when not asked for."""
 import json
@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 import rank_fns
-from course_lib import train_config
-from course_lib.metrics import read_rows
+from course_lib.trainer import config as train_config
+from course_lib.trainer.metrics import read_rows
 from course_lib.parallel import run_ranks
-from course_lib.profile_summary import is_comm, step_breakdown
-from course_lib.profiling import load_summary
+from course_lib.trainer.profile_summary import is_comm, step_breakdown
+from course_lib.trainer.profiling import load_summary
 from course_lib.train import main, train
 
 ROOT = Path(__file__).resolve().parent.parent

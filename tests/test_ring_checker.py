@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from course_lib.checks import CheckFailed
+from course_lib.kit.checks import CheckFailed
 from course_lib.labs import lab00_orientation as collectives
 
 SHORTCUTS = {

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import sharded_mirror_rank_fns as fns
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.checkpoint.dcp import DCP_FORMAT
 from course_lib.parallel import run_ranks
 from course_lib.train import train

@@ -144,7 +144,7 @@ def test_the_stop_vote_and_the_watchdog_add_no_host_read_per_step(tmp_path, monk
     sys.path.insert(0, str(ROOT / "tests"))
     from host_reads import reads_per_step
 
-    from course_lib import train_config
+    from course_lib.trainer import config as train_config
     from course_lib.train import train
 
     monkeypatch.setattr("course_lib.train._peak_flops", lambda cfg, device: 1e12)

@@ -250,7 +250,7 @@ def test_bad_input_errors_without_ranks():
     from torch import nn
 
     from course_lib.model import ModelConfig
-    from course_lib.model_layers import Attention
+    from course_lib.model.layers import Attention
     from course_lib.parallel.tensor_parallel import (ColumnParallelLinear, TPAttention, TPBlock, copy_to_tp_region,
                                                      tp_tinygpt, vocab_parallel_cross_entropy)
 

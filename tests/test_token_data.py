@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import token_rank_fns
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.data import DEFAULT_TEXT, BatchStream
-from course_lib.metrics import read_rows
+from course_lib.trainer.metrics import read_rows
 from course_lib.parallel import run_ranks
-from course_lib.token_data import LLMC_MAGIC, TokenFile
+from course_lib.data.tokens import LLMC_MAGIC, TokenFile
 from course_lib.train import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

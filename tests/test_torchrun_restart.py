@@ -4,7 +4,7 @@ and finishes with every logged loss and the final weights bit-exact to a run nev
 The runs read a tokenized file (``data.task = "tokens"``, a memory-mapped uint16 file), so the
 sampler's position is restored from the checkpoint too.
 
-Before course_lib.parallel.elastic_store, a restarted group read the dead attempt's gloo
+Before course_lib.parallel.ranks.elastic_store, a restarted group read the dead attempt's gloo
 addresses from torchrun's shared store and hung or failed in about 2 of 5 tries; the stale-key
 test below fails on that code every time (rank 0 of the restarted group starts late on purpose)."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import restart_harness as rh  # noqa: E402
 
-from course_lib.parallel import elastic_store  # noqa: E402
+from course_lib.parallel.ranks import elastic_store  # noqa: E402
 
 STEPS, SAVE_EVERY = 8, 2
 DEADLINE_S = 120  # one job, kill and restart included; the bound a restart must finish within
@@ -57,7 +57,7 @@ _WORKER = """
 import os, sys, time
 time.sleep(float(sys.argv[1]))
 import torch, torch.distributed as dist
-from course_lib.parallel.launch import init_distributed
+from course_lib.parallel.ranks.launch import init_distributed
 init_distributed(backend="gloo", timeout_s=20)
 t = torch.ones(1)
 dist.all_reduce(t)

@@ -13,8 +13,8 @@ import torch
 import rank_fns
 from adam_tolerance import assert_weights_match_after_adam
 from host_reads import reads_per_step
-from course_lib import train_config
-from course_lib.metrics import read_rows
+from course_lib.trainer import config as train_config
+from course_lib.trainer.metrics import read_rows
 from course_lib.parallel import run_ranks
 from course_lib.train import main, train
 

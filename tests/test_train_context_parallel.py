@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import cp_train_rank_fns as fns
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.parallel import run_ranks
 from course_lib.parallel.context_parallel.in_trainer import local_chunk, loss_share, zigzag_positions
 from course_lib.parallel.context_parallel.layout import merge_sequence

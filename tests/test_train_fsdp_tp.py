@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import fsdp_tp_rank_fns as fns
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.estimate.memory import model_state_bytes
 from course_lib.parallel import run_ranks
 from course_lib.train import train

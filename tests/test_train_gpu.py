@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.train import train
 
 pytestmark = pytest.mark.gpu

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import model_parallel_rank_fns as fns
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.parallel import run_ranks
 from course_lib.parallel.mesh import MeshLayout, mesh_layout
 from course_lib.train import train

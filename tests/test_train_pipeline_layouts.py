@@ -30,7 +30,7 @@ from __future__ import annotations
 import pytest
 
 import pipeline_layouts_rank_fns as fns
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.estimate import ModelShape
 from course_lib.estimate.stage_split import end_weights, split_for_config, split_loads, stage_split
 from course_lib.parallel import run_ranks
@@ -167,7 +167,7 @@ def test_balanced_split_is_optimal_by_brute_force():
 
 
 def test_split_for_a_trainer_config_and_its_virtual_stages():
-    from course_lib.train_config import build_model_config
+    from course_lib.trainer.config import build_model_config
 
     c = cfg(train__strategy="ddp", model__n_layers=4, parallel__pp=2, parallel__pp_split=[1, 3])
     assert c["parallel"]["pp_split"] == [1, 3]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import pytest
 
 import recompute_rank_fns
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.estimate import activation_bytes_per_layer
 from course_lib.measure import tinygpt_activation_kwargs
 from course_lib.parallel import run_ranks

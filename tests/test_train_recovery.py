@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import rank_fns
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.checkpoint import CheckpointLoadError
-from course_lib.metrics import read_rows
+from course_lib.trainer.metrics import read_rows
 from course_lib.parallel import run_ranks
 from course_lib.stability import RollbackLimitError
 from course_lib.train import choose_device, main, train
@@ -368,7 +368,7 @@ def test_cpu_device_asks_the_launcher_for_gloo(monkeypatch, tmp_path):
     def fake_init(backend=None, **k):
         seen["backend"] = backend
         raise RuntimeError("stop here")
-    monkeypatch.setattr("course_lib.parallel.launch.init_distributed", fake_init)
+    monkeypatch.setattr("course_lib.parallel.ranks.launch.init_distributed", fake_init)
     monkeypatch.delenv("COURSE_BACKEND", raising=False)
     with pytest.raises(RuntimeError, match="stop here"):
         train(cfg("train.device='cpu'"), tmp_path)

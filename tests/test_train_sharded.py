@@ -18,7 +18,7 @@ import torch
 import deepspeed_rank_fns as generic  # its refusals() runs any config expecting a ConfigError
 import sharded_train_rank_fns as fns
 from rank_fns import several
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.parallel import run_ranks
 from course_lib.train import train
 

@@ -1,5 +1,5 @@
 """ZeRO-1 / ZeRO-2 as the data-parallel dimension under tensor and pipeline parallelism, in the
-trainer (course_lib/parallel/model_parallel_dp.py), and DeepSpeed's honest refusal of layouts it
+trainer (course_lib/parallel/composed/dp.py), and DeepSpeed's honest refusal of layouts it
 does not run.
 
 On 4 gloo ranks, in one launch: zero1 x pp (2 x 2, 1F1B) and zero2 x tp (2 x 2) train 30 steps in
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 import zero_mp_rank_fns as fns
-from course_lib import train_config
+from course_lib.trainer import config as train_config
 from course_lib.estimate import model_state_bytes
 from course_lib.measure import tinygpt_shape
 from course_lib.parallel import run_ranks

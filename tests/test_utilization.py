@@ -1,4 +1,4 @@
-"""The utilization sampler (course_lib.utilization): columns in metrics.jsonl, their units, no
+"""The utilization sampler (course_lib.trainer.utilization): columns in metrics.jsonl, their units, no
 extra host read per step, a thread that stops, config errors naming the key."""
 import sys
 import threading
@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from host_reads import reads_per_step
-from course_lib import train_config, utilization
-from course_lib.metrics import read_rows
+from course_lib.trainer import config as train_config
+from course_lib.trainer import utilization
+from course_lib.trainer.metrics import read_rows
 from course_lib.train import train
-from course_lib.utilization import UtilizationSampler
+from course_lib.trainer.utilization import UtilizationSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "labs" / "configs" / "tiny-cpu.toml"

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib import train_config
-from course_lib.metrics import read_rows
+from course_lib.trainer import config as train_config
+from course_lib.trainer.metrics import read_rows
 from course_lib.train import train
 
 pytest.importorskip("wandb")
-from course_lib.wandb_log import read_segment, segments  # noqa: E402
+from course_lib.trainer.wandb_log import read_segment, segments  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "labs" / "configs" / "tiny-cpu.toml"
@@ -104,9 +104,9 @@ def refuse(*args, **kwargs):
     print("NETWORK", args[:2], flush=True)
     raise OSError("network refused by the test")
 socket.getaddrinfo = socket.create_connection = refuse
-from course_lib import train_config
-from course_lib.metrics import MetricsLog
-from course_lib.wandb_log import WandbLog
+from course_lib.trainer import config as train_config
+from course_lib.trainer.metrics import MetricsLog
+from course_lib.trainer.wandb_log import WandbLog
 out = Path(sys.argv[1])
 cfg = train_config.load(None, ["wandb.mode='offline'"])
 first = WandbLog(cfg, out, enabled=True)  # a job that logged steps 1-6 ...

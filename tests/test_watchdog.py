@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from course_lib import train as train_mod
-from course_lib.train_config import ConfigError
+from course_lib.trainer.config import ConfigError
 from course_lib.watch import HANG_EXIT_CODE, Heartbeat, StaleTracker, Watchdog, parse_stall, read_beats, split_stalls
 from course_lib.watch.control import trainer_faults
 from course_lib.watch.demo import run_stall_demo

@@ -3,7 +3,7 @@
 import pytest
 
 from course_lib import estimate
-from course_lib.widgets import MemoryCalculator, memory_per_rank, zero_stage_chart_png
+from course_lib.labs.widgets import MemoryCalculator, memory_per_rank, zero_stage_chart_png
 
 
 def test_budget_is_the_estimators_numbers():

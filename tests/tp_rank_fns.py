@@ -66,7 +66,7 @@ def block_cfg(kind):
 def dense_block(kind):
     """A dense Block with perturbed norms (so their gradients matter), its input, upstream gradient
     and RoPE tables."""
-    from course_lib.model_layers import Block, rope_tables
+    from course_lib.model.layers import Block, rope_tables
 
     cfg = block_cfg(kind)
     torch.manual_seed(3)
@@ -242,7 +242,7 @@ def _message(fn):
 
 def error_cases(rank, world):
     from course_lib.model import ModelConfig, TinyGPT
-    from course_lib.model_layers import MLP, Attention
+    from course_lib.model.layers import MLP, Attention
     from course_lib.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPAttention, TPMLP,
                                                      VocabParallelEmbedding, reduce_scatter_to_sequence_region,
                                                      tp_tinygpt, vocab_parallel_cross_entropy)

@@ -8,9 +8,9 @@ def census(rank, world_size, cfg):
     mesh coordinates, measured model-state bytes and the stage's block count."""
     import torch
 
-    from course_lib import train_config
+    from course_lib.trainer import config as train_config
     from course_lib.model import TinyGPT
-    from course_lib.parallel.launch import DistInfo
+    from course_lib.parallel.ranks.launch import DistInfo
     from course_lib.parallel.memory_census import model_state_bytes_on_rank
     from course_lib.parallel.registry import make_strategy
     from course_lib.precision import make_policy

@@ -112,7 +112,7 @@ def save_sharded(root: str | Path, step: int, model: torch.nn.Module, optimizer:
     A failure on any rank raises CheckpointError on every rank, naming the rank(s) that failed,
     as soon as the ranks next exchange their status; nothing appears under a final name."""
     if not dist.is_initialized():
-        raise RuntimeError("save_sharded needs an initialised process group (course_lib.parallel.launch)")
+        raise RuntimeError("save_sharded needs an initialised process group (course_lib.parallel.ranks.launch)")
     check_int("step", step, 0)
     check_int("keep_last", keep_last, 1)
     rank = dist.get_rank(process_group)
@@ -187,7 +187,7 @@ def load_sharded(root: str | Path, model: torch.nn.Module, optimizer: Any = None
     the chosen one cannot be read, or when the model does not fit it (refused by name before any
     weight is touched)."""
     if not dist.is_initialized():
-        raise RuntimeError("load_sharded needs an initialised process group (course_lib.parallel.launch)")
+        raise RuntimeError("load_sharded needs an initialised process group (course_lib.parallel.ranks.launch)")
     check_bool("restore_rng", restore_rng)
     check_bool("strict", strict)
     from torch.distributed.checkpoint import load as dcp_load

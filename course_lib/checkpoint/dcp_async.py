@@ -117,7 +117,7 @@ class AsyncShardedSaver:
         First waits for the previous save (raising its CheckpointError on every rank). A
         failure before staging completes raises CheckpointError here, on every rank."""
         if not dist.is_initialized():
-            raise RuntimeError("AsyncShardedSaver needs an initialised process group (course_lib.parallel.launch)")
+            raise RuntimeError("AsyncShardedSaver needs an initialised process group (course_lib.parallel.ranks.launch)")
         check_int("step", step, 0)
         check_int("keep_last", keep_last, 1)
         self.wait()

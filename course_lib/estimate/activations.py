@@ -19,7 +19,7 @@ that stores its s x s scores ("eager"). Each of those is a keyword here whose de
 paper's, so a model that differs (TinyGPT has no dropout, may use SwiGLU, grouped-query attention
 and fused "flash" attention that keeps no s x s matrix) is described, not approximated.
 
-TinyGPT (course_lib/model.py) in fp32 on a CPU: ``dropout=False, attention="flash",
+TinyGPT (course_lib/model/tinygpt.py) in fp32 on a CPU: ``dropout=False, attention="flash",
 kv_repeat=True, bytes_per_element=4`` plus ``norm_saves="input+stats"`` (GPT-style, LayerNorm) or
 ``norm_saves="unfused-rmsnorm"`` (Llama-style) give exactly the bytes autograd saves per block,
 for every recompute mode (tests/test_estimate_activations.py).

@@ -5,7 +5,7 @@ way PyTorch would (a tied matrix once). The presets reproduce the published coun
 (GPT-2 checkpoints, Llama 2 / Llama 3 Hugging Face checkpoints), except GPT-3, whose paper only
 gives the rounded "175.0B" (Brown et al. 2020, Table 2.1); see `PRESETS`.
 
-Counting conventions (chosen to match TinyGPT in course_lib/model.py, nanoGPT and Hugging Face):
+Counting conventions (chosen to match TinyGPT in course_lib/model/tinygpt.py, nanoGPT and Hugging Face):
 
 - attention: q and o are d_model x d_model; k and v are d_model x (n_kv_heads * head_dim);
   with `bias=True` each projection has a bias of its output width;
@@ -30,7 +30,7 @@ NORMS = ("layernorm", "rmsnorm")
 def default_d_ff(d_model: int, mlp: str) -> int:
     """MLP hidden width when none is given: 4*d_model for GELU; for SwiGLU 8*d_model/3 rounded up to
     a multiple of 8 (2/3 of 4*d_model keeps the GELU parameter count; Shazeer 2020, Llama paper
-    Section 2.2). The rounding is TinyGPT's (course_lib/model.py), so both agree by default."""
+    Section 2.2). The rounding is TinyGPT's (course_lib/model/tinygpt.py), so both agree by default."""
     check_int("d_model", d_model, 1)
     check_choice("mlp", mlp, MLPS)
     if mlp == "gelu":

@@ -165,7 +165,7 @@ def shape_of_model_config(mcfg, seq_len: int | None = None):
 
 
 def split_for_config(cfg: dict, mcfg) -> list[int]:
-    """Blocks per stage for a trainer config (``cfg`` from ``course_lib.train_config``, ``mcfg`` its
+    """Blocks per stage for a trainer config (``cfg`` from ``course_lib.trainer.config``, ``mcfg`` its
     ``ModelConfig``): ``parallel.pp_split`` over ``parallel.pp * parallel.virtual_stages`` stages,
     balanced at ``data.seq_len`` tokens. ValueError as :func:`stage_split`."""
     par = cfg["parallel"]

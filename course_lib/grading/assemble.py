@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from course_lib import notebooks
+from course_lib.kit import notebooks
 from course_lib.grading.probes import PROBES
 
 POINTS_TAG = re.compile(r"^points:(\d+)$")

@@ -32,7 +32,7 @@ def add_grading_parsers(sub) -> None:
 
 
 def cmd_grade(args: argparse.Namespace) -> int:
-    from course_lib.kit_root import find_root
+    from course_lib.kit.root import find_root
     from course_lib.grading import assemble, grade, reference, report, sandbox
 
     try:
@@ -54,7 +54,7 @@ def cmd_grade(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from course_lib.kit_root import find_root
+    from course_lib.kit.root import find_root
     from course_lib.grading import learner
 
     try:

@@ -11,7 +11,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from course_lib import notebooks
+from course_lib.kit import notebooks
 from course_lib.grading import assemble, probes, sandbox
 
 

@@ -22,5 +22,8 @@ module                            used by
 ``exercise09_zero1_optimizer``    exercise 09's checks
 ``exercise10_tp_linear``          exercise 10's checks
 ``exercise11_one_f_one_b``        exercise 11's checks (deadlock simulator, gloo run)
+``plots``                         every lab's shared matplotlib helpers (draw on a given Axes)
+``plots_memory``                  lab 01's stacked memory bars
+``widgets``                       lab 01's memory calculator (sliders in, bytes per rank out)
 ================================  ======================================================
 """

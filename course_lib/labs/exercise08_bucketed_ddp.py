@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib.checks import CheckFailed
+from course_lib.kit.checks import CheckFailed
 
 from course_lib.labs.exercise_harness import _first_problem, _guard, _launch, impl_ref, load_impl
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from course_lib.checks import CheckFailed
+from course_lib.kit.checks import CheckFailed
 
 from course_lib.labs.exercise_harness import _first_problem, _guard, _launch, impl_ref, load_impl
 

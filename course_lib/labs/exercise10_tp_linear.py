@@ -7,7 +7,7 @@ with **dense** ``nn.Linear`` math computed in the same process (same seed, no co
 with the library's tensor-parallel layers, and counts the collectives issued in forward and in
 backward.
 
-Checks raise :class:`course_lib.checks.CheckFailed` with a sentence that says what was expected,
+Checks raise :class:`course_lib.kit.checks.CheckFailed` with a sentence that says what was expected,
 what came out and the likely bug (``NotImplementedError`` while the learner's code raises it),
 and otherwise return table rows for the notebook.
 """
@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib.checks import CheckFailed
+from course_lib.kit.checks import CheckFailed
 from course_lib.labs.exercise_harness import _first_problem, _guard, _launch, impl_ref, load_impl
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32: sums over ranks and matmul shards add in another order

@@ -7,7 +7,7 @@ a deadlock without starting a process. Only lists that pass are executed on gloo
 library's runner (:func:`course_lib.parallel.pipeline.schedules.pipeline_step`) fed the learner's
 lists, and compared with one process; the launch timeout is only a backstop.
 
-Checks raise :class:`course_lib.checks.CheckFailed` with a sentence that says what was expected,
+Checks raise :class:`course_lib.kit.checks.CheckFailed` with a sentence that says what was expected,
 what came out and the likely bug (``NotImplementedError`` while the learner's code raises it),
 and otherwise return table rows for the notebook.
 """
@@ -19,7 +19,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from course_lib.checks import CheckFailed
+from course_lib.kit.checks import CheckFailed
 from course_lib.labs.exercise10_tp_linear import _err, _mismatch, _raw  # the same comparisons as exercise 10
 from course_lib.labs.exercise_harness import _first_problem, _guard, _launch
 

@@ -9,7 +9,7 @@ Spawned ranks cannot unpickle a class defined in a notebook, so the check sends 
 
 Each rank compares the learner's code with a reference computed in the same process and returns
 plain dicts: numbers plus ``problems``, sentences that say what was expected, what came out and the
-likely bug. The checks raise :class:`course_lib.checks.CheckFailed` with the first problem
+likely bug. The checks raise :class:`course_lib.kit.checks.CheckFailed` with the first problem
 (:func:`_first_problem`), or ``NotImplementedError`` while the learner's code still raises it
 (:func:`_guard`), and otherwise return table rows for the notebook; :func:`_launch` turns a hung
 or crashed launch into a sentence.
@@ -20,8 +20,8 @@ import importlib
 import sys
 from pathlib import Path
 
-from course_lib.checks import CheckFailed
-from course_lib.parallel.launch import RankFailedError, run_ranks
+from course_lib.kit.checks import CheckFailed
+from course_lib.parallel.ranks.launch import RankFailedError, run_ranks
 
 
 

@@ -3,7 +3,7 @@ that compares a learner's all-reduce with ``torch.distributed.all_reduce``.
 
 They live here, not in the notebook, because a spawned rank can only run importable code.
 Every function has the ``fn(rank, world_size, ...)`` signature that
-:func:`course_lib.parallel.launch.run_ranks` calls.
+:func:`course_lib.parallel.ranks.launch.run_ranks` calls.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from course_lib.parallel.launch import RankFailedError, run_ranks
+from course_lib.parallel.ranks.launch import RankFailedError, run_ranks
 from course_lib.parallel.wire import count_collectives
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -147,11 +147,11 @@ def check_all_reduce(impl: Callable, world_sizes: Sequence[int],
     """Check a learner's all-reduce against ``dist.all_reduce`` on each world size; explain failures.
 
     Raises ``NotImplementedError`` when the learner's function still raises it,
-    :class:`course_lib.checks.CheckFailed` with a sentence when a result is wrong. Returns the
+    :class:`course_lib.kit.checks.CheckFailed` with a sentence when a result is wrong. Returns the
     rows of a table (world size, numel, dtype, max error) on success; each row also carries
     ``outputs``, every rank's result tensor for that case (rank order), for the grader to compare
     with the instructor's: unlike the error, it cannot be right without a working all-reduce."""
-    from course_lib.checks import CheckFailed
+    from course_lib.kit.checks import CheckFailed
 
     rows = []
     for world_size in world_sizes:

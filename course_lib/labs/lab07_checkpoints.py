@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from course_lib.parallel._rank_entry import _die_with_parent  # SIGKILL with the parent (Linux)
+from course_lib.parallel.ranks.entry import _die_with_parent  # SIGKILL with the parent (Linux)
 from course_lib.validate import check_int, check_number
 
 _REPORT = "KILL-REPORT "  # prefix of the driver's result line on stdout

@@ -261,7 +261,7 @@ def _held_between_forward_and_backward(strategy, cfg: dict) -> int | None:
     (gathered full weights that were kept, plus the shards). None for other strategies."""
     if cfg["train"]["strategy"] != "fsdp":
         return None
-    from course_lib import data as data_lib
+    from course_lib.data import tasks as data_lib
     from course_lib.parallel.memory_census import _local
 
     t, d = cfg["train"], cfg["data"]

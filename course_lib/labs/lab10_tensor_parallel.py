@@ -33,7 +33,7 @@ from torch import nn
 
 from course_lib.measure import saved_activation_bytes
 from course_lib.model import ModelConfig, TinyGPT
-from course_lib.model_layers import Block, rope_tables
+from course_lib.model.layers import Block, rope_tables
 from course_lib.parallel.wire import count_collectives
 
 

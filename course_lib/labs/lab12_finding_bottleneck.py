@@ -2,14 +2,14 @@
 configurations in one launch, and the tables and plots that read their profile summaries.
 
 Spawned ranks can only run importable code, hence this module. Every number comes from the
-trainer's own files: ``OUT/profile/summary.json`` (:func:`course_lib.profiling.load_summary`) and
+trainer's own files: ``OUT/profile/summary.json`` (:func:`course_lib.trainer.profiling.load_summary`) and
 ``OUT/metrics.jsonl``.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from course_lib.profiling import load_summary
+from course_lib.trainer.profiling import load_summary
 
 PARTS = (("compute_s", "compute", "tab:blue"), ("comm_s", "communication (exposed)", "tab:red"),
          ("idle_s", "idle", "tab:gray"))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from course_lib.metrics import read_rows
+from course_lib.trainer.metrics import read_rows
 from course_lib.validate import check_int, check_number
 from course_lib.watch.demo import kill_tree
 

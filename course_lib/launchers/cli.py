@@ -105,7 +105,7 @@ def build_files(args: argparse.Namespace) -> dict[str, str]:
         overrides.append(f"train.max_steps={args.max_steps}")
     # Check the trainer config here: a config error under torchrun would be retried
     # --max-restarts times on every node before anyone sees it.
-    from course_lib import train_config
+    from course_lib.trainer import config as train_config
 
     try:
         train_config.load(args.config, overrides)
@@ -154,8 +154,8 @@ def build_files(args: argparse.Namespace) -> dict[str, str]:
 
 def _ds_config_json(cfg_path: str, overrides: list[str], cluster: Cluster) -> str:
     """The DeepSpeed JSON the trainer will build, for reading ("" if the config does not load)."""
-    from course_lib import train_config
-    from course_lib.parallel.deepspeed_config import build_ds_config
+    from course_lib.trainer import config as train_config
+    from course_lib.parallel.deepspeed.config import build_ds_config
 
     try:
         cfg = train_config.load(cfg_path, overrides + ["train.strategy=deepspeed"])

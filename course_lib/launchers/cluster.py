@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from course_lib.parallel.elastic_store import FRESH_STORE_ENV
+from course_lib.parallel.ranks.elastic_store import FRESH_STORE_ENV
 from course_lib.validate import check_choice, check_int
 
 _TIME = re.compile(r"^(\d{1,3}):([0-5]\d):([0-5]\d)$")
@@ -19,7 +19,7 @@ _WORD = re.compile(r"^[A-Za-z0-9_.${}-]+$")  # safe inside a shell word and a SL
 # torchrun restarts the whole worker group after a rank dies, and --resume auto continues from the
 # newest checkpoint. Restarted gloo groups used to hang or fail in 2 of 5 tries here (torchrun keeps
 # one store across restarts and the new ranks read the dead attempt's addresses); the trainer now
-# joins each attempt through its own store prefix (course_lib.parallel.elastic_store): 10 of 10
+# joins each attempt through its own store prefix (course_lib.parallel.ranks.elastic_store): 10 of 10
 # restarts on 2 CPU ranks and 5 of 5 on 4 resumed bit-exact. So CPU and GPU jobs share the default.
 DEFAULT_RESTARTS = 3
 # Exported before torchrun on several nodes, whose agents may count restarts differently: a fresh
@@ -116,5 +116,5 @@ def restart_comment(cluster: Cluster) -> str:
         return ""
     text = (f"--max-restarts {cluster.max_restarts} on {cluster.nodes} nodes: a fresh rendezvous store for every "
             f"restart attempt, so that no rank reads a dead attempt's addresses (agents on different nodes "
-            f"may count restarts differently; course_lib.parallel.elastic_store).")
+            f"may count restarts differently; course_lib.parallel.ranks.elastic_store).")
     return textwrap.fill(text, 98, initial_indent="# ", subsequent_indent="# ") + "\n" + FRESH_STORE_EXPORT

@@ -91,7 +91,7 @@ def deepspeed_command(config: str, overrides: Sequence[str], cluster: Cluster,
     """The ``deepspeed`` launcher over ``hostfile`` (ssh/pdsh to each host when there are several).
 
     Sets ``--set train.strategy=deepspeed`` (replacing any other strategy override): the trainer
-    builds its DeepSpeed config from the TOML (:func:`course_lib.parallel.deepspeed_config.build_ds_config`)
+    builds its DeepSpeed config from the TOML (:func:`course_lib.parallel.deepspeed.config.build_ds_config`)
     and writes it to ``OUT/ds_config.json``, so the TOML stays the one source of truth.
     ``--num_gpus`` is given even on CPU: without it DeepSpeed counts NUMA nodes there (1 process)."""
     # Any other strategy would ignore the engine this launcher is for, so it is replaced.

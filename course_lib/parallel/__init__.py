@@ -1,5 +1,5 @@
 """Parallelism: the rank launcher plus one short module per form (DDP, ZeRO, FSDP, TP, PP)."""
-from course_lib.parallel.launch import (  # noqa: F401
+from course_lib.parallel.ranks.launch import (  # noqa: F401
     DistInfo,
     RankFailedError,
     barrier,

@@ -22,21 +22,21 @@ STRATEGIES: dict[str, tuple[str, str, str]] = {  # name -> (module, class, one-l
                      "the from-scratch ZeRO-3 (SimpleFSDP): weights sharded, gathered per layer"),
     "fsdp": ("course_lib.parallel.data_parallel.fsdp2", "FSDP2",
              "torch FSDP2 fully_shard per block: parallel.reshard_after_forward, parallel.cpu_offload"),
-    "deepspeed": ("course_lib.parallel.data_parallel.deepspeed_engine", "DeepSpeedStrategy",
+    "deepspeed": ("course_lib.parallel.deepspeed.engine", "DeepSpeedStrategy",
                   "the DeepSpeed engine, ZeRO stage parallel.zero_stage (0-3), optional CPU offload"),
 }
 
 #: Not a ``train.strategy`` name: chosen by :func:`make_strategy` when ``parallel.tp * parallel.pp
 #: * parallel.cp > 1``; ``train.strategy`` then names its data-parallel dimension, one of
 #: :data:`MODEL_PARALLEL_DP`.
-MODEL_PARALLEL = ("course_lib.parallel.model_parallel_strategy", "ModelParallel",
+MODEL_PARALLEL = ("course_lib.parallel.composed.model_parallel", "ModelParallel",
                   "tensor (parallel.tp) x pipeline (parallel.pp) parallel, data parallel over the rest")
-#: Chosen for ``train.strategy = "fsdp"`` with model parallelism (tp > 1, pp = 1: train_config).
-FSDP_MODEL_PARALLEL = ("course_lib.parallel.fsdp_tp_strategy", "FSDPTensorParallel",
+#: Chosen for ``train.strategy = "fsdp"`` with model parallelism (tp > 1, pp = 1: trainer.config).
+FSDP_MODEL_PARALLEL = ("course_lib.parallel.composed.fsdp_tp", "FSDPTensorParallel",
                        "FSDP2 over dp on a DTensor tensor-parallel (parallel.tp) model, one device mesh")
 
 #: The ``train.strategy`` names that compose with tp/pp/cp > 1 (modes of
-#: :mod:`course_lib.parallel.model_parallel_dp`), name -> what the data-parallel dimension does.
+#: :mod:`course_lib.parallel.composed.dp`), name -> what the data-parallel dimension does.
 MODEL_PARALLEL_DP: dict[str, str] = {
     "ddp": "replicated weights and optimizer, one flattened gradient all-reduce over the dp ranks",
     "zero1": "ZeRO-1 over the dp ranks: optimizer state sharded, gradients reduce-scattered",
@@ -59,7 +59,7 @@ def make_strategy(name: str, info: Any, device: Any, cfg: dict | None = None):
     module, cls, _ = STRATEGIES[name]
     par = (cfg or {}).get("parallel", {})
     if par.get("tp", 1) * par.get("pp", 1) * par.get("cp", 1) > 1:  # train.strategy: the dp dimension
-        if name not in MODEL_PARALLEL_DP:  # train_config refuses it first, with the layouts
+        if name not in MODEL_PARALLEL_DP:  # trainer.config refuses it first, with the layouts
             raise ValueError(f"strategy {name!r} does not compose with parallel.tp/pp/cp > 1; use one of "
                              f"{', '.join(MODEL_PARALLEL_DP)}")
         module, cls, _ = FSDP_MODEL_PARALLEL if name == "fsdp" else MODEL_PARALLEL

@@ -37,7 +37,7 @@ FORMATS: dict[str, tuple[str, str]] = {
 }
 #: manifest format -> the kit's weights-only converter (a plain state dict for a new run)
 WEIGHTS_ONLY = {"course_lib.checkpoint.dcp/1": "course_lib.checkpoint.dcp.consolidate_sharded(path)",
-                "course_lib.checkpoint.deepspeed/1": "course_lib.parallel.deepspeed_checkpoints."
+                "course_lib.checkpoint.deepspeed/1": "course_lib.parallel.deepspeed.checkpoints."
                                                      "deepspeed_to_state_dict(path)"}
 #: the checkpointer's ``format`` attribute -> the manifest format it writes
 MANIFEST_FORMAT = {"full": "course_lib.checkpoint/1", "sharded": "course_lib.checkpoint.dcp/1",
@@ -118,7 +118,7 @@ def resume(checkpoints: Any, state: Any, strategy_name: str) -> Any:
     then rank 0's :func:`verdict` on the folder, broadcast: ConfigError on every rank when the
     folder holds checkpoints this run cannot use in place of a resume. Returns the LoadResult."""
     from course_lib.checkpoint import CheckpointLoadError
-    from course_lib.train_config import ConfigError
+    from course_lib.validate import ConfigError
 
     loaded = checkpoints.load(state)
     strategy = checkpoints.strategy

@@ -33,15 +33,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.parallel.launch import DistInfo
+from course_lib.parallel.ranks.launch import DistInfo
 
 
 class Strategy:
     """One process, no communication: the reference implementation of every method.
 
-    ``info``: where this process sits (:class:`~course_lib.parallel.launch.DistInfo`);
+    ``info``: where this process sits (:class:`~course_lib.parallel.ranks.launch.DistInfo`);
     ``device``: where the model computes; ``cfg``: the validated trainer config
-    (:mod:`course_lib.train_config`; strategies read their ``[parallel]`` keys from it, None
+    (:mod:`course_lib.trainer.config`; strategies read their ``[parallel]`` keys from it, None
     means the defaults). After :meth:`setup`: ``model`` is the plain module (its
     parameter names are the checkpoint's), ``module`` is what forward is called on (the wrapper),
     ``optimizer`` the optimizer over the (possibly sharded) parameters."""
@@ -58,10 +58,10 @@ class Strategy:
     grads_visible = True
 
     def __init__(self, info: DistInfo, device: torch.device, cfg: dict | None = None):
-        from course_lib import train_config
+        from course_lib.validate import defaults
 
         self.info, self.device = info, torch.device(device)
-        self.cfg = cfg if cfg is not None else train_config.defaults()
+        self.cfg = cfg if cfg is not None else defaults()
         self.model: nn.Module | None = None
         self.module: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -211,7 +211,7 @@ class Strategy:
 
         chosen = self.checkpoint_format if format == "auto" else format
         if chosen not in self.checkpoint_formats:
-            from course_lib.train_config import ConfigError
+            from course_lib.validate import ConfigError
 
             raise ConfigError(f"checkpoint.format = {format!r} does not fit train.strategy = {self.name!r}, "
                               f"whose state only saves as {' or '.join(map(repr, self.checkpoint_formats))}; "

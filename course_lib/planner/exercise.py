@@ -3,7 +3,7 @@
 A layout is a plain dict: ``tp``, ``pp``, ``dp``, ``zero_stage``, ``recompute``, ``micro_batch``,
 optionally ``cp`` (default 1) and ``why`` (a one-line justification). :func:`review` says whether it
 follows the rules, whether it fits, and how its modelled step time compares with the planner's best;
-:func:`check_layout` turns a bad review into a :class:`~course_lib.checks.CheckFailed` that explains
+:func:`check_layout` turns a bad review into a :class:`~course_lib.kit.checks.CheckFailed` that explains
 what is wrong ("tp=16 crosses the node boundary ...", "does not fit: 93 GiB > 72 GiB usable; the
 optimizer states are 60% of it - try ZeRO-3"). :func:`check_chooser` grades a learner's
 ``choose_layout(spec)`` on several jobs with the planner's own search switched off.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from contextlib import contextmanager
 
-from course_lib.checks import CheckFailed
+from course_lib.kit.checks import CheckFailed
 from course_lib.planner.costs import RECOMPUTE, Candidate, Layout, evaluate
 from course_lib.planner.search import why_lost
 from course_lib.planner.spec import JobSpec, make_spec

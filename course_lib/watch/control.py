@@ -29,7 +29,7 @@ __all__ = ["HANG_EXIT_CODE", "STOP_EXIT_CODE", "RunControl", "split_stalls", "tr
 def trainer_faults(faults: Any, world_size: int, max_steps: int) -> tuple[list, list[Stall]]:
     """Split ``--inject-fault`` items into the stabilizer's and the stalls, and check the stalls
     against the job (ConfigError naming the flag)."""
-    from course_lib.train_config import ConfigError
+    from course_lib.validate import ConfigError
 
     try:
         others, stalls = split_stalls(faults)

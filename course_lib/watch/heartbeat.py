@@ -10,7 +10,7 @@ the collective they are waiting in (the idea of NCCL's flight recorder, on any b
 Why a step counter and not a timestamp: ranks on different nodes do not share a clock. A watcher
 records *its own* monotonic time whenever a rank's value changes, so staleness is measured on one
 clock only. The loop's beat is an attribute write; the rank's watchdog thread publishes it (one
-small TCP message to the store that torchrun or :func:`course_lib.parallel.launch.run_ranks`
+small TCP message to the store that torchrun or :func:`course_lib.parallel.ranks.launch.run_ranks`
 already runs) once per poll, only when it changed: no device work, no host read of a tensor, and
 no network round trip inside a step however short the steps are.
 

@@ -8,7 +8,7 @@ the ranks the real tool would start - world size, this node's rank, the rendezvo
 address - and refuses what would fail or hang on a real cluster (a loopback main address on
 several nodes, a machine rank out of range, a process count the machines do not divide). Then,
 instead of starting ranks, it hands the trainer part of the command (``-m course_lib.train ...``)
-to the trainer's own ``--check-config`` (course_lib.train_check) in this process, with the
+to the trainer's own ``--check-config`` (course_lib.trainer.check_config) in this process, with the
 environment the real tool gives rank 0 of this node (WORLD_SIZE, RANK, LOCAL_RANK, ...): the
 config is loaded and validated for that world size, torch-free. It exits as the launcher would:
 0, or the trainer's 2 on a config error, or 1 for a launch the real tool would refuse.
@@ -44,9 +44,9 @@ def hand_to_trainer(tool: str, program: list[str], module: bool, env: dict[str, 
     if not module or program[0] != "course_lib.train":
         return _log(record, 1, error=f"{tool} (fake) checks only `-m course_lib.train ...`, got {program[:2]}")
     os.environ.update(env)
-    from course_lib.train_args import build_parser
-    from course_lib.train_check import check_args, describe
-    from course_lib.train_config import ConfigError
+    from course_lib.trainer.args import build_parser
+    from course_lib.trainer.check_config import check_args, describe
+    from course_lib.trainer.config import ConfigError
 
     try:
         args = build_parser().parse_args(program[1:])

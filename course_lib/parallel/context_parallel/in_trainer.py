@@ -8,7 +8,7 @@ data-parallel coordinate) and each keeps its own tokens of them, laid out zig-za
 :func:`apply_context_parallel` is all a strategy calls. It
 
 * swaps the attention core of every attention module of the model (the dense
-  ``model_layers.Attention`` or the tensor-parallel ``TPAttention``: whatever heads the rank holds)
+  ``model.layers.Attention`` or the tensor-parallel ``TPAttention``: whatever heads the rank holds)
   for :class:`ContextParallelCore` - RoPE at this rank's rows, grouped-query heads expanded, then
   :func:`.ring_attention` over the cp group (exact, so the loss equals one process's);
 * returns a :class:`ContextParallelModel`: called with the full micro-batch ``(idx, targets)`` as
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from course_lib.model_layers import apply_rope
+from course_lib.model.layers import apply_rope
 from course_lib.parallel.context_parallel.layout import chunk_segments, split_sequence
 from course_lib.parallel.context_parallel.ring_attention import ring_attention
 from course_lib.validate import check_int
@@ -137,7 +137,7 @@ class ContextParallelModel:
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules whose core :func:`apply_context_parallel` swaps: every one with a ``cp_core``
-    hook (``model_layers.Attention``, ``tensor_parallel.TPAttention``)."""
+    hook (``model.layers.Attention``, ``tensor_parallel.TPAttention``)."""
     return [m for m in model.modules() if hasattr(type(m), "cp_core") and hasattr(m, "core")]
 
 

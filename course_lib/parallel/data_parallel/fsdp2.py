@@ -32,7 +32,7 @@ class FSDP2(Distributed):
     checkpoint_format = "sharded"
 
     def setup(self, model: nn.Module, make_optimizer) -> None:
-        from course_lib.train_config import ConfigError
+        from course_lib.validate import ConfigError
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 

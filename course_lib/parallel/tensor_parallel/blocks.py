@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from course_lib.model_layers import MLP, Attention, Block, SwiGLU, apply_rope, sliding_window_mask
+from course_lib.model.layers import MLP, Attention, Block, SwiGLU, apply_rope, sliding_window_mask
 from course_lib.parallel.tensor_parallel.comm_ops import copy_to_tp_region, gather_from_sequence_region
 from course_lib.parallel.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                         tp_size_and_rank)
@@ -75,9 +75,9 @@ class TPMLP(nn.Module):
 
     @classmethod
     def from_dense(cls, mlp: nn.Module, group=None, sequence_parallel: bool = False) -> "TPMLP":
-        """This rank's shard of a dense ``course_lib.model_layers.MLP`` or ``SwiGLU``."""
+        """This rank's shard of a dense ``course_lib.model.layers.MLP`` or ``SwiGLU``."""
         if not isinstance(mlp, (MLP, SwiGLU)):
-            raise TypeError(f"mlp must be a course_lib.model_layers.MLP or SwiGLU, got {type(mlp).__name__}")
+            raise TypeError(f"mlp must be a course_lib.model.layers.MLP or SwiGLU, got {type(mlp).__name__}")
         check_bool("sequence_parallel", sequence_parallel)
         tp, _ = tp_size_and_rank(group, "TPMLP")
         _no_dropout(mlp, mlp.dropout)
@@ -115,9 +115,9 @@ class TPAttention(nn.Module):
 
     @classmethod
     def from_dense(cls, attn: Attention, group=None, sequence_parallel: bool = False) -> "TPAttention":
-        """This rank's heads of a dense ``course_lib.model_layers.Attention``."""
+        """This rank's heads of a dense ``course_lib.model.layers.Attention``."""
         if not isinstance(attn, Attention):
-            raise TypeError(f"attn must be a course_lib.model_layers.Attention, got {type(attn).__name__}")
+            raise TypeError(f"attn must be a course_lib.model.layers.Attention, got {type(attn).__name__}")
         check_bool("sequence_parallel", sequence_parallel)
         tp, _ = tp_size_and_rank(group, "TPAttention")
         _no_dropout(attn, attn.dropout)
@@ -174,9 +174,9 @@ class TPBlock(nn.Module):
 
     @classmethod
     def from_dense(cls, block: Block, group=None, sequence_parallel: bool = False) -> "TPBlock":
-        """This rank's shard of a dense ``course_lib.model_layers.Block`` (norms copied)."""
+        """This rank's shard of a dense ``course_lib.model.layers.Block`` (norms copied)."""
         if not isinstance(block, Block):
-            raise TypeError(f"block must be a course_lib.model_layers.Block, got {type(block).__name__}")
+            raise TypeError(f"block must be a course_lib.model.layers.Block, got {type(block).__name__}")
         norm1, norm2 = copy.deepcopy(block.norm1), copy.deepcopy(block.norm2)
         for norm in (norm1, norm2):  # under SP a norm sees only this rank's tokens
             mark_sequence_parallel(norm, sequence_parallel)

@@ -58,7 +58,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from course_lib.model import TinyGPT
-from course_lib.model_layers import SwiGLU
+from course_lib.model.layers import SwiGLU
 from course_lib.validate import check_bool
 
 __all__ = ["tinygpt_tp_plan", "parallelize_tinygpt"]

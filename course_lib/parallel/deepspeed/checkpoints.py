@@ -1,0 +1,284 @@
+"""Checkpoints of the ``deepspeed`` strategy: DeepSpeed's own shards, committed the kit's way.
+
+A checkpoint is a directory ``step_000000120`` (the kit's names, :func:`course_lib.checkpoint.io.fresh_name`)
+holding
+
+* what ``engine.save_checkpoint`` writes: ``mp_rank_00_model_states.pt`` (rank 0: module weights,
+  and the optimizer state at ZeRO-0; at ZeRO-3 one ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per
+  rank instead) and one ``zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank (its partition of
+  the fp32 master weights and Adam moments; ZeRO >= 1 or bf16);
+* ``rank{R}.pt`` per rank, written by the kit next to them (``torch.load(weights_only=True)``): that
+  rank's RNG streams and data position, and on rank 0 the state shared by every rank (scheduler,
+  precision policy, stabilizer). DeepSpeed's ``client_state`` is not used: it is rank 0's only, and
+  every rank has its own RNG and data position;
+* ``manifest.json`` (format ``course_lib.checkpoint.deepspeed/1``): step, save sequence, world size,
+  ZeRO stage, metrics, and the sha256 and size of every file.
+
+Atomicity, agreement and retention are those of :mod:`course_lib.checkpoint.dcp`, reusing its
+helpers: rank 0 picks a fresh name and a ``.tmp-*`` directory and broadcasts them; every rank
+serializes its ``rank{R}.pt`` (errors exchanged), DeepSpeed writes its shards with the temp
+directory as the *tag* (``save_latest=False``: no ``latest`` file), the ranks exchange errors, and
+rank 0 seals the directory with :func:`course_lib.checkpoint.io.commit_dir` (hash and fsync every
+file, manifest, rename, fsync), re-reads it and only then prunes to ``keep_last``.
+
+Loading: rank 0 verifies candidates newest first (checksums; every ``rank{R}.pt`` parses with
+``weights_only=True``; DeepSpeed's files present for the saved world size), falling back past a
+corrupt one with a warning, and broadcasts the name; every rank then calls ``engine.load_checkpoint``
+on exactly that one and restores its own ``rank{R}.pt``. A ZeRO checkpoint is tied to the world size
+it was saved with: another world size is refused (CheckpointLoadError), never silently resharded.
+DeepSpeed reads its own ``.pt`` files with ``torch.load(weights_only=False)``: the checksums catch
+damage, not a forged file (see ``docs/CHECKPOINTS.md``, "What is trusted").
+
+:func:`deepspeed_to_state_dict` turns a checkpoint into a plain ``{name: fp32 tensor}`` state dict
+(DeepSpeed's ``zero_to_fp32``) that loads into a single-process model.
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from course_lib.checkpoint import io as cio
+from course_lib.checkpoint.collective import broadcast as _broadcast
+from course_lib.checkpoint.collective import choose_newest, collective_save, newest_first
+from course_lib.checkpoint.collective import describe as _describe
+from course_lib.checkpoint.io import CheckpointCorruptError, CheckpointLoadError
+from course_lib.checkpoint.state import LoadResult, capture_rng, restore_rng_state
+from course_lib.validate import check_int
+
+DS_FORMAT = "course_lib.checkpoint.deepspeed/1"
+MODEL_STATES = "mp_rank_00_model_states.pt"
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+
+def _zero_file(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def _ds_dirs(root: Path) -> tuple[list[tuple[int, str, dict]], dict[str, str]]:
+    """``([(seq, name, manifest)] newest first, {name: why unreadable})`` under ``root``."""
+    return newest_first(root, DS_FORMAT)
+
+
+# ----------------------------------------------------------------------------- save
+
+def save_deepspeed(root: str | Path, step: int, engine: Any, *, shared: dict[str, Any] | None = None,
+                   per_rank: dict[str, Any] | None = None, metrics: dict | None = None,
+                   keep_last: int = 3) -> Path:
+    """Collective: save ``engine`` (every rank's shards) plus the kit's per-rank and shared state
+    as checkpoint ``step`` under ``root``; keep the ``keep_last`` newest. Returns the final path.
+    A failure on any rank raises CheckpointError on every rank and commits nothing."""
+    check_int("step", step, 0)
+    check_int("keep_last", keep_last, 1)
+    rank = dist.get_rank()
+
+    def prepare() -> bytes:  # local only: this rank's RNG and data position, rank 0's shared state
+        buf = io.BytesIO()
+        torch.save({"rng": capture_rng(),
+                    "per_rank": {k: v.state_dict() for k, v in (per_rank or {}).items()},
+                    "shared": {k: v.state_dict() for k, v in (shared or {}).items()} if rank == 0 else {}}, buf)
+        return buf.getvalue()
+
+    def write(tmp: Path, mine: bytes) -> None:
+        # Collective inside (barriers); the temp directory is DeepSpeed's tag, so its files land
+        # directly in it. save_latest=False: the kit's manifest, not a 'latest' file, says what exists.
+        engine.save_checkpoint(str(tmp.parent), tag=tmp.name, client_state={}, save_latest=False)
+        cio.write_durable(tmp / _rank_file(rank), mine)
+
+    return collective_save(root, step, what="deepspeed", format=DS_FORMAT, prepare=prepare, write=write,
+                           manifest={"zero_stage": int(engine.zero_optimization_stage()),
+                                     "metrics": dict(metrics or {})}, keep_last=keep_last)
+
+
+# ----------------------------------------------------------------------------- load
+
+def verify_deepspeed(path: Path, manifest: dict | None = None) -> dict:
+    """Rank 0's check before the ranks load ``path``: every file's size and sha256, every
+    ``rank{R}.pt`` through ``torch.load(weights_only=True)``, DeepSpeed's model file and (ZeRO)
+    one optimizer shard per saved rank. Returns the manifest; CheckpointCorruptError otherwise."""
+    manifest, blobs = cio.read_verified(path, manifest)
+    del blobs
+    files, world = manifest["files"], manifest.get("world_size")
+    if not isinstance(world, int) or world < 1:
+        raise CheckpointCorruptError(f"{path}: the manifest names no world size")
+    needed = [_rank_file(r) for r in range(world)]
+    stage = manifest.get("zero_stage", 0)
+    # ZeRO-3 writes each rank's module partition, the others rank 0's whole module.
+    needed += [f"zero_pp_rank_{r}_{MODEL_STATES}" for r in range(world)] if stage == 3 else [MODEL_STATES]
+    if any(f.endswith("_optim_states.pt") for f in files) or stage >= 1:
+        needed += [_zero_file(r) for r in range(world)]
+    missing = [f for f in needed if f not in files]
+    if missing:
+        raise CheckpointCorruptError(f"{path}: the manifest lacks {', '.join(missing)}")
+    for r in range(world):
+        try:
+            state = torch.load(path / _rank_file(r), map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            raise CheckpointCorruptError(f"{path}: {_rank_file(r)} does not load with weights_only=True ({e})") from e
+        if not isinstance(state, dict) or "rng" not in state:
+            raise CheckpointCorruptError(f"{path}: {_rank_file(r)} is not a per-rank state")
+    return manifest
+
+
+#: ZeRO stages whose checkpoints DeepSpeed loads into each other (one optimizer class, partitions
+#: of the same flat fp32 groups): resumed 1 -> 2 and 2 -> 1, every loss equals the uninterrupted run's
+#: (fp32, 2 ranks). Every
+#: other change of stage fails inside DeepSpeed (an AssertionError with no text for 2 <-> 3, a
+#: missing file for 0 -> 2, an AttributeError for 2 -> 0), so it is refused before DeepSpeed reads.
+COMPATIBLE_STAGES = ({1, 2},)
+
+
+def stage_mismatch(saved: int, asked: int) -> str | None:
+    """Why a checkpoint saved at ZeRO stage ``saved`` cannot resume at stage ``asked`` (None: it can)."""
+    if saved == asked or any({saved, asked} <= group for group in COMPATIBLE_STAGES):
+        return None
+    return (f"saved with ZeRO stage {saved} (parallel.zero_stage = {saved}), this run asks for stage {asked}: "
+            f"DeepSpeed's stage-{saved} checkpoint holds its optimizer state in another layout than stage "
+            f"{asked} reads (only stages 1 and 2 load each other). Resume with parallel.zero_stage = {saved}, "
+            f"or convert the weights with course_lib.parallel.deepspeed.checkpoints.deepspeed_to_state_dict(path) "
+            f"and start a new run from them (the optimizer state does not convert)")
+
+
+def _choose(root: Path, world_size: int, stage: int | None = None) -> tuple:
+    """Rank 0's choice (see :func:`course_lib.checkpoint.collective.choose_newest`); a checkpoint of
+    another world size, or of a ZeRO ``stage`` DeepSpeed cannot load into this one, stops the choice
+    rather than falling back past it."""
+    def verify(path: Path, manifest: dict) -> dict:
+        manifest = verify_deepspeed(path, manifest)
+        if manifest["world_size"] != world_size:
+            raise CheckpointLoadError(
+                f"saved by {manifest['world_size']} ranks, this run has {world_size}; a ZeRO checkpoint is "
+                f"partitioned per rank: resume with the same number of ranks, or convert it with "
+                f"deepspeed_to_state_dict and start a new run from the weights")
+        why = None if stage is None else stage_mismatch(int(manifest.get("zero_stage", 0)), stage)
+        if why:
+            raise CheckpointLoadError(why)
+        return manifest
+
+    return choose_newest(root, DS_FORMAT, verify, "deepspeed checkpoint")
+
+
+def load_deepspeed(root: str | Path, engine: Any, *, shared: dict[str, Any] | None = None,
+                   per_rank: dict[str, Any] | None = None, restore_rng: bool = True) -> LoadResult | None:
+    """Collective: restore the newest deepspeed checkpoint under ``root`` that verifies (rank 0
+    picks, every rank loads that one). None on every rank when there is none at all;
+    CheckpointLoadError on every rank when checkpoints exist but none can be loaded."""
+    root, rank = Path(root), dist.get_rank()
+    chosen = None
+    if rank == 0:
+        try:
+            chosen = _choose(root, dist.get_world_size(), int(engine.zero_optimization_stage()))
+        except BaseException as e:  # the others wait for the choice: tell them, then fail
+            chosen = ("error", f"choosing a deepspeed checkpoint under {root} failed: {_describe(e)}", [])
+    kind, name, manifest = _broadcast(chosen, None)
+    if kind == "none":
+        return None
+    if kind == "error":
+        raise CheckpointLoadError(name, manifest)
+    path = root / name
+    try:
+        loaded, _ = engine.load_checkpoint(str(root), tag=name, load_optimizer_states=True,
+                                           load_lr_scheduler_states=False, load_module_strict=True)
+        if loaded is None:
+            raise CheckpointLoadError(f"DeepSpeed found nothing to load in {path}")
+        extra_shared = torch.load(path / _rank_file(0), map_location="cpu", weights_only=True)["shared"]
+        mine = torch.load(path / _rank_file(rank), map_location="cpu", weights_only=True)
+        for key, obj in (shared or {}).items():
+            obj.load_state_dict(extra_shared[key])
+        for key, obj in (per_rank or {}).items():
+            obj.load_state_dict(mine["per_rank"][key])
+        if restore_rng:
+            restore_rng_state(mine["rng"])
+    except CheckpointLoadError:
+        raise
+    except Exception as e:
+        raise CheckpointLoadError(f"cannot load deepspeed checkpoint {name} on rank {rank}: {_engine_error(e)}",
+                                  [(name, _engine_error(e))]) from e
+    return LoadResult(manifest["step"], path, "local", manifest.get("metrics", {}), manifest.get("seq", 0), manifest)
+
+
+def _engine_error(e: BaseException) -> str:
+    """``"TypeName: message"``; for an error DeepSpeed raised without a message (a bare ``assert``),
+    where it was raised and the failing line, so the report says something."""
+    text = _describe(e)
+    if str(e).strip():
+        return text
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return text
+    last = frames[-1]
+    return f"{text.rstrip(': ')} with no message, at {last.filename}:{last.lineno} ({(last.line or '').strip()})"
+
+
+# ----------------------------------------------------------------------------- the trainer's object
+
+class DeepSpeedCheckpoints:
+    """The trainer's checkpoint object for ``train.strategy = "deepspeed"`` (the interface of
+    :class:`~course_lib.parallel.checkpointing.FullCheckpoints`). Saves are synchronous and local:
+    ``async_save`` is ignored (DeepSpeed writes from the training thread), ``mirror`` is refused."""
+
+    format = "deepspeed"
+
+    def __init__(self, strategy: Any, root: str | Path, *, every_steps: int | None, keep_last: int,
+                 async_save: bool, mirror: str | None):
+        if mirror:
+            from course_lib.validate import ConfigError
+
+            raise ConfigError("checkpoint.mirror is not supported with train.strategy = 'deepspeed'; copy the "
+                              "checkpoint folder with your storage tools")
+        self.strategy, self.root = strategy, Path(root)
+        self.every_steps, self.keep_last = every_steps, keep_last
+
+    def should_save(self, step: int) -> bool:
+        """Whether the step policy saves after ``step`` optimizer steps."""
+        return self.every_steps is not None and step > 0 and step % self.every_steps == 0
+
+    @staticmethod
+    def _shared(state: Any) -> dict[str, Any]:
+        shared = {"scheduler": state.scheduler, "precision": state.scaler, **state.stateful}
+        return {k: v for k, v in shared.items() if v is not None}
+
+    def save(self, step: int, state: Any, metrics: dict) -> None:
+        """Collective: every rank writes its shards, RNG and data position."""
+        save_deepspeed(self.root, step, self.strategy.engine, shared=self._shared(state),
+                       per_rank={"data": state.data} if state.data is not None else {},
+                       metrics=metrics, keep_last=self.keep_last)
+
+    def load(self, state: Any, *, restore_data: bool = True) -> LoadResult | None:
+        """Collective: every rank restores the checkpoint rank 0 picks; ``restore_data=False``
+        keeps the data position (a roll-back must not replay the batches that caused it)."""
+        per_rank = {"data": state.data} if restore_data and state.data is not None else {}
+        return load_deepspeed(self.root, self.strategy.engine, shared=self._shared(state), per_rank=per_rank)
+
+    def flush(self) -> None:
+        """Nothing in flight: saves are synchronous."""
+
+    def close(self) -> None:
+        """Nothing to finish."""
+
+
+# ----------------------------------------------------------------------------- conversion
+
+def deepspeed_to_state_dict(checkpoint_path: str | Path) -> dict[str, torch.Tensor]:
+    """A plain ``{name: fp32 CPU tensor}`` state dict from a deepspeed checkpoint directory
+    (verified first), for ``model.load_state_dict(..., strict=True)`` in one process. ZeRO >= 1:
+    DeepSpeed's ``zero_to_fp32`` merges the fp32 master partitions of every rank; ZeRO-0: the
+    module weights rank 0 saved."""
+    path = Path(checkpoint_path)
+    manifest = verify_deepspeed(path)
+    if manifest.get("zero_stage", 0) >= 1 or any(f.startswith("zero_pp_rank_") for f in manifest["files"]):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+    else:
+        state = torch.load(path / MODEL_STATES, map_location="cpu", weights_only=False)["module"]
+    return {k: v.detach().to("cpu", torch.float32).clone() if v.is_floating_point() else v.detach().cpu().clone()
+            for k, v in state.items()}

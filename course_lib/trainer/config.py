@@ -1,0 +1,393 @@
+"""Training configuration: a TOML file plus command-line overrides, validated before anything runs.
+
+    [train]   max_steps, seed, micro_batch, grad_accum, precision, strategy, device, compile, log_every, ...
+    [data]    task, seq_len, vocab_size, path, dtype, val_path (task "tokens": a token file, course_lib.data.tokens)
+    [model]   preset plus any ModelConfig field (n_layers, d_model, checkpointing, ...)
+    [optim]   lr, min_lr, weight_decay, beta1, beta2, eps, fused
+    [schedule] kind, warmup_steps, warmup_convention, decay_steps
+    [stability] max_grad_norm, spike_policy, lr_factor, lr_steps, max_consecutive_bad, detect_spikes,
+              max_rollbacks, rollback_limit
+    [checkpoint] save_every, keep_last, async_save, mirror, format
+    [profile] enabled, wait, warmup, active, top_ops (torch.profiler around chosen steps)
+    [wandb]   mode (disabled | offline | online), project, name (Weights & Biases, course_lib.trainer.wandb_log)
+    [parallel] bucket_mb, reshard_after_forward, cpu_offload, zero_stage, offload_optimizer,
+              offload_param (read by the strategy named in train.strategy);
+              dp, tp, pp, pp_schedule, virtual_stages, pp_split, sequence_parallel, cp (model parallelism:
+              tp * pp * cp > 1 composes tensor, pipeline and context parallelism with train.strategy =
+              "ddp", "zero1" or "zero2" as the data-parallel dimension, or tp/cp (pp = 1) with "fsdp":
+              FSDP2 over dp x cp on the DTensor-TP model; cp runs ring attention over zig-zag sequence
+              chunks, with dp and tp, not with pp; the world size must be dp * tp * pp * cp, checked
+              when the ranks start)
+
+Every unknown section or key, wrong type or out-of-range value is a ``ConfigError`` naming it
+(with a "did you mean" for typos), raised before any file is written or model is built.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import sys
+from pathlib import Path
+from typing import Any
+
+from course_lib.parallel.registry import strategy_names
+from course_lib.validate import SCHEMA as _BASE_SCHEMA
+from course_lib.validate import ConfigError, defaults  # noqa: F401  (re-exported: train_config.ConfigError)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+# The table of keys, types, defaults and ranges lives in course_lib.validate, below the strategies
+# that read it; train.strategy's choices are the registry's names, which only this layer may import.
+SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = copy.deepcopy(_BASE_SCHEMA)
+SCHEMA["train"]["strategy"] = (str, "single", strategy_names())
+
+
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_value(where: str, value: Any, kind: type, constraint: Any) -> Any:
+    if kind is list:  # one of the named choices, or an array of ints (counts checked in _parallel_checks)
+        ints = isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        if value in constraint or ints:
+            return list(value) if ints else value
+        raise ConfigError(f"{where} must be one of {', '.join(constraint)} or an array of ints (e.g. [1, 3]); "
+                          f"got {type(value).__name__} {value!r}")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is not bool and isinstance(value, bool) or not isinstance(value, kind):
+        raise ConfigError(f"{where} must be {kind.__name__}, got {type(value).__name__} {value!r}")
+    if isinstance(constraint, tuple) and constraint and isinstance(constraint[0], str):
+        if value not in constraint:
+            raise ConfigError(f"{where} must be one of {', '.join(constraint)}; got {value!r}")
+    elif isinstance(constraint, tuple):
+        lo, hi = constraint
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise ConfigError(f"{where} must be {span}, got {value!r}")
+    return value
+
+
+def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Merge ``raw`` over the defaults and check every key, type and range. Returns a new dict."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config must be a table of sections, got {type(raw).__name__}")
+    cfg = defaults()
+    for section, values in raw.items():
+        if section not in SCHEMA:
+            raise ConfigError(f"unknown config section [{section}]{_suggest(section, SCHEMA)}; "
+                              f"sections: {', '.join(SCHEMA)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}] must be a table, got {type(values).__name__}")
+        for key, value in values.items():
+            where = f"{section}.{key}"
+            if section == "model" and key != "preset":
+                cfg["model"][key] = value  # ModelConfig checks the rest (see build_model_config)
+                continue
+            if key not in SCHEMA[section]:
+                raise ConfigError(f"unknown config key {where}{_suggest(key, SCHEMA[section])}; "
+                                  f"keys of [{section}]: {', '.join(SCHEMA[section])}")
+            kind, _, constraint = SCHEMA[section][key]
+            cfg[section][key] = _check_value(where, value, kind, constraint)
+    _cross_checks(cfg)
+    mcfg = build_model_config(cfg)  # model keys are checked now, not after files exist
+    _token_file_checks(cfg, mcfg)
+    _parallel_checks(cfg, mcfg)
+    return cfg
+
+
+def _cross_checks(cfg: dict) -> None:
+    o, s, t = cfg["optim"], cfg["schedule"], cfg["train"]
+    if o["lr"] <= 0:
+        raise ConfigError(f"optim.lr must be > 0, got {o['lr']}")
+    if o["min_lr"] > o["lr"]:
+        raise ConfigError(f"optim.min_lr ({o['min_lr']}) must be <= optim.lr ({o['lr']})")
+    if s["warmup_steps"] > t["max_steps"]:
+        raise ConfigError(f"schedule.warmup_steps ({s['warmup_steps']}) must be <= train.max_steps "
+                          f"({t['max_steps']})")
+    if s["kind"] == "wsd" and s["decay_steps"] > t["max_steps"] - s["warmup_steps"]:
+        raise ConfigError("schedule.decay_steps must be <= train.max_steps - schedule.warmup_steps")
+    if cfg["data"]["task"] in ("copy", "reverse", "sort") and cfg["data"]["seq_len"] % 2:
+        raise ConfigError(f"data.seq_len must be even for the {cfg['data']['task']} task")
+    path = cfg["data"]["path"]
+    if path and cfg["data"]["task"] not in ("text", "tokens"):
+        raise ConfigError(f"data.path is only read by the text and tokens tasks; data.task is {cfg['data']['task']!r}")
+    if cfg["data"]["val_path"] and cfg["data"]["task"] != "tokens":
+        raise ConfigError(f"data.val_path is only read by the tokens task; data.task is {cfg['data']['task']!r}")
+    if cfg["data"]["task"] == "tokens" and not path:
+        raise ConfigError("data.task = 'tokens' needs data.path: a flat file of uint16/uint32 token ids "
+                          "(`course data prepare` writes one from text)")
+    if path and cfg["data"]["task"] == "text" and not Path(path).is_file():
+        raise ConfigError(f"data.path: no such file {path!r} (a UTF-8 text file; \"\" = the bundled notes)")
+    if cfg["checkpoint"]["mirror"]:
+        _mirror_check(t["strategy"])
+    if t["strategy"] == "deepspeed" and (o["fused"] or t["compile"]):
+        key = "optim.fused" if o["fused"] else "train.compile"
+        raise ConfigError(f"{key} does not apply to train.strategy = 'deepspeed': the engine builds its own "
+                          f"optimizer and wraps the model (set {key} = false)")
+    par = cfg["parallel"]
+    if t["strategy"] == "deepspeed" and par["offload_param"] != "none" and par["zero_stage"] != 3:
+        raise ConfigError(f"parallel.offload_param = {par['offload_param']!r} needs parallel.zero_stage = 3 "
+                          f"(got {par['zero_stage']}): only ZeRO-3 partitions the parameters it could offload")
+    if t["strategy"] == "deepspeed" and par["offload_optimizer"] != "none" and par["zero_stage"] == 0:
+        raise ConfigError("parallel.offload_optimizer needs parallel.zero_stage >= 1 (ZeRO-Offload "
+                          "moves the partitioned optimizer state; stage 0 does not partition it)")
+    if cfg["stability"]["spike_policy"] == "rollback" and cfg["checkpoint"]["save_every"] == 0:
+        raise ConfigError("stability.spike_policy = 'rollback' needs checkpoint.save_every > 0 "
+                          "(there must be a checkpoint to roll back to)")
+    from course_lib.trainer.wandb_log import missing_package_message
+
+    if (why := missing_package_message(cfg["wandb"]["mode"])) is not None:
+        raise ConfigError(why)
+    prof = cfg["profile"]  # the profiled window (course_lib.trainer.profiling) must fit the run
+    window = prof["wait"] + prof["warmup"] + prof["active"]
+    if prof["enabled"] and window > t["max_steps"]:
+        raise ConfigError(f"profile.wait + profile.warmup + profile.active = {prof['wait']} + {prof['warmup']} + "
+                          f"{prof['active']} = {window} steps must be <= train.max_steps ({t['max_steps']}): the "
+                          f"profiled steps would never run")
+
+
+def _token_file_checks(cfg: dict, mcfg) -> None:
+    """data.task = 'tokens': data.path and data.val_path exist, hold whole ``data.dtype`` ids, at
+    least one sequence, and no id the model's embedding lacks (reads each file once)."""
+    d = cfg["data"]
+    if d["task"] != "tokens":
+        return
+    from course_lib.data.tokens import WHOLE_MODEL_STRATEGIES, check_token_file
+
+    if d["val_path"] and (cfg["train"]["strategy"] not in WHOLE_MODEL_STRATEGIES or model_parallel_size(cfg) > 1):
+        raise ConfigError(f"data.val_path is evaluated after the last step by rank 0 on its whole model: "
+                          f"train.strategy one of {', '.join(WHOLE_MODEL_STRATEGIES)} with parallel.tp = pp = cp "
+                          f"= 1; with train.strategy = {cfg['train']['strategy']!r} and tp x pp x cp = "
+                          f"{model_parallel_size(cfg)} rank 0 holds a shard (leave data.val_path empty)")
+    for key in ("path", "val_path"):
+        if d[key]:
+            try:
+                check_token_file(d[key], d["dtype"], seq_len=d["seq_len"], vocab_size=mcfg.vocab_size,
+                                 key=f"data.{key}")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+
+
+def _mirror_check(strategy: str) -> None:
+    """``checkpoint.mirror`` copies full and sharded (DCP) checkpoints; refuse it for DeepSpeed's
+    partitioned ones (written by the engine, outside the kit's commit protocol)."""
+    if strategy != "deepspeed":
+        return
+    raise ConfigError(f"checkpoint.mirror copies full and sharded (DCP) checkpoints, and train.strategy = "
+                      f"{strategy!r} saves DeepSpeed's partitioned checkpoints, which stay in the run folder: "
+                      f"set checkpoint.mirror = '' and copy OUT/checkpoints with your storage tools, or use "
+                      f"train.strategy = 'zero1' or 'zero2' (full checkpoints) or 'fsdp' (sharded), which mirror")
+
+
+def model_parallel_size(cfg: dict) -> int:
+    """Ranks per data-parallel replica: tp * pp * cp (1 = no model parallelism)."""
+    par = cfg["parallel"]
+    return par["tp"] * par["pp"] * par["cp"]
+
+
+def _parallel_checks(cfg: dict, mcfg) -> None:
+    """``[parallel]`` model-parallel keys against each other, the strategy and the model shape.
+    The world size (dp * tp * pp * cp) is checked when the ranks start (course_lib.train)."""
+    par, t = cfg["parallel"], cfg["train"]
+    tp, pp, v, sched = par["tp"], par["pp"], par["virtual_stages"], par["pp_schedule"]
+    if par["sequence_parallel"] and tp == 1:
+        raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1 (it splits the sequence "
+                          "over the tensor-parallel ranks); got parallel.tp = 1")
+    if v > 1 and sched != "interleaved":
+        raise ConfigError(f"parallel.virtual_stages = {v} needs parallel.pp_schedule = 'interleaved' "
+                          f"(got {sched!r}); gpipe and 1f1b run one stage per rank (virtual_stages = 1)")
+    if sched == "interleaved" and pp == 1:
+        raise ConfigError("parallel.pp_schedule = 'interleaved' needs parallel.pp > 1 (it interleaves "
+                          "parallel.virtual_stages stages per pipeline rank)")
+    _split_checks(cfg, mcfg)
+    if model_parallel_size(cfg) == 1:
+        if par["dp"]:
+            raise ConfigError(f"parallel.dp = {par['dp']} is read with parallel.tp or parallel.pp > 1 only (plain "
+                              f"data parallelism uses every rank started); leave it 0")
+        return
+    keys = " and ".join(f"parallel.{k} = {par[k]}" for k in ("tp", "pp", "cp") if par[k] > 1)
+    _model_parallel_strategy_check(cfg)
+    # FSDP2 over dp on a DTensor-TP model (course_lib.parallel.composed.fsdp_tp); not on pipeline stages.
+    fsdp_tp = t["strategy"] == "fsdp" and pp == 1
+    if t["strategy"] == "fsdp" and pp > 1:
+        raise ConfigError(f"train.strategy = 'fsdp' with parallel.pp = {pp} is not supported (FSDP2 on pipeline "
+                          f"stages is not built): fsdp composes with parallel.tp (pp = 1); for pp > 1 use "
+                          f"train.strategy = 'ddp', 'zero1' or 'zero2'")
+    if t["compile"] and sched == "interleaved" and pp > 1:
+        raise ConfigError("train.compile = true does not apply to parallel.pp_schedule = 'interleaved': torch's "
+                          "schedule calls its stage modules itself; set train.compile = false or use '1f1b'")
+    if cfg["checkpoint"]["format"] == "sharded" and not fsdp_tp:
+        raise ConfigError(f"checkpoint.format = 'sharded' does not fit {keys}: the shards are saved in the "
+                          f"dense layout (full checkpoints); use 'auto' or 'full'")
+    if cfg["checkpoint"]["format"] == "full" and fsdp_tp:
+        raise ConfigError(f"checkpoint.format = 'full' does not fit train.strategy = 'fsdp' with {keys}: its "
+                          f"DTensor shards save through DCP only; use 'auto' or 'sharded'")
+    if fsdp_tp and (mcfg.checkpointing != "none" or mcfg.offload_activations):
+        raise ConfigError(f"train.strategy = 'fsdp' with {keys} runs the DTensor plan, which has no "
+                          f"recomputation yet: set model.checkpointing = 'none' and model.offload_activations = "
+                          f"false, or use train.strategy = 'zero2' (recomputation composes with tp and cp there)")
+    if par["cp"] > 1:
+        _context_parallel_checks(cfg, mcfg)
+        if fsdp_tp and par["sequence_parallel"]:
+            raise ConfigError(f"train.strategy = 'fsdp' with parallel.cp = {par['cp']} runs without "
+                              f"parallel.sequence_parallel (the DTensor plan's sequence split is not wired to "
+                              f"the ring's chunks); set parallel.sequence_parallel = false, or use 'ddp'/'zero1'/"
+                              f"'zero2', where cp, tp and sequence parallelism compose")
+    if tp > 1:
+        for name, value in (("model.n_heads", mcfg.n_heads), ("model.n_kv_heads", mcfg.kv_heads),
+                            ("model.vocab_size", mcfg.vocab_size), ("the MLP width (model.d_ff)", mcfg.ffn_dim)):
+            if value % tp:
+                raise ConfigError(f"parallel.tp = {tp} must divide {name} ({value}): each tensor-parallel "
+                                  f"rank holds an equal share; accepted tp: divisors of {value}")
+        if mcfg.dropout:
+            raise ConfigError(f"parallel.tp = {tp} needs model.dropout = 0 (got {mcfg.dropout}): dropout inside "
+                              f"a tensor-parallel region needs a per-rank random stream, not built here")
+        if par["sequence_parallel"] and cfg["data"]["seq_len"] % tp:
+            raise ConfigError(f"parallel.sequence_parallel needs data.seq_len ({cfg['data']['seq_len']}) "
+                              f"divisible by parallel.tp ({tp})")
+    stages = pp * v
+    if stages > mcfg.n_layers:
+        what = (f"parallel.pp x parallel.virtual_stages = {pp} x {v} = {stages} stages" if v > 1
+                else f"parallel.pp = {pp} stages")
+        raise ConfigError(f"{what}, but model.n_layers = {mcfg.n_layers}: every stage needs at least one "
+                          f"block; accepted: pp * virtual_stages in [1, {mcfg.n_layers}]")
+    if sched == "interleaved":  # tp > 1, bf16 and fp16 run (course_lib.parallel.composed.interleaved)
+        m = t["grad_accum"]
+        rounds = max(1, m // pp)
+        if m % rounds:  # torch's ScheduleInterleaved1F1B refuses it at its first step otherwise
+            raise ConfigError(f"train.grad_accum ({m}) must be a multiple of max(1, grad_accum // parallel.pp) = "
+                              f"{rounds} for parallel.pp_schedule = 'interleaved': any value <= {2 * pp - 1} "
+                              f"or a multiple of {pp}")
+
+
+def _split_checks(cfg: dict, mcfg) -> None:
+    """``parallel.pp_split`` against pp, virtual_stages and model.n_layers (the stage count itself
+    is checked with the other model-parallel keys)."""
+    from course_lib.estimate.stage_split import split_for_config
+
+    par = cfg["parallel"]
+    stages = par["pp"] * par["virtual_stages"]
+    if stages > mcfg.n_layers:
+        return  # "every stage needs at least one block" is said below, with the keys that set it
+    try:
+        split_for_config(cfg, mcfg)
+    except ValueError as exc:
+        raise ConfigError(f"parallel.pp_split = {par['pp_split']!r}: {exc}; accepted: 'even', 'balanced' or "
+                          f"{stages} ints >= 1 (parallel.pp x parallel.virtual_stages = {par['pp']} x "
+                          f"{par['virtual_stages']}) summing to model.n_layers = {mcfg.n_layers}") from None
+
+
+def _model_parallel_strategy_check(cfg: dict) -> None:
+    """With tp/pp/cp > 1, ``train.strategy`` names the data-parallel dimension: only the modes of
+    course_lib.parallel.composed.dp compose; the others are refused naming what does."""
+    from course_lib.parallel.registry import MODEL_PARALLEL_DP
+
+    par, name = cfg["parallel"], cfg["train"]["strategy"]
+    if name in MODEL_PARALLEL_DP:
+        return
+    keys = " and ".join(f"parallel.{k} = {par[k]}" for k in ("tp", "pp", "cp") if par[k] > 1)
+    composing = ", ".join(repr(n) for n in MODEL_PARALLEL_DP)
+    why = {
+        "deepspeed": ("the DeepSpeed engine runs here as data parallelism only (parallel.tp = parallel.pp = "
+                      "parallel.cp = 1): ZeRO stages 0-3 (parallel.zero_stage) with optional CPU offload "
+                      "(parallel.offload_optimizer, parallel.offload_param); its own pipeline and tensor-"
+                      "parallel engines are not wired into the trainer"),
+        "ddp-scratch": "the from-scratch BucketedDDP wraps a whole model over every rank (data parallelism only)",
+        "fsdp-scratch": "the from-scratch SimpleFSDP shards a whole model over every rank (data parallelism only)",
+        "single": "'single' is one process",
+    }.get(name, f"{name!r} is not a data-parallel dimension of the model-parallel strategy")
+    raise ConfigError(f"{keys} does not compose with train.strategy = {name!r}: {why}. With tensor/pipeline/"
+                      f"context parallelism, train.strategy names the data-parallel dimension: one of "
+                      f"{composing}")
+
+
+def _context_parallel_checks(cfg: dict, mcfg) -> None:
+    """parallel.cp > 1 (course_lib.parallel.context_parallel.in_trainer): what the ring supports."""
+    par, t = cfg["parallel"], cfg["train"]
+    cp, seq = par["cp"], cfg["data"]["seq_len"]
+    what = f"parallel.cp = {cp}"
+    if par["pp"] > 1:
+        raise ConfigError(f"{what} with parallel.pp = {par['pp']} is not built (context parallelism runs with "
+                          f"parallel.tp and data parallelism); set parallel.pp = 1 or parallel.cp = 1")
+    split = 2 * cp * (par["tp"] if par["sequence_parallel"] else 1)
+    if seq % split:
+        why = (f"2 * cp * tp = {split}: zig-zag gives each cp rank 2 of 2 * cp equal pieces, and sequence "
+               f"parallelism splits those over tp" if par["sequence_parallel"]
+               else f"2 * cp = {split}: zig-zag gives each cp rank 2 of 2 * cp equal pieces")
+        raise ConfigError(f"{what} needs data.seq_len ({seq}) divisible by {why}")
+    if mcfg.dropout:
+        raise ConfigError(f"{what} needs model.dropout = 0 (got {mcfg.dropout}): ring attention has no "
+                          f"attention dropout")
+    if mcfg.attention_window is not None:
+        raise ConfigError(f"{what} runs full causal attention only; model.attention_window = "
+                          f"{mcfg.attention_window} is not supported by the ring (leave model.attention_window out)")
+    if mcfg.offload_activations:  # recomputation (full / selective) re-runs the ring in backward: it works
+        raise ConfigError(f"{what} supports model.offload_activations = false only (not tested with the ring)")
+    if t["compile"]:
+        raise ConfigError(f"train.compile = true does not apply to {what}: ring attention's point-to-point "
+                          f"transfers run in Python between the compiled parts; set train.compile = false")
+    # model.position: "learned" reads the table at each token's true position, "rope" the rotation
+    # rows at them, "none" needs nothing: all three run.
+
+
+def vocab_size_of(cfg: dict) -> int:
+    """Token vocabulary the data produces: 256 for bytes, data.vocab_size otherwise."""
+    return 256 if cfg["data"]["task"] == "text" else cfg["data"]["vocab_size"]
+
+
+def build_model_config(cfg: dict):
+    """The ModelConfig for ``cfg``: preset + overrides, vocabulary and context sized to the data."""
+    from course_lib.model.config import ModelConfig  # torch-free: validating a config imports no torch
+
+    overrides = {k: v for k, v in cfg["model"].items() if k != "preset"}
+    overrides.setdefault("vocab_size", vocab_size_of(cfg))
+    overrides.setdefault("block_size", cfg["data"]["seq_len"])
+    try:
+        mcfg = ModelConfig.preset(cfg["model"]["preset"], **overrides)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"[model]: {exc}") from None
+    if mcfg.vocab_size < vocab_size_of(cfg):
+        raise ConfigError(f"model.vocab_size ({mcfg.vocab_size}) is smaller than the data's "
+                          f"vocabulary ({vocab_size_of(cfg)})")
+    if mcfg.block_size < cfg["data"]["seq_len"]:
+        raise ConfigError(f"model.block_size ({mcfg.block_size}) must be >= data.seq_len "
+                          f"({cfg['data']['seq_len']})")
+    return mcfg
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``section.key=value`` -> (section, key, value); the value is parsed as TOML (numbers,
+    booleans, quoted or bare strings)."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set expects section.key=value, got {text!r}")
+    lhs, rhs = text.split("=", 1)
+    section, key = lhs.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {rhs.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = rhs.strip()  # a bare word such as bf16 or cosine
+    return section, key, value
+
+
+def load(path: str | Path | None, overrides: list[str] = ()) -> dict[str, dict[str, Any]]:
+    """Read ``path`` (TOML; None = defaults only), apply ``section.key=value`` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    raw = copy.deepcopy(raw)
+    for text in overrides:
+        section, key, value = parse_override(text)
+        raw.setdefault(section, {})[key] = value
+    return validate(raw)

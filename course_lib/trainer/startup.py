@@ -1,0 +1,144 @@
+"""The trainer's start-up facts (course_lib.train): where a rank computes, whether the ranks that
+started fit the config, its random stream, the peak MFU divides by, the stabilizer and the
+optimizer. Everything here runs once, before the first step; nothing here writes a file.
+
+Checks that need the started ranks (world size, backend, devices) live here rather than in
+``train_config.validate``, which runs before any rank exists.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from course_lib.trainer.config import ConfigError
+
+
+def choose_device(wanted: str, local_rank: int = 0, local_world_size: int = 1) -> torch.device:
+    """Where this rank computes: ``wanted`` is ``train.device`` ("auto", "cpu" or "cuda").
+    "cpu" always wins; "cuda" needs a GPU for every local rank and takes ``cuda:LOCAL_RANK``;
+    "auto" does the same when the node has a GPU per local rank, else every rank uses the CPU
+    (never a mix of devices in one job, never every rank on cuda:0)."""
+    if wanted == "cpu":
+        return torch.device("cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    enough = count >= max(local_world_size, local_rank + 1)
+    if wanted == "cuda" and not enough:
+        raise ConfigError(f"train.device = 'cuda' needs a GPU per local rank: {local_world_size} ranks "
+                          f"on this node, {count} GPUs visible; use 'auto' or 'cpu', or start fewer ranks "
+                          f"per node")
+    return torch.device("cuda", local_rank) if enough else torch.device("cpu")
+
+
+def distributed(cfg: dict, info):
+    """Join (or read) the process group so that the device follows ``train.device`` and the
+    local rank: a CPU run uses gloo even on a GPU node, a GPU run uses cuda:LOCAL_RANK.
+    Returns ``(DistInfo, torch.device)``."""
+    from course_lib.parallel.ranks.launch import init_distributed
+
+    wanted = cfg["train"]["device"]
+    if info is None:
+        info = init_distributed(backend="gloo" if wanted == "cpu" and not os.environ.get("COURSE_BACKEND")
+                                else None)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    device = choose_device(wanted, info.local_rank, local_world)
+    if info.backend == "nccl" and device.type != "cuda":
+        raise ConfigError("train.device = 'cpu' cannot use the nccl backend (unset COURSE_BACKEND or "
+                          "set it to gloo)")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return info, device
+
+
+def check_world(cfg: dict, info) -> None:
+    """ConfigError unless the ranks that started (``info.world_size``, a count of processes) fit
+    ``train.strategy`` and the parallel layout (:func:`course_lib.trainer.check_config.check_world`, which
+    ``--check-config`` runs without ranks)."""
+    from course_lib.trainer.check_config import check_world as check
+
+    check(cfg, info.world_size, has_group=info.backend is not None)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of ``rank``'s random stream after the (shared) weight initialisation."""
+    return (seed * 1_000_003 + 7919 * (rank + 1)) % (2**63 - 1)
+
+
+def peak_flops(cfg: dict, device: torch.device) -> float:
+    """FLOP/s per device for MFU: the config's, a datasheet's (CUDA), or this CPU's measured peak
+    (0.0: an unknown GPU, MFU then logs as absent)."""
+    if cfg["train"]["peak_flops"] > 0:
+        return cfg["train"]["peak_flops"]
+    if device.type == "cuda":
+        from course_lib.estimate import hardware
+
+        name = torch.cuda.get_device_name(device).lower()
+        # fp32 runs on TF32 tensor cores only when torch is allowed to (set_float32_matmul_precision
+        # "high"/"medium"); otherwise the matmuls are true fp32 and MFU divides by the fp32 peak.
+        fp32 = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+        dtype = {"fp32": fp32, "bf16": "bf16", "fp16": "fp16"}[cfg["train"]["precision"]]
+        for key, acc in hardware.ACCELERATORS.items():  # first entry of the chip family (e.g. h100)
+            if key.split("-")[0] in name:
+                return acc.peak_flops(dtype)
+        return 0.0  # unknown GPU: MFU is reported as n/a rather than guessed
+    dtype = torch.bfloat16 if cfg["train"]["precision"] == "bf16" else torch.float32
+    return _measured_cpu_peak(dtype, torch.get_num_threads())
+
+
+_CPU_PEAKS: dict[tuple, float] = {}  # (dtype, threads) -> FLOP/s: the chip does not change within a process
+
+
+def _measured_cpu_peak(dtype: torch.dtype, threads: int) -> float:
+    """This CPU's matmul peak (FLOP/s) for ``dtype`` on ``threads`` threads, measured once per
+    process (0.24 to 0.5 s of matmuls, mfu.cpu_peak_sizes): a notebook or test that trains many
+    times pays it once. The best of interleaved passes, so a busy moment costs one timing."""
+    key = (dtype, threads)
+    if key not in _CPU_PEAKS:
+        from course_lib.trainer.mfu import robust_cpu_peak_flops
+
+        _CPU_PEAKS[key] = robust_cpu_peak_flops(dtype)
+    return _CPU_PEAKS[key]
+
+
+def stabilizer(cfg: dict, faults, out_dir: Path, rank: int, model):
+    """The stabilizer from ``[stability]``; faults checked against the model and the run length
+    now (a typo in a parameter name must fail at start-up, not at step 500)."""
+    from course_lib.stability import Stabilizer
+
+    st, max_steps = cfg["stability"], cfg["train"]["max_steps"]
+    try:
+        stab = Stabilizer(max_grad_norm=st["max_grad_norm"] or None, spike_policy=st["spike_policy"],
+                          detect_loss_spikes=st["detect_spikes"], detect_grad_spikes=st["detect_spikes"],
+                          lr_factor=st["lr_factor"], lr_steps=st["lr_steps"],
+                          max_consecutive_bad=st["max_consecutive_bad"], max_rollbacks=st["max_rollbacks"],
+                          rollback_limit=st["rollback_limit"], diag_dir=out_dir / "diagnostics",
+                          faults=list(faults), rank=rank)
+        stab.faults.validate(model)
+    except ValueError as exc:
+        raise ConfigError(f"--inject-fault: {exc}") from None
+    late = [str(f) for f in stab.faults.faults if f.step >= max_steps]
+    if late:
+        raise ConfigError(f"--inject-fault: {', '.join(late)} is at or after train.max_steps ({max_steps}) "
+                          f"and would never fire; steps count from 0")
+    return stab
+
+
+def check_faults_reach(stab, strategy, strategy_name: str) -> None:
+    """ConfigError for injected faults the built ``strategy`` cannot deliver (see
+    :func:`course_lib.stability.faults.check_reachable`)."""
+    from course_lib.stability.faults import check_reachable
+
+    try:
+        check_reachable(stab.faults.faults, strategy_name, grads_visible=strategy.grads_visible)
+    except ValueError as exc:
+        raise ConfigError(f"--inject-fault: {exc}") from None
+
+
+def adamw(optim: dict) -> Callable[[Any], torch.optim.Optimizer]:
+    """``model -> AdamW`` from ``[optim]`` (lr, betas, eps, weight decay on the model's decayed
+    group only), for ``strategy.setup``: the strategy decides which module it is built on."""
+    fused = {"fused": True} if optim["fused"] else {}  # one kernel for the whole update, not one per tensor
+    return lambda m: torch.optim.AdamW(m.param_groups(optim["weight_decay"]), lr=optim["lr"],
+                                       betas=(optim["beta1"], optim["beta2"]), eps=optim["eps"], **fused)
