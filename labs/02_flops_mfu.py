@@ -263,15 +263,16 @@ times_cpu = [peak / cpu_peak for _, _, peak, _ in rows]
 bf16_over_fp32 = {key: estimate.accelerator(key).peak_flops("bf16") / estimate.accelerator(key).peak_flops("fp32")
                   for key in ("a100-sxm4-80gb", "h100-sxm5-80gb")}
 print("bf16 / fp32 peak: " + ", ".join(f"{k} {v:.0f}x" for k, v in bf16_over_fp32.items()))
-check(10 <= min(times_cpu) < 1000 <= max(times_cpu),
-      f"the GPU peaks should run from tens of times this CPU's (fp32 on an A100) to thousands of times "
+check(20 <= min(times_cpu) < 1000 <= max(times_cpu),
+      f"the GPU peaks should run from a few dozen to a few hundred times this CPU's (fp32 on an A100) to "
+      f"thousands of times "
       f"(bf16 on an H100); got {min(times_cpu):,.0f}x to {max(times_cpu):,.0f}x")
 check(all(10 < v < 20 for v in bf16_over_fp32.values()),
       f"the datasheets' bf16 peak should be 10-20 times their fp32 peak, got {bf16_over_fp32}")
 
 # %% [markdown]
-# **What you should see:** from tens of times this CPU's throughput (fp32 on an A100) to
-# thousands of times (bf16 on an H100), and bf16 about 15 times fp32 (16x on the A100, 15x on the H100):
+# **What you should see:** from a few dozen to a few hundred times this CPU's throughput (fp32 on
+# an A100; where in that range depends on your CPU) to thousands of times (bf16 on an H100), and bf16 about 15 times fp32 (16x on the A100, 15x on the H100):
 # tensor cores only reach their peak in reduced precision (lab 03). Take these numbers as an upper
 # bound for *this* model: a model this small cannot keep a GPU busy (kernel launches and memory
 # traffic dominate), so its real GPU MFU would be far lower; large models keep a GPU far busier.

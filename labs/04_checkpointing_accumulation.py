@@ -36,6 +36,7 @@ ACCUM = 4  # micro-batches per optimizer step in the accumulation experiments
 
 # %%
 import gc
+import statistics
 import math
 import weakref
 
@@ -246,9 +247,12 @@ print(f"one layer, fused attention: none {per_layer['none'] / MiB:.2f} MiB, sele
 # ## 3. Time: what the memory costs
 #
 # Each strategy runs `TIMED_ROUNDS` forward + backward steps on the same batch, interleaved round by
-# round (so a busy moment on this machine hits every strategy alike), after one warm-up step. The
-# estimate is the extra FLOPs of recomputation (`estimate.model_flops_per_iteration` with
-# `recompute=`): full adds one forward of every block, about a third of a step's block FLOPs.
+# round, after one warm-up step. A busy moment on a shared machine slows every strategy of that
+# round alike, so each overhead is the median over rounds of *this round's* time divided by *this
+# round's* `none` time, and the table prints the lowest and highest of those ratios: the spread
+# tells you how much of a difference is noise. The estimate is the extra FLOPs of recomputation
+# (`estimate.model_flops_per_iteration` with `recompute=`): full adds one forward of every block,
+# about a third of a step's block FLOPs.
 
 # %%
 timers = {(att, s): measure.StepTimer(tokens_per_step=BATCH * SEQ_LEN, warmup=1)
@@ -261,18 +265,22 @@ for _ in range(TIMED_ROUNDS + 1):
         with timer:
             model(x, y)[1].backward()
 seconds = {key: timer.result().seconds_per_step for key, timer in timers.items()}
+rounds = {key: timer.all_seconds[timer.warmup:] for key, timer in timers.items()}
+paired = {(att, s): sorted(a / b for a, b in zip(rounds[att, s], rounds[att, "none"])) for att, s in rounds}
+overhead = {key: statistics.median(r) - 1 for key, r in paired.items()}  # this round vs this round's none
 
 shape = measure.tinygpt_shape(BASE_CFG, seq_len=SEQ_LEN)
 flops = {m: estimate.model_flops_per_iteration(shape, batch=BATCH, recompute=m) for m in ("none", "selective", "full")}
 flop_overhead = {"none": 0.0, "offload": 0.0, "full": flops["full"] / flops["none"] - 1,
                  "selective": flops["selective"] / flops["none"] - 1,
                  f"every {EVERY_K}": N_CKPT / N_LAYERS * (flops["full"] / flops["none"] - 1)}
-print(f"{'strategy':<11}" + "".join(f"{att + ' ms':>18}{'overhead':>10}" for att in models)
+print(f"{'strategy':<11}" + "".join(f"{att + ' ms':>16}{'overhead':>10}{'spread':>14}" for att in models)
       + f"{'estimated (FLOPs)':>19}")
 for strategy in STRATEGIES:
     row = f"{strategy:<11}"
     for att in models:
-        row += f"{seconds[att, strategy] * 1e3:>18.1f}{seconds[att, strategy] / seconds[att, 'none'] - 1:>+10.0%}"
+        lo, hi = paired[att, strategy][0] - 1, paired[att, strategy][-1] - 1
+        row += f"{seconds[att, strategy] * 1e3:>16.1f}{overhead[att, strategy]:>+10.0%}{f'{lo:+.0%}..{hi:+.0%}':>14}"
     print(row + f"{flop_overhead[strategy]:>+19.0%}")
 
 # %%
@@ -308,24 +316,24 @@ axes[2].legend(fontsize=8)
 plt.show()
 
 # %%
-none_t, full_t = seconds["full causal", "none"], seconds["full causal", "full"]
 print(f"full checkpointing: {memory['full causal', 'full'] / memory['full causal', 'none']:.1%} of the memory "
-      f"for {full_t / none_t - 1:+.0%} time (FLOP estimate {flop_overhead['full']:+.0%})")
+      f"for {overhead['full causal', 'full']:+.0%} time (FLOP estimate {flop_overhead['full']:+.0%})")
 check(memory["full causal", "full"] < 0.25 * memory["full causal", "none"],
       "full checkpointing should keep far less than a quarter of what no checkpointing keeps")
 check(memory["full causal", "full"] < memory["full causal", f"every {EVERY_K}"] < memory["full causal", "none"],
       "checkpointing every k-th block should land between none and full")
-check(seconds["full causal", "full"] > seconds["full causal", "none"],
-      "recomputing every block in backward should make the step slower, not faster")
+check(0 < overhead["full causal", "full"] < 2 * flop_overhead["full"],
+      f"recomputing every block in backward should cost extra time of the order of the FLOP estimate "
+      f"({flop_overhead['full']:+.0%}); measured {overhead['full causal', 'full']:+.0%}")
 
 # %% [markdown]
-# **What you should see:** the memory bars fall from none to full; the time bars rise the other
-# way, by roughly what the FLOP estimate says (on a CPU the norms, GELU and softmax, which the
-# FLOP count leaves out, weigh more than on a GPU, and timings on a shared machine wobble by a few
-# percent). In the scatter, none and full are the two ends of the trade-off and "every k" sits in
-# between: checkpointing more or fewer blocks walks along that line, so you pick the point that
-# just fits your memory. Offload costs about what none costs here: its hooks run, but on a CPU
-# there is nothing to copy (section 5). Window and full causal are nearly the same everywhere (section 4).
+# **What you should see:** the memory bars fall from none to full, with "every k" in between;
+# full's time rises by an amount of the order of the FLOP estimate (on a CPU the norms, GELU and
+# softmax, which the FLOP count leaves out, weigh more than on a GPU). Read every other time
+# difference against its spread column: where the spread straddles zero, the machine, not the
+# strategy, made the difference. Offload has nothing to copy on a CPU (its hooks run, the tensors
+# stay in the same memory: section 5), so its bar is none's up to that noise. Window and full causal
+# keep nearly the same memory; section 4 shows the one mask they differ by.
 #
 # ## 4. What a sliding window costs with a dense mask
 #
@@ -347,16 +355,19 @@ print(f"{int(demo.sum())} of {8 * 9 // 2} causal pairs kept")
 # %%
 extra = memory[f"window {WINDOW}", "none"] - memory["full causal", "none"]
 kept = float(sliding_window_mask(SEQ_LEN, WINDOW, "cpu").sum()) / (SEQ_LEN * (SEQ_LEN + 1) / 2)
+window_vs_causal = sorted(a / b for a, b in zip(rounds[f"window {WINDOW}", "none"], rounds["full causal", "none"]))
+window_ratio, window_lo, window_hi = statistics.median(window_vs_causal), window_vs_causal[0], window_vs_causal[-1]
 print(f"window {WINDOW} at T = {SEQ_LEN}: {kept:.1%} of the causal scores are used; it keeps "
       f"{extra:,} bytes more than full causal (= {N_LAYERS} layers x 4 x {SEQ_LEN}^2 = "
-      f"{N_LAYERS * MASK_BYTES:,}) and takes {seconds[f'window {WINDOW}', 'none'] / none_t:.2f}x the time")
+      f"{N_LAYERS * MASK_BYTES:,}); its step takes {window_ratio:.2f}x full causal's (spread {window_lo:.2f}..{window_hi:.2f})")
 check(extra == N_LAYERS * MASK_BYTES, "with no checkpointing, the window should cost exactly one fp32 "
       "[T, T] mask per layer more than full causal attention")
 
 # %% [markdown]
-# **What you should see:** the window uses a small fraction of the scores but costs *more* memory
-# and about the same time. A custom attention pattern written as a dense mask is a correctness
-# tool, not an optimisation. The savings need a kernel that skips masked blocks without computing
+# **What you should see:** the window uses a small fraction of the scores but costs *more* memory,
+# and it saves no work: the dense mask computes every score and then throws most away, so its time
+# is full causal's up to the mask's own work and the machine's noise (the spread). A custom
+# attention pattern written as a dense mask is a correctness tool, not an optimisation. The savings need a kernel that skips masked blocks without computing
 # them: flash-attn's `window_size`, FlexAttention's block masks, or (at inference) a rolling KV
 # cache. Exercise 04 builds a custom pattern of its own and checkpoints it.
 #
@@ -676,6 +687,10 @@ print(f"k = {ACCUM}: {acc_saved[ACCUM] / acc_saved[1]:.2f}x the memory, "
       f"{acc_seconds[ACCUM] / acc_seconds[1]:.2f}x the time")
 check(acc_saved[ACCUM] < acc_saved[1] / ACCUM * 1.1,
       f"a micro-batch {ACCUM} times smaller should keep about {ACCUM} times less for backward")
+time_change, memory_change = acc_seconds[ACCUM] / acc_seconds[1], acc_saved[ACCUM] / acc_saved[1]
+check(abs(math.log(time_change)) < abs(math.log(memory_change)) / 2,
+      f"the time per optimizer step should change far less than the memory ({memory_change:.2f}x): the same "
+      f"FLOPs in smaller pieces; measured {time_change:.2f}x")
 
 # %% [markdown]
 # **What you should see:** activation memory falls in proportion to the micro-batch; the time per
@@ -684,6 +699,8 @@ check(acc_saved[ACCUM] < acc_saved[1] / ACCUM * 1.1,
 # to fill the device costs nearly as much time as a bigger one, so accumulating many tiny
 # micro-batches is slow there. Accumulation and checkpointing are the two knobs that fit a batch
 # into memory; accumulation keeps the math identical, checkpointing keeps the micro-batch large.
+# (These times and section 3's are taken minutes apart; on a shared machine compare times within
+# one table, not across sections.)
 #
 # ## 8. At scale
 #

@@ -478,7 +478,7 @@ print("residual-stream growth over the blocks: " + ", ".join(f"{s} x{g:.2f}" for
 # %% [markdown]
 # **What you should see:** every scheme starts near the uniform-guess loss (the final LayerNorm and
 # the small tied embedding keep the logits small). Inside the model they differ a lot. With the
-# texts' `kaiming` and `xavier` the residual stream is tens of times larger and grows block by
+# tutorials' `kaiming` and `xavier` inits the residual stream is tens of times larger and grows block by
 # block, since each block *adds* its output to the stream; the pre-norm blocks then divide by that
 # size, so their gradients are an order of magnitude smaller. `normal` grows slowly with depth;
 # `scaled_residual` and `zero_out_proj` keep the stream flat, which is why GPT-2 uses the scaling.

@@ -569,5 +569,9 @@ for name, rep in ds.items():
 #
 # ## Where next
 #
+# * **Exercise 09**: write a ZeRO-1 optimizer: each rank steps only the parameters it owns, then
+#   hands the updated weights to the others.
+# * **Exercise 02**: the ZeRO stage table by hand: what each stage shards, memory per rank,
+#   traffic per step.
 # * **Lab 01** for activations, which ZeRO does not shard; **lab 08** for DDP's buckets.
 # * `course plan` sizes ZeRO stage, data parallelism and offload for a real model and cluster.

@@ -395,10 +395,19 @@ for kind, label, measured, estimated, groups in mem_rows:
           "saved that the accounting does not know about")
 check(all(r[4]["norms"] * WORLD_SIZE == s[4]["norms"] for r, s in zip(mem_rows[2::3], mem_rows[1::3])),
       f"with SP the norms should keep 1/{WORLD_SIZE} of the bytes: each rank sees 1/{WORLD_SIZE} of the tokens")
+shrink = {(r[0], part): s[4][part] / r[4][part] for r, s in zip(mem_rows[0::3], mem_rows[1::3])
+          for part in ("attention", "mlp")}
+print("TP's share of the attention and MLP activations: "
+      + ", ".join(f"{kind} {part} x{v:.2f}" for (kind, part), v in shrink.items()))
+check(all(1 / WORLD_SIZE < v < 0.8 for v in shrink.values()),
+      f"tp={WORLD_SIZE} should shrink the attention and MLP activations, but by less than {WORLD_SIZE}x: "
+      "each sub-layer's [B, T, C] input stays whole on every rank")
 
 # %% [markdown]
-# **What you should see:** TP alone (`tp=2`) halves the attention and MLP activations (each rank
-# keeps its own heads and hidden channels) but **not the norms**, which are replicated. SP halves
+# **What you should see:** TP alone (`tp=2`) shrinks the attention and MLP activations without
+# halving them (the printed factors): what is split by heads and hidden channels halves, but each
+# sub-layer's `[B, T, C]` input, read by q/k/v or by the MLP's first projection, is whole on every
+# rank. The **norms** do not shrink at all: they are replicated. SP halves
 # the norms too. Measured and estimated agree **to the byte** for `tp=1` and `tp=2`. With SP the
 # measurement sits above the estimate by exactly 2 x (1 - 1/N) x B T C x 4 bytes, and that is an
 # implementation choice, not a measurement error: the all-gathered `[B, T, C]` input of `q/k/v`
@@ -536,10 +545,13 @@ print(f"\nthe whole scratch forward + backward of that step took {run['times_ms'
 check(replay_rows["TP + SP (as recorded)"][0] == replay_rows["TP (all-reduces)"][0],
       "the SP step and its all-reduce version should put the same bytes on the wire")
 check(all(p > 0 and m > 0 for _, p, m in replay_rows.values()), "predictions and replays should be positive times")
+check(all(p < 0.1 for _, p, _ in replay_rows.values()),
+      "small messages: the predicted time of one step's collectives should be milliseconds, not seconds")
 
 # %% [markdown]
 # **What you should see:** the two versions put the same bytes on the wire, and both are predicted
-# at a few milliseconds: every message is small (tens of kB), so the latency alpha, paid once per
+# at milliseconds, not seconds (a few to a few tens, depending on this machine's latency): every
+# message is small (tens of kB), so the latency alpha, paid once per
 # collective, is most of it. The measured times sit above the prediction by a factor that
 # changes from run to run (two busy cores shared by both ranks and everything else on the
 # machine: trust the order of magnitude, not the digits), and they are a large part of the whole
@@ -600,17 +612,23 @@ ax.grid(alpha=0.3)
 ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
 plt.show()
 print(f"this machine's loopback at t=8: {scale_rows[8][0] / LOOPBACK:.0f} s of traffic per micro-batch")
+print(f"traffic per rank from t = 2 to 16: x{scale_rows[16][0] / scale_rows[2][0]:.2f}")
+check(1.5 < scale_rows[16][0] / scale_rows[2][0] < 2,
+      "the ring factor 2(t-1)/t goes from 1 to 1.875: the traffic per rank should almost double from t = 2 to 16")
+check(scale_rows[8][0] / LOOPBACK > scale_rows[8][2]["InfiniBand HDR"],
+      "this machine's loopback should be slower than any of the links above")
 
 # %% [markdown]
-# **What you should see:** the traffic per rank *grows* slightly with t (the ring factor
-# 2(t-1)/t goes from 1 to 2) while the compute per rank *shrinks* as 1/t: TP gets less efficient
-# the wider it is. Inside a node, over NVLink, the ~38 GB per micro-batch at t = 8 take ~85 ms
+# **What you should see:** the traffic per rank *grows* with t, almost doubling from t = 2 to 16
+# (the ring factor 2(t-1)/t goes from 1 towards 2), while the compute per rank *shrinks* as 1/t:
+# TP gets less efficient the wider it is. Inside a node, over NVLink, the ~38 GB per micro-batch at t = 8 take ~85 ms
 # against ~460 ms of compute: affordable, and Megatron overlaps part of it. Over InfiniBand the
 # same traffic takes ~750 ms, longer than the compute, and at t = 16 the ring must cross nodes,
 # so even the NVLink hops wait for the slowest link. That is why TP is kept to the GPUs of one
 # node (t <= 8) and the rest of the scale comes from pipeline and data parallelism, whose traffic
-# per step is far smaller or can be overlapped. This machine's loopback, at about 1 GB/s, would
-# spend tens of seconds per micro-batch on communication alone (the dashed line).
+# per step is far smaller or can be overlapped. This machine's loopback, at the bandwidth fitted
+# above, is slower than every link in the table: it would spend seconds per micro-batch on
+# communication alone (the dashed line; the printed figure).
 #
 # ## Where next
 #

@@ -37,6 +37,7 @@ MEM_BATCHES = (2, 4, 8, 16)  # section 5
 STALL_TIMEOUT_S = 3.0  # section 7: train.watchdog_s
 
 # %% tags=["timing"]
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -250,7 +251,7 @@ check(hidden[names3[1]] > hidden[names3[0]], "with several buckets some all-redu
 HEAVY = lab_runs.model_config(vocab_size=896)  # the output layer costs about two blocks
 BLOCK_FLOPS = stage_costs(HEAVY, HEAVY.n_layers)[0]
 flop_s = PIPE_FWD_S / 2 / (BLOCK_FLOPS * 16)  # seconds per FLOP: a block's forward = PIPE_FWD_S / 2
-pipe_jobs = [dict(schedule="1f1b", m=8, timed=2, model=dict(vocab_size=896), balance=b, flop_s=flop_s)
+pipe_jobs = [dict(schedule="1f1b", m=8, timed=3, model=dict(vocab_size=896), balance=b, flop_s=flop_s)
              for b in (None, "balanced")]
 pipe = run_ranks(lab_runs.scratch_runs, PP, pipe_jobs, 16, threads_per_rank=1, show_output=False, timeout=600)
 print(f"{'split':<10} {'blocks':<14} {'step ms':>8} " + " ".join(f"{'stage ' + str(s):>20}" for s in range(PP)))
@@ -275,8 +276,15 @@ for ax, (name, (got, parts, balance)) in zip(axes, pipe_rows.items()):
 axes[0].set_ylabel("ms of the step")
 axes[0].legend(fontsize=8)
 plt.show()
-check(pipe_rows["even"][0]["span_s"] > 1.1 * pipe_rows["balanced"][0]["span_s"],
-      "the even split's step should be clearly longer: its last stage has about twice the work of the others")
+# The split sets each stage's work (its sleeps are proportional to its FLOPs), so a within-run
+# ratio of busy times is what the mechanism guarantees; the step times of two runs are compared
+# only for their direction (the schedule's arithmetic predicts about 1.2x, a busy machine less).
+busy_even = [p["compute_s"] for p in pipe_rows["even"][1]]
+check(busy_even[-1] > 1.5 * statistics.median(busy_even[:-1]),
+      "with the even split the last stage should be busy about twice as long as each other stage "
+      "(two blocks plus the output layer): compare the busy bars")
+check(pipe_rows["even"][0]["span_s"] > pipe_rows["balanced"][0]["span_s"],
+      "the even split's step should be longer than the balanced one's: every stage waits for the slowest")
 
 # %% [markdown]
 # **What you should see:** with the even split the last stage is busy most of the step and the

@@ -154,7 +154,11 @@ print(f"... traces for chrome://tracing or ui.perfetto.dev: "
 # %% [markdown]
 # **What you should see:** attention and the matmuls (`aten::mm`, `aten::addmm`) on top; a few to
 # a few tens of percent of each step in exposed communication (the gradient all-reduce over
-# loopback that backward could not hide); MFU a small fraction of this CPU's peak at this size.
+# loopback that backward could not hide). The MFU column divides the step's model FLOP/s by the
+# peak this CPU measured when the run started; it reads n/a when that measurement came out too
+# low (a busy machine) and an MFU would have exceeded 100%: the trainer logs no figure rather than
+# an impossible one (lab 02 shows how to measure a peak you can trust, and `train.peak_flops`
+# sets it).
 #
 # ## Checkpoints, twice
 #
@@ -186,6 +190,9 @@ print(f"{crashed.event}; torchrun exit code {crashed.returncode}; checkpoints on
 print(f"second job: exit code {restarted.returncode}, resumed from step {restarted.resumed_from}, "
       f"{restarted.seconds:.1f} s wall")
 check(crashed.returncode != 0, "the crashed job should fail: one of its ranks was killed")
+failures = [line.strip() for line in crashed.log.splitlines() if "exitcode" in line]
+print("torchrun's report:", *failures[:4], sep="\n  ")
+check(failures, "torchrun's log should list the failed ranks with their exit codes")
 check(restarted.returncode == 0, f"the second job should finish:\n{restarted.log[-3000:]}")
 check(restarted.resumed_from is not None and 0 < restarted.resumed_from <= KILL_AFTER
       and restarted.resumed_from == crashed.checkpoints[-1],
@@ -195,7 +202,8 @@ print(f"steps {restarted.resumed_from + 1}..{KILL_AFTER} ({lost} steps, maybe on
       f"computed twice: the cost of the crash")
 
 # %% [markdown]
-# **What you should see:** the first job fails (torchrun reports rank 1's `exitcode: -9`), the
+# **What you should see:** the first job fails: torchrun exits non-zero and lists the failed ranks
+# with their exit codes (-9 is a SIGKILL; a rank that died of its peer's absence exits 1), the
 # newest checkpoint is the last multiple of `SAVE_EVERY` before the kill, and the second job resumes
 # there: the steps after that checkpoint were computed again. What a crash costs is bounded by the
 # checkpoint interval.
@@ -216,6 +224,8 @@ stop_steps = stopped.checkpoints  # what was on disk when the stopped job had ex
 print(f"{stopped.event}; signal -> job exit {stopped.event_to_exit_s:.2f} s; checkpoints then: {stop_steps}")
 print([line for line in stopped.log.splitlines() if line.startswith(("course:", "stopped by"))])
 print(f"resumed job: exit {resumed.returncode}, resumed from step {resumed.resumed_from}")
+check(stopped.event_to_exit_s < 30, f"the job should end within seconds of the signal, not "
+      f"{stopped.event_to_exit_s:.1f} s later")
 check(stopped.returncode != 0 and f"exitcode  : {STOP_EXIT_CODE}" in stopped.log,
       f"the stopped job's ranks should exit with code {STOP_EXIT_CODE}:\n{stopped.log[-2000:]}")
 print(f"torchrun reports the ranks' exit code {STOP_EXIT_CODE} (and exits {stopped.returncode} itself: a rank "
@@ -229,7 +239,8 @@ check(resumed.returncode == 0 and resumed.resumed_from == stop_steps[-1],
 # %% [markdown]
 # **What you should see:** rank 1 prints that it got SIGUSR1; rank 0, which got nothing, stops at
 # the same step ("stopped by a peer rank's signal"); the checkpoint is at that step, within a step
-# or two of the signal, and the job ends within about a second. The resumed job starts exactly
+# or two of the signal, and the job ends seconds after the signal (the step in flight, one
+# checkpoint, torchrun's shutdown), long before any time limit. The resumed job starts exactly
 # there.
 #
 # ## 8. The same run on GPUs

@@ -113,6 +113,26 @@ def test_format_bytes_is_explicit():
         format_bytes(1, "gb")
 
 
+def test_auto_units_suit_the_size():
+    """A toy job's memory and step time are not printed as "0.00 GiB" and "0.00 s"."""
+    from course_lib.estimate import format_seconds
+
+    assert [format_bytes(n, "auto") for n in (512, 924.75 * 2**10, 3 * 2**20, 70.28 * 2**30, -2**31)] == \
+        ["512.00 B", "924.75 KiB", "3.00 MiB", "70.28 GiB", "-2.00 GiB"]
+    assert [format_seconds(s) for s in (0.0042, 0.25, 191.9)] == ["4.20 ms", "0.25 s", "191.90 s"]
+
+
+def test_a_toy_plans_table_is_in_kib_and_ms():
+    from course_lib.planner import plan
+    from course_lib.planner.report import table
+
+    tiny = plan(gpu="custom", gpu_memory_gib=0.001, gpu_tflops=0.05, gpus=4, gpus_per_node=4, tokens="2M",
+                seq=64, global_batch_tokens=8 * 64, shape_overrides=dict(n_layers=2, d_model=64, n_heads=4, vocab_size=256))
+    text = table(tiny, 3)
+    assert "step ms" in text and " KiB " in text and "0.00 GiB" not in text and "> 943.72 KiB usable" in text
+    assert "step s" in table(plan(model="llama2-7b", gpu="a100-80gb", gpus=8, gpus_per_node=8, tokens="1T"), 2)
+
+
 @pytest.mark.parametrize("args, kwargs, exc, words", [
     ((-1,), {}, ValueError, ["num_params", ">= 0"]),
     ((7e9,), dict(zero_stage=4), ValueError, ["zero_stage", "[0, 3]"]),

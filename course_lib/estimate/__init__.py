@@ -40,7 +40,7 @@ from .memory import (GRAD_ACCUMULATION, RECIPES, ModelStateBytes, PrecisionRecip
                      engine_accumulation, model_state_bytes, resolve_recipe, training_step_peak_bytes)
 from .pipeline import bubble_fraction
 from .shapes import PRESETS, ModelShape, default_d_ff
-from .units import BYTE_UNITS, bytes_to, format_bytes, format_si
+from .units import BYTE_UNITS, bytes_to, format_bytes, format_seconds, format_si
 
 __all__ = [
     "ACCELERATORS", "Accelerator", "ActivationBreakdown", "AlphaBetaFit", "BYTE_UNITS", "CommVolume", "ContextParallelComm",
@@ -48,7 +48,7 @@ __all__ = [
     "StageActivations", "StepPeak", "TensorParallelComm", "accelerator", "activation_breakdown_per_layer",
     "activation_bytes_first_stage", "activation_bytes_per_layer", "bubble_fraction", "bytes_to",
     "collective_time", "comm_elements_per_step", "cp_comm_bytes_per_layer", "deepspeed_zero2_estimate", "deepspeed_zero3_estimate",
-    "default_d_ff", "first_stage_activation_breakdown", "fit_alpha_beta", "flops_per_token", "format_bytes",
+    "default_d_ff", "first_stage_activation_breakdown", "fit_alpha_beta", "flops_per_token", "format_bytes", "format_seconds",
     "format_si", "mfu", "model_flops_per_iteration", "model_state_bytes", "output_backward_transient_bytes",
     "palm_flops_per_token",
     "resolve_recipe", "ring_bytes_per_rank", "ring_steps", "tp_comm_bytes_per_layer", "training_days",

@@ -31,11 +31,24 @@ def bytes_to(n_bytes: float, unit: str) -> float:
 def format_bytes(n_bytes: float, unit: str = "GiB", digits: int = 2) -> str:
     """Format a byte count with an explicit unit symbol, e.g. ``format_bytes(112e9, "GB") == "112.00 GB"``.
 
-    `unit` is one of BYTE_UNITS; "GB" means 1e9 bytes and "GiB" means 2**30 bytes. Negative counts
-    are allowed (differences between an estimate and a measurement).
+    `unit` is one of BYTE_UNITS; "GB" means 1e9 bytes and "GiB" means 2**30 bytes; "auto" picks the
+    largest binary unit (B, KiB, MiB, GiB, TiB) in which the count is at least 1, so a job of a few
+    KiB is not printed as "0.00 GiB". Negative counts are allowed (differences between an estimate
+    and a measurement).
     """
     check_int("digits", digits, 0, 12)
+    if unit == "auto":
+        check_number("n_bytes", n_bytes)
+        unit = next((u for u in ("TiB", "GiB", "MiB", "KiB") if abs(n_bytes) >= BYTE_UNITS[u]), "B")
     return f"{bytes_to(n_bytes, unit):,.{digits}f} {unit}"
+
+
+def format_seconds(seconds: float, digits: int = 2) -> str:
+    """A duration with its unit, in ms below a tenth of a second: ``format_seconds(0.0042) == "4.20 ms"``,
+    ``format_seconds(3.5) == "3.50 s"`` (a planner reason for a tiny job should not read "0.00 s")."""
+    check_number("seconds", seconds)
+    check_int("digits", digits, 0, 12)
+    return f"{seconds * 1e3:.{digits}f} ms" if abs(seconds) < 0.1 else f"{seconds:.{digits}f} s"
 
 
 def format_si(value: float, unit: str, digits: int = 2) -> str:

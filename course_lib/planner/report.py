@@ -20,16 +20,21 @@ def table(plan: Plan, n: int = 6) -> str:
     # near-ties by simplicity, which would list a 202.8 s row above a 202.4 s one).
     shown = shown[:1] + sorted(shown[1:], key=lambda c: round(c.step_s, 1))
     w = max([40] + [len(c.layout.label()) for c in shown + list(plan.closest_misses)])
-    head = (f"{'layout':<{w}} {'mem/GPU':>10} {'step s':>8} {'compute':>8} {'comm':>7} {'bubble':>7} "
+    # Units that suit the job: a model of a few KiB on a toy "GPU" steps in milliseconds, and its
+    # rows should not all read "0.00 GiB" and "0.0 s".
+    sizes = [c.memory_total for c in shown + list(plan.closest_misses)]
+    mem_unit = "GiB" if not sizes or max(sizes) >= 2**30 else format_bytes(max(sizes), "auto").split()[-1]
+    scale, t_unit = (1e3, "ms") if shown and max(c.step_s for c in shown) < 1 else (1.0, "s")
+    head = (f"{'layout':<{w}} {'mem/GPU':>10} {'step ' + t_unit:>8} {'compute':>8} {'comm':>7} {'bubble':>7} "
             f"{'tokens/s':>9}  reason")
     rows = [head, "-" * len(head)]
     for c in shown:
         t = c.time
-        rows.append(f"{c.layout.label():<{w}} {format_bytes(c.memory_total):>10} {c.step_s:>8.1f} "
-                    f"{t['compute']:>8.1f} {c.comm_s:>7.2f} {t['bubble']:>7.2f} {c.tokens_per_s:>9,.0f}  "
-                    f"{why_lost(c, best)}")
+        rows.append(f"{c.layout.label():<{w}} {format_bytes(c.memory_total, mem_unit):>10} {c.step_s * scale:>8.1f} "
+                    f"{t['compute'] * scale:>8.1f} {c.comm_s * scale:>7.2f} {t['bubble'] * scale:>7.2f} "
+                    f"{c.tokens_per_s:>9,.0f}  {why_lost(c, best)}")
     for c in plan.closest_misses:
-        rows.append(f"{c.layout.label():<{w}} {format_bytes(c.memory_total):>10} {'-':>8} {'':>8} {'':>7} "
+        rows.append(f"{c.layout.label():<{w}} {format_bytes(c.memory_total, mem_unit):>10} {'-':>8} {'':>8} {'':>7} "
                     f"{'':>7} {'':>9}  {why_not_fit(c)}")
     return "\n".join(rows)
 

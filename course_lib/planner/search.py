@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from course_lib.estimate import format_bytes
+from course_lib.estimate import format_bytes, format_seconds
 from course_lib.planner.costs import RECOMPUTE, Candidate, Layout, job_cache, cached, evaluate, layout_memory
 from course_lib.estimate.stage_split import even_blocks
 from course_lib.planner.spec import CONTEXT_PARALLEL, JobSpec
@@ -148,16 +148,17 @@ def why_lost(c: Candidate, best: Candidate) -> str:
     if abs(slower) < 0.005 or deltas[term] <= 0.001 * best.step_s:
         return f"within 0.5% of the best ({slower:+.1%}): a tie, lost on {_tie_breaker(c, best)}"
     detail = {
-        "recompute": f"{lay.recompute} recomputation adds {c.time['recompute']:.2f} s of forward work",
-        "tp": f"tp={lay.tp}: {c.time['tp']:.2f} s of activation all-reduces per step",
-        "cp": f"cp={lay.cp}: {c.time['cp']:.2f} s of K/V ring traffic per step",
-        "pp": f"pp={lay.pp}: {c.time['pp']:.2f} s of stage-to-stage sends ({c.links['pp']})",
+        "recompute": f"{lay.recompute} recomputation adds {format_seconds(c.time['recompute'])} of forward work",
+        "tp": f"tp={lay.tp}: {format_seconds(c.time['tp'])} of activation all-reduces per step",
+        "cp": f"cp={lay.cp}: {format_seconds(c.time['cp'])} of K/V ring traffic per step",
+        "pp": f"pp={lay.pp}: {format_seconds(c.time['pp'])} of stage-to-stage sends ({c.links['pp']})",
         "bubble": (f"pp={lay.pp}" + (f" x {lay.virtual_stages} virtual stages" if lay.virtual_stages > 1 else "")
                    + f" with {lay.grad_accum} micro-batches idles {c.time['bubble_fraction']:.1%}"),
         "stages": (f"pp={lay.pp} blocks {compact_counts(c.stage_blocks)}: the busiest stage "
                    f"computes {c.time['stage_imbalance'] - 1:.1%} more than the mean, the others wait for it"),
         "dp_exposed": (f"{lay.sharding} over {lay.dp * lay.cp} ranks ({c.links['dp']}): "
-                       f"{c.time['dp_total']:.1f} s of traffic, {c.time['dp_exposed']:.1f} s not hidden"),
+                       f"{format_seconds(c.time['dp_total'], 1)} of traffic, "
+                       f"{format_seconds(c.time['dp_exposed'], 1)} not hidden"),
     }[term]
     return f"{slower:+.1%} slower: {detail}"
 
@@ -172,7 +173,7 @@ def _tie_breaker(c: Candidate, best: Candidate) -> str:
         return f"micro-batch size ({a.micro_batch} vs {b.micro_batch}: bigger matmuls run closer to peak)"
     if a.zero_stage != b.zero_stage:
         return f"ZeRO stage ({a.zero_stage} vs {b.zero_stage}: less traffic, fewer moving parts)"
-    return f"memory ({format_bytes(c.memory_total)} vs {format_bytes(best.memory_total)} per GPU)"
+    return f"memory ({format_bytes(c.memory_total, 'auto')} vs {format_bytes(best.memory_total, 'auto')} per GPU)"
 
 
 def why_not_fit(c: Candidate) -> str:
@@ -180,7 +181,7 @@ def why_not_fit(c: Candidate) -> str:
     m = c.memory
     parts = {k: m[k] for k in ("params", "grads", "optimizer", "activations", "transient")}
     top = max(parts, key=parts.get)
-    return (f"does not fit: {format_bytes(c.memory_total)} > {format_bytes(c.usable_bytes)} usable; "
+    return (f"does not fit: {format_bytes(c.memory_total, 'auto')} > {format_bytes(c.usable_bytes, 'auto')} usable; "
             f"{top} {parts[top] / c.memory_total:.0%} of it")
 
 
