@@ -36,7 +36,7 @@ def layout(found: Found, cfg: dict | None) -> str:
     for checkpoints of the format that config writes)."""
     m = found.manifest or {}
     world = m.get("world_size")
-    parts = [f"{world} ranks" if world else "1 writer"]
+    parts = [f"{world} ranks" if world else "rank 0 wrote"]  # full checkpoints: gathered to one writer
     if m.get("zero_stage") is not None:
         parts.append(f"ZeRO-{m['zero_stage']}")
     if cfg is not None and saving_format(cfg) == found.format:
