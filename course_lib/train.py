@@ -93,7 +93,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     torch.manual_seed(t["seed"])  # same initial weights on every rank
     mcfg = train_config.build_model_config(cfg)
     model = TinyGPT(mcfg)
-    if cfg["model"]["init_from"]:  # fine-tuning: every rank reads the same weights (a resume overwrites them)
+    if cfg["model"].get("init_from"):  # fine-tuning: every rank reads the same weights (a resume overwrites them)
         from course_lib.model.init_source import load_init_state
 
         model.load_state_dict(load_init_state(cfg["model"]["init_from"], mcfg), strict=True)
