@@ -1,4 +1,4 @@
-"""The ``course`` command: doctor, notebooks, labs, estimate, train, data, launch, plan, grade, check.
+"""The ``course`` command: doctor, notebooks, labs, estimate, train, data, launch, plan, ckpt, grade, check.
 
 Each subcommand is a thin shell over a library module, so everything the CLI does is also callable
 (and tested) from Python.
@@ -175,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     from course_lib.planner.cli import add_plan_parser
 
     add_plan_parser(sub)  # `course plan`: layout search, configs, launch scripts, checkpoint plan, budget
+
+    from course_lib.ckpt.cli import add_ckpt_parser
+
+    add_ckpt_parser(sub)  # `course ckpt list/consolidate/export-hf`: checkpoints out of the kit
 
     from course_lib.data.prepare import add_data_parser
 

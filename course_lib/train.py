@@ -91,7 +91,13 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
 
     # ---- everything that can fail on bad input is built before the first file is written
     torch.manual_seed(t["seed"])  # same initial weights on every rank
-    model = TinyGPT(train_config.build_model_config(cfg)).to(device)
+    mcfg = train_config.build_model_config(cfg)
+    model = TinyGPT(mcfg)
+    if cfg["model"].get("init_from"):  # fine-tuning: every rank reads the same weights (a resume overwrites them)
+        from course_lib.model.init_source import load_init_state
+
+        model.load_state_dict(load_init_state(cfg["model"]["init_from"], mcfg), strict=True)
+    model = model.to(device)
     # From here each rank draws its own random numbers (dropout masks): replicas that drew the
     # same masks on different data would be correlated for no reason. Checkpoints keep each rank's
     # generator, so a resume continues every rank's own stream.

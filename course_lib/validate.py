@@ -189,7 +189,12 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "project": (str, "course-kit", None),
         "name": (str, "", None),                   # "" = the output folder's name
     },
-    "model": {"preset": (str, "tiny", None)},      # plus any ModelConfig field, checked there
+    "model": {
+        "preset": (str, "tiny", None),             # plus any ModelConfig field, checked there
+        # weights to start from (fine-tuning): a Hugging Face model folder or a `course ckpt
+        # consolidate` file; checked against the model at config time (course_lib.model.init_source)
+        "init_from": (str, "", None),
+    },
 }
 
 

@@ -93,7 +93,7 @@ LAYERS = [
     {"parallel"},
     {"trainer"},
     {"train"},
-    {"planner", "launchers", "grading", "kit", "labs"},         # front doors and notebook plumbing
+    {"planner", "launchers", "grading", "kit", "labs", "ckpt"},  # front doors and notebook plumbing
     {"cli"},
 ]
 TOP_MODULES = {"__init__.py", "cli.py", "train.py", "precision.py", "schedules.py", "measure.py", "validate.py"}

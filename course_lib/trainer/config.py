@@ -2,7 +2,8 @@
 
     [train]   max_steps, seed, micro_batch, grad_accum, precision, strategy, device, compile, log_every, ...
     [data]    task, seq_len, vocab_size, path, dtype, val_path (task "tokens": a token file, course_lib.data.tokens)
-    [model]   preset plus any ModelConfig field (n_layers, d_model, checkpointing, ...)
+    [model]   preset plus any ModelConfig field (n_layers, d_model, checkpointing, ...); init_from (an HF
+              folder or a consolidated .safetensors file: the weights step 0 starts from)
     [optim]   lr, min_lr, weight_decay, beta1, beta2, eps, fused
     [schedule] kind, warmup_steps, warmup_convention, decay_steps
     [stability] max_grad_norm, spike_policy, lr_factor, lr_steps, max_consecutive_bad, detect_spikes,
@@ -86,7 +87,7 @@ def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
             raise ConfigError(f"[{section}] must be a table, got {type(values).__name__}")
         for key, value in values.items():
             where = f"{section}.{key}"
-            if section == "model" and key != "preset":
+            if section == "model" and key not in SCHEMA["model"]:
                 cfg["model"][key] = value  # ModelConfig checks the rest (see build_model_config)
                 continue
             if key not in SCHEMA[section]:
@@ -96,6 +97,7 @@ def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
             cfg[section][key] = _check_value(where, value, kind, constraint)
     _cross_checks(cfg)
     mcfg = build_model_config(cfg)  # model keys are checked now, not after files exist
+    _init_from_check(cfg, mcfg)
     _token_file_checks(cfg, mcfg)
     _parallel_checks(cfg, mcfg)
     return cfg
@@ -345,7 +347,7 @@ def build_model_config(cfg: dict):
     """The ModelConfig for ``cfg``: preset + overrides, vocabulary and context sized to the data."""
     from course_lib.model.config import ModelConfig  # torch-free: validating a config imports no torch
 
-    overrides = {k: v for k, v in cfg["model"].items() if k != "preset"}
+    overrides = {k: v for k, v in cfg["model"].items() if k not in SCHEMA["model"]}
     overrides.setdefault("vocab_size", vocab_size_of(cfg))
     overrides.setdefault("block_size", cfg["data"]["seq_len"])
     try:
@@ -359,6 +361,21 @@ def build_model_config(cfg: dict):
         raise ConfigError(f"model.block_size ({mcfg.block_size}) must be >= data.seq_len "
                           f"({cfg['data']['seq_len']})")
     return mcfg
+
+
+def _init_from_check(cfg: dict, mcfg) -> None:
+    """``model.init_from`` names weights that fit the model: every config field that changes what
+    the weights compute, then every tensor's shape, both values named (torch-free: JSON and the
+    safetensors header only)."""
+    path = cfg["model"]["init_from"]
+    if not path:
+        return
+    from course_lib.model.init_source import check_init_source
+
+    try:
+        check_init_source(path, mcfg)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"model.init_from = {path!r}: {exc}") from None
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

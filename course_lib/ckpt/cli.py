@@ -1,0 +1,83 @@
+"""``course ckpt``: a run's checkpoints out of the kit.
+
+    course ckpt list RUN                                   every checkpoint, and what --resume auto takes
+    course ckpt consolidate RUN [--step N] --out FILE.safetensors
+    course ckpt export-hf RUN|FILE.safetensors [--step N] --out DIR
+
+Exit codes: 0 done, 1 (``list``) some checkpoint does not verify, 2 bad input (no checkpoint, a
+corrupt one, a step that does not exist, an output that exists, a model no HF class expresses,
+``transformers`` missing): the message names it and nothing is written.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_ckpt_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``ckpt`` and its three actions to ``subparsers``; returns its parser."""
+    p = subparsers.add_parser("ckpt", help="list a run's checkpoints, consolidate one into a file, export to "
+                                           "Hugging Face transformers")
+    sub = p.add_subparsers(dest="ckpt_command", required=True)
+    ls = sub.add_parser("list", help="every checkpoint in a run folder: step, format, layout, size, verifies; "
+                                     "which one --resume auto would take")
+    ls.add_argument("run", help="the run folder (course train --out RUN), or its checkpoints/ folder")
+    ls.set_defaults(func=run_list)
+    c = sub.add_parser("consolidate", help="one .safetensors file of full weights (any format, any world size), "
+                                           "its model config beside it; model.init_from reads it")
+    c.add_argument("run", help="the run folder")
+    c.add_argument("--step", type=int, help="the step to take (default: the newest checkpoint that verifies)")
+    c.add_argument("--out", required=True, help="FILE.safetensors (FILE.json is written beside it)")
+    c.set_defaults(func=run_consolidate)
+    e = sub.add_parser("export-hf", help="a folder transformers loads with from_pretrained (LlamaForCausalLM "
+                                         "or GPT2LMHeadModel)")
+    e.add_argument("run", help="the run folder, or a consolidated FILE.safetensors")
+    e.add_argument("--step", type=int, help="the step to take (default: the newest checkpoint that verifies)")
+    e.add_argument("--out", required=True, help="the folder to create (must not exist)")
+    e.set_defaults(func=run_export)
+    return p
+
+
+def _fail(action: str, exc: BaseException) -> int:
+    print(f"course ckpt {action}: {exc}", file=sys.stderr)
+    return 2
+
+
+def run_list(args: argparse.Namespace) -> int:
+    from course_lib.ckpt.listing import rows, table
+    from course_lib.ckpt.runs import CkptError
+
+    try:
+        listed, resume = rows(args.run)
+    except CkptError as exc:
+        return _fail("list", exc)
+    print(table(listed))
+    print(resume)
+    return 0 if all(r["verifies"] for r in listed) else 1
+
+
+def run_consolidate(args: argparse.Namespace) -> int:
+    from course_lib.ckpt.runs import CkptError
+    from course_lib.ckpt.write import consolidate
+
+    try:
+        out, side, info = consolidate(args.run, args.out, args.step)
+    except CkptError as exc:
+        return _fail("consolidate", exc)
+    ranks = f", saved by {info['world_size']} ranks" if info.get("world_size") else ""
+    where = f"{info['checkpoint']} step {info['step']} ({info['format']}{ranks})" if "checkpoint" in info else info["source"]
+    print(f"wrote {out} and {side}: {where}")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from course_lib.ckpt.runs import CkptError
+    from course_lib.ckpt.write import export_hf
+
+    try:
+        out, cls, info = export_hf(args.run, args.out, args.step)
+    except (CkptError, ImportError) as exc:
+        return _fail("export-hf", exc)
+    where = f"{info['checkpoint']} step {info['step']}" if "checkpoint" in info else info["source"]
+    print(f"wrote {out} ({cls}, from {where}); load it with transformers.{cls}.from_pretrained({str(out)!r})")
+    return 0
