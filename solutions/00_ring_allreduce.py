@@ -51,7 +51,7 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     world, rank = dist.get_world_size(), dist.get_rank()
     if world == 1:
         return tensor
-    ### BEGIN SOLUTION cut tensor.view(-1) into world chunks with tensor_split, then do p-1 reduce-scatter steps and p-1 all-gather steps as described above
+    ### BEGIN SOLUTION Work the 2-rank case out on paper first: which chunk does each rank send, and which does it receive, in each phase? Writing into a view of the tensor writes the tensor itself, and a length that is not a multiple of p still has to split into p pieces
     chunks = tensor.view(-1).tensor_split(world)  # views: writing into them writes the tensor
     right, left = (rank + 1) % world, (rank - 1) % world
     for step in range(world - 1):  # reduce-scatter: partial sums travel around the ring
@@ -111,14 +111,15 @@ for group, dtypes, tol in [("float", ("float32", "float64"), dict(rtol=1e-5, ato
 # %% [markdown]
 # ## Part 2: how many bytes does each rank send?
 #
-# Count it from the algorithm: two phases of `p - 1` steps, one chunk of `N / p` elements per
-# step. Assume `N` is a multiple of `p`. This is the number the communication estimator of
-# lab 01 uses, and why a ring's cost per rank barely grows with `p`.
+# Count it from the algorithm above: how many steps does each phase take, and how many
+# elements does a rank send in one step? Assume `N` is a multiple of `p`. This is the number
+# lab 00's latency-bandwidth model (section 5) uses, and why a ring's cost per rank barely grows
+# with `p`.
 
 # %%
 def ring_bytes_sent_per_rank(numel: int, world_size: int, bytes_per_element: int) -> float:
     """Bytes one rank sends during a ring all-reduce of ``numel`` elements over ``world_size`` ranks."""
-    ### BEGIN SOLUTION two phases, world_size - 1 steps each, numel / world_size elements per step
+    ### BEGIN SOLUTION Count the sends on paper for 2 ranks, then for 4: how many steps, and how big is each message?
     return 2 * (world_size - 1) * (numel / world_size) * bytes_per_element
     ### END SOLUTION
 
@@ -126,8 +127,9 @@ def ring_bytes_sent_per_rank(numel: int, world_size: int, bytes_per_element: int
 # %% tags=["points:1"]
 sent = ring_bytes_sent_per_rank(1024, 4, 4)
 record("bytes", [sent, ring_bytes_sent_per_rank(1000, 1, 4)])
-check(sent == 6144, f"1024 fp32 elements on 4 ranks: expected 6144 bytes sent per rank, got {sent}. "
-      "Each phase has p - 1 steps and each step sends one chunk of N/p elements.")
+check(sent == 6144, f"1024 fp32 elements on 4 ranks: expected 6144 bytes sent per rank, got {sent}"
+      + (f" ({sent / 6144:.3g} x the expected). Count the steps of both phases, and the size of one "
+         "message" if isinstance(sent, (int, float)) and sent else ""))
 check(ring_bytes_sent_per_rank(1000, 1, 4) == 0, "a single rank sends nothing")
 print("byte count is right; per rank it approaches 2 x N x bytes as p grows:")
 for p in (2, 4, 8, 64, 1024):

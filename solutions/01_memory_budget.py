@@ -23,9 +23,10 @@ SMOKE = course_lib.smoke(SMOKE)
 
 
 def check_bytes(got, want: float, what: str, hint: str = "") -> None:
-    """Fail, in words, unless byte count `got` equals `want` (to 1 part in 10^9: ZeRO divides exactly)."""
-    check(isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-6),
-          f"{what}: expected {want:,.1f} bytes, got {got!r}. {hint}".strip())
+    """Fail, in words, unless byte count `got` equals `want` (to 1 part in 10^9), saying how far off."""
+    ok = isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-6)
+    far = f" ({got / want:.4g} x the expected)" if not ok and isinstance(got, (int, float)) and want else ""
+    check(ok, f"{what}: expected {want:,.1f} bytes, got {got!r}{far}. {hint}".strip())
 
 LLAMA2_7B = estimate.ModelShape.preset("llama2-7b")  # 32 layers, d_model 4096, 32 heads
 N_7B = LLAMA2_7B.num_params()
@@ -41,7 +42,7 @@ print(f"Llama 2 7B: {N_7B:,} parameters")
 # %%
 def model_state_bytes(num_params: int) -> dict:
     """Bytes of bf16 params, bf16 grads and fp32 optimizer state (master + 2 moments)."""
-    ### BEGIN SOLUTION bytes per parameter: bf16 is 2, fp32 is 4; Adam's state is master weights + momentum + variance
+    ### BEGIN SOLUTION How many bytes does one bf16 number take, and one fp32 number? How many fp32 numbers does mixed-precision Adam keep per parameter (the conventions above name them)?
     return {"params": 2 * num_params, "grads": 2 * num_params, "optimizer": (4 + 4 + 4) * num_params}
     ### END SOLUTION
 
@@ -83,13 +84,15 @@ check(model_state_bytes(1) == {"params": 2, "grads": 2, "optimizer": 12}, "one p
 # ## Part 2: activations of one transformer layer
 #
 # Korthikanti et al. 2022 (Table 2) count the bytes one layer keeps for backward, per micro-batch,
-# with 2-byte activations, dropout, a GELU MLP of width 4h, and the attention scores stored:
+# with 2-byte activations, dropout, a GELU MLP of width 4h, and the attention scores stored.
+# Their accounting, in words (lab 01, section 1 walks through it):
 #
-# * `recompute="none"`: **s b h (34 + 5 a s / h)**. The 34 covers every tensor of size s x b x h
-#   (matmul and norm inputs, GELU, dropout masks), 5 a s / h the a x s x s attention scores
-#   (softmax output 2 bytes, dropout mask 1, dropout output 2);
-# * `recompute="selective"`: the attention scores are recomputed in backward: **34 s b h**;
-# * `recompute="full"`: only the layer's input is kept: **2 s b h**.
+# * `recompute="none"`: **34 bytes for every token and every hidden unit** (every tensor of size
+#   s x b x h: matmul and norm inputs, GELU, dropout masks), plus **5 bytes for every attention
+#   score** (softmax output 2 bytes, dropout mask 1, dropout output 2); each of the `a` heads
+#   scores every query of a sequence against every key;
+# * `recompute="selective"`: the attention scores are recomputed in backward instead of stored;
+# * `recompute="full"`: only the layer's input is kept, in 2-byte activations.
 #
 # s = sequence length, b = micro-batch, h = hidden size, a = attention heads.
 
@@ -97,7 +100,7 @@ check(model_state_bytes(1) == {"params": 2, "grads": 2, "optimizer": 12}, "one p
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, n_heads: int,
                                recompute: str = "none") -> float:
     """Bytes of activations one layer saves for backward (Korthikanti et al. 2022, Table 2)."""
-    ### BEGIN SOLUTION sbh = seq_len * micro_batch * d_model; the three formulas above, one per recompute mode
+    ### BEGIN SOLUTION How many numbers does one s x b x h tensor hold? How many attention scores does one layer hold for b sequences? Try s=2, b=1, h=4, a=2 by hand, then write one branch per recompute mode
     s, b, h, a = seq_len, micro_batch, d_model, n_heads
     if recompute == "none":
         return s * b * h * (34 + 5 * a * s / h)
@@ -117,7 +120,8 @@ for mode in ("none", "selective", "full"):
     check_bytes(activation_bytes_per_layer(**kw, recompute=mode),
                 estimate.activation_bytes_per_layer(**kw, recompute=mode),
                 what=f"bytes per layer, recompute={mode!r}, s=4096 b=1 h=4096 a=32",
-                hint="none: s*b*h*(34 + 5*a*s/h); selective: 34*s*b*h; full: 2*s*b*h")
+                hint="Which of the tensors the list above names does this mode keep, and how many "
+                     "elements does each have?")
 check(activation_bytes_per_layer(**{**kw, "micro_batch": 2}) == 2 * activation_bytes_per_layer(**kw),
       "activations grow linearly with the micro-batch: doubling b should double the bytes")
 print("per layer: " + ", ".join(f"{m} {estimate.format_bytes(activation_bytes_per_layer(**kw, recompute=m), 'MiB', 0)}"
@@ -144,7 +148,7 @@ for s, b, h, a in [(2048, 1, 12288, 96), (1024, 8, 768, 12), (8192, 2, 8192, 64)
 # %%
 def memory_budget(shape: estimate.ModelShape, *, seq_len: int, micro_batch: int, recompute: str = "none") -> dict:
     """Bytes per GPU: params, grads, optimizer (mixed-precision AdamW), activations (all layers)."""
-    ### BEGIN SOLUTION model_state_bytes(shape.num_params()) plus n_layers x activation_bytes_per_layer(...)
+    ### BEGIN SOLUTION Your two functions already count the pieces: which of them describes one layer, and how many layers are there?
     budget = model_state_bytes(shape.num_params())
     budget["activations"] = shape.n_layers * activation_bytes_per_layer(
         seq_len, micro_batch, shape.d_model, shape.n_heads, recompute=recompute)
@@ -154,7 +158,7 @@ def memory_budget(shape: estimate.ModelShape, *, seq_len: int, micro_batch: int,
 
 def dominant_component(budget: dict) -> str:
     """The key of the largest component of `budget`."""
-    ### BEGIN SOLUTION the key whose value is largest
+    ### BEGIN SOLUTION Which key has the largest value? Python's max can compare the keys of a dict by something other than the keys themselves
     return max(budget, key=budget.get)
     ### END SOLUTION
 
@@ -175,10 +179,10 @@ record("part3.budget_4096", b4096)
 record("part3.dominant", [dominant_component(b4096), dominant_component(b4096_selective)])
 want = 32 * estimate.activation_bytes_per_layer(seq_len=4096, micro_batch=1, d_model=4096, n_heads=32)
 check_bytes(b4096["activations"], want, what="activations of 32 layers at s=4096, b=1",
-            hint="multiply the per-layer bytes by shape.n_layers")
+            hint="the per-layer count is right (part 2): how many layers does shape describe?")
 check(dominant_component(b4096) == "activations",
-      "at s=4096 without recomputation the stored attention scores (5as/h = 160 per token per hidden unit) "
-      "make activations the largest component")
+      "at s=4096 without recomputation the stored attention scores make activations the largest "
+      "component (the table above shows all four)")
 check(dominant_component(b4096_selective) == "optimizer", "with selective recomputation the scores are gone and Adam's 12 bytes per parameter dominate")
 
 # %% [markdown]

@@ -33,10 +33,22 @@ from course_lib.grading import record  # hands checked values to the grader (no-
 SMOKE = course_lib.smoke(SMOKE)
 
 
-def check_bytes(got, want: float, what: str, hint: str = "") -> None:
+def how_far(got, want: float, dp: int = 0) -> str:
+    """How `got` compares with `want`, in words: the factor, named when it is a usual slip."""
+    if not isinstance(got, (int, float)) or not want:
+        return ""
+    ratio = got / want
+    named = {dp: "dp", 1 / dp: "1/dp", dp / (dp - 1): "dp/(dp - 1)", (dp - 1) / dp: "(dp - 1)/dp"} if dp > 1 else {}
+    for factor, name in named.items():
+        if math.isclose(ratio, factor, rel_tol=1e-9):
+            return f" (too {'large' if ratio > 1 else 'small'} by a factor of {name})"
+    return f" ({ratio:.4g} x the expected)"
+
+
+def check_bytes(got, want: float, what: str, hint: str = "", dp: int = 0) -> None:
     """Fail, in words, unless byte count `got` equals `want` (to 1 part in 10^9: ZeRO divides exactly)."""
-    check(isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-6),
-          f"{what}: expected {want:,.1f} bytes, got {got!r}. {hint}".strip())
+    ok = isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-6)
+    check(ok, f"{what}: expected {want:,.1f} bytes, got {got!r}{'' if ok else how_far(got, want, dp)}. {hint}".strip())
 
 # %% [markdown]
 # ## Part 1: what each stage shards
@@ -46,7 +58,7 @@ def check_bytes(got, want: float, what: str, hint: str = "") -> None:
 # %%
 def sharded(stage: int) -> set:
     """Components ZeRO stage `stage` (0-3) shards over the data-parallel ranks."""
-    ### BEGIN SOLUTION stage 1 adds the optimizer state, 2 the gradients, 3 the parameters: each stage keeps the previous ones
+    ### BEGIN SOLUTION The table above answers it: what does each stage add to the one before? Can you write it without one if per stage?
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     return set(["optimizer", "grads", "params"][:stage])
@@ -79,7 +91,7 @@ check(all(sharded(z) <= sharded(z + 1) for z in range(3)), "each stage keeps wha
 def zero_bytes_per_rank(num_params: int, stage: int, dp: int, *, param_bytes: float = 2,
                         grad_bytes: float = 2, optimizer_bytes: float = 12) -> dict:
     """Model-state bytes one rank holds under ZeRO stage `stage` over `dp` ranks."""
-    ### BEGIN SOLUTION full size = num_params x bytes per parameter; divide by dp when sharded(stage) contains the component
+    ### BEGIN SOLUTION How many bytes would one rank hold for each component with no sharding at all? What changes for a component your sharded(stage) names?
     shards = sharded(stage)
     out = {}
     for name, per_param in (("params", param_bytes), ("grads", grad_bytes), ("optimizer", optimizer_bytes)):
@@ -102,11 +114,11 @@ for stage, published in figure_1.items():
     got = zero_bytes_per_rank(7_500_000_000, stage, 64)
     check(abs(got["total"] / 1e9 - published) < 0.01 * published,
           f"ZeRO paper Figure 1, stage {stage} (7.5B params, 64 ranks): expected {published} GB per rank, "
-          f"got {got['total'] / 1e9:.2f} GB. A sharded component is divided by dp; the others are full size")
+          f"got {got['total'] / 1e9:.2f} GB ({got['total'] / 1e9 / published:.3g} x the published value)")
     want = estimate.model_state_bytes(7_500_000_000, recipe="mixed-adam", zero_stage=stage, dp=64)
     for key, value in (("params", want.params), ("grads", want.grads), ("optimizer", want.optimizer)):
         check_bytes(got[key], value, what=f"stage {stage} (7.5B params, 64 ranks): {key} per rank",
-                    hint=f"ZeRO-{stage} {'shards' if stage >= first_stage[key] else 'does not shard'} {key}")
+                    hint=f"ZeRO-{stage} {'shards' if stage >= first_stage[key] else 'does not shard'} {key}", dp=64)
 print("Figure 1 reproduced: " + ", ".join(
     f"ZeRO-{z} {zero_bytes_per_rank(7_500_000_000, z, 64)['total'] / 1e9:.2f} GB" for z in range(4)))
 
@@ -133,9 +145,8 @@ check(fp32 == {"params": 4000, "grads": 1000, "optimizer": 2000, "total": 7000},
 # %% [markdown]
 # ## Part 3: communication per step
 #
-# A ring collective over `n` ranks on a buffer of `S` bytes makes each rank send:
-#
-# * reduce-scatter: (n - 1)/n x S; all-gather: (n - 1)/n x S; all-reduce = both: 2(n - 1)/n x S.
+# A ring all-reduce is a reduce-scatter followed by an all-gather, and each of the two sends
+# half of its bytes; exercise 00 (part 2) counts what one rank sends in a ring all-reduce.
 #
 # Per optimizer step, with N parameters (ZeRO paper Sec. 7):
 #
@@ -150,7 +161,7 @@ check(fp32 == {"params": 4000, "grads": 1000, "optimizer": 2000, "total": 7000},
 # %%
 def zero_comm_bytes_per_rank(num_params: int, stage: int, dp: int, bytes_per_element: float = 2) -> float:
     """Bytes one rank sends per optimizer step under ZeRO stage `stage` over `dp` ranks (ring)."""
-    ### BEGIN SOLUTION each pass over all N elements costs (dp - 1)/dp x N x bytes per rank; stages 0-2 make 2 passes, stage 3 makes 3
+    ### BEGIN SOLUTION How many bytes does one rank send in one reduce-scatter (or all-gather) of all N elements (exercise 00, part 2)? How many of them does each stage make per step?
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     passes = 3 if stage == 3 else 2
@@ -165,7 +176,8 @@ for stage in range(4):
     got = zero_comm_bytes_per_rank(n7, stage, 8)
     want = estimate.comm_elements_per_step(n7, "ddp" if stage == 0 else f"zero{stage}", world_size=8).bytes_per_rank(2)
     check_bytes(got, want, what=f"Llama 2 7B, stage {stage}, dp=8: bytes sent per rank per step",
-                hint="stage 0-2: 2 x (dp-1)/dp x N x 2 bytes; stage 3: 3 x (dp-1)/dp x N x 2 bytes")
+                hint="Count the collectives this stage makes per step, then what one rank sends in each: "
+                     "in a ring a rank never sends the chunk it keeps", dp=8)
 check(abs(zero_comm_bytes_per_rank(n7, 3, 8) / zero_comm_bytes_per_rank(n7, 0, 8) - 1.5) < 1e-12,
       "ZeRO-3 moves 1.5x the data of plain data parallelism (ZeRO paper Sec. 7.2.2): one extra all-gather")
 check(zero_comm_bytes_per_rank(n7, 2, 1) == 0, "a single rank has no one to talk to: 0 bytes")

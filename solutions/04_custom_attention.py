@@ -184,7 +184,7 @@ x, y = task.get_batch(list(range(BATCH)))
 # %%
 def forward_loss(model, idx, targets, *, checkpoint_every=None):
     """The loss of `model` on (idx, targets), checkpointing blocks 0, k, 2k, ... when checkpoint_every=k."""
-    ### BEGIN SOLUTION embed, run each block directly or through checkpoint(block, h, use_reentrant=False), then model.head_loss
+    ### BEGIN SOLUTION PatternLM above has the pieces (embed, blocks, head_loss): which block indices does checkpoint_every=k select? Lab 04, section 1 names the kind of checkpoint this kit uses
     h = model.embed(idx)
     for i, block in enumerate(model.blocks):
         if checkpoint_every is not None and i % checkpoint_every == 0:
@@ -197,7 +197,7 @@ def forward_loss(model, idx, targets, *, checkpoint_every=None):
 
 def forward_backward(model, idx, targets, *, checkpoint_every=None):
     """(loss as a float, {parameter name: copy of its gradient}) after one forward + backward."""
-    ### BEGIN SOLUTION clear the gradients (set_to_none=True), forward_loss, backward; return loss.item() and cloned gradients by name
+    ### BEGIN SOLUTION What is in p.grad before this backward if the model was used before? And what happens to a dict of p.grad tensors you returned when the next call writes p.grad again?
     model.zero_grad(set_to_none=True)
     loss = forward_loss(model, idx, targets, checkpoint_every=checkpoint_every)
     loss.backward()
@@ -218,7 +218,7 @@ def check_same_gradients(model, idx, targets, every, label=""):
           "return a dict with one gradient per parameter, keyed by the names of model.named_parameters()")
     missing = [n for n in names if grads1.get(n) is None]
     check(not missing, f"{label}checkpoint_every={every}: no gradient for {missing[:3]}...: a checkpointed block "
-          "lost its gradients. Use checkpoint(block, h, use_reentrant=False).")
+          "lost its gradients. Which kind of checkpoint does the text above ask for?")
     check(loss1 == loss0, f"{label}checkpoint_every={every}: loss {loss1} but {loss0} without checkpointing; "
           "checkpointing must not change the forward")
     for n in names:
@@ -233,7 +233,8 @@ check_same_gradients(model, x, y, every=2)
 again = forward_backward(model, x, y)[1]
 check(all(torch.equal(grads[n], again[n]) for n in grads) and any(g.abs().sum() > 0 for g in grads.values()),
       "a second call should give the same gradients, and the first call's dict must still hold them: "
-      "return copies (p.grad.clone()), and clear with zero_grad(set_to_none=True) before each backward")
+      "did the second call add onto the first call's gradients, or write into the tensors the first "
+      "dict still holds?")
 print(f"loss {forward_backward(model, x, y)[0]:.4f}: gradients identical with checkpoint_every = None, 1, 2")
 
 # %% [markdown]
@@ -283,7 +284,7 @@ for layers, seq, w, g, every in [(3, 32, 4, 1, 3), (5, 48, 7, 0, 2), (2, 40, 100
 # %%
 def train(model, steps, *, checkpoint_every=None, lr=3e-3, seed=SEED):
     """Train `model` for `steps` AdamW steps; returns the loss of every step as a float."""
-    ### BEGIN SOLUTION an AdamW optimizer and a BatchStream; each step: next batch, forward_loss, zero_grad, backward, step, keep loss.item()
+    ### BEGIN SOLUTION What does one training step need, in which order, and what must not carry over from the step before? Lab 04, section 6 shows why the loss you keep should be a float
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     stream = BatchStream(task, BATCH, seed=seed)
     losses = []
@@ -334,7 +335,7 @@ STRATEGIES = {"none": None, "every 2nd block": 2, "every block": 1}
 
 def benchmark(model, strategies, rounds):
     """One row per strategy: {"strategy": name, "saved_bytes": int, "ms_per_step": float}."""
-    ### BEGIN SOLUTION per strategy: saved_bytes(model, every) and measure.time_steps(...) of forward_backward on (x, y)
+    ### BEGIN SOLUTION The two measurements exist already (saved_bytes above, measure.time_steps as described): what function of no arguments would you time, and in which unit does .seconds_per_step come?
     rows = []
     for name, every in strategies.items():
         timing = measure.time_steps(lambda: forward_backward(model, x, y, checkpoint_every=every), rounds)

@@ -21,7 +21,6 @@ RUN_STEPS = 80  # optimizer steps of the real training runs in parts 1c and 2c
 # %%
 import math
 import random
-import statistics
 import tempfile
 from pathlib import Path
 
@@ -66,13 +65,12 @@ def model_with_grads(seed: int = 0, scale: float = 1.0) -> torch.nn.Module:
 # ## Part 1a: the global gradient norm
 #
 # `clip_grad_norm_` does not look at each gradient tensor separately: it treats **all** of them
-# as one long vector and takes its L2 norm, `sqrt(sum over every element of every tensor of g²)`.
-# Write it. Return a Python float.
+# as one long vector and takes its L2 norm. Write it. Return a Python float.
 
 # %%
 def global_grad_norm(grads: list) -> float:
     """L2 norm of all tensors in `grads` taken together as one vector."""
-    ### BEGIN SOLUTION square every element of every tensor, add all the squares up, and take one square root at the end (the sum of per-tensor norms is a different, larger number)
+    ### BEGIN SOLUTION Picture every element of every tensor laid end to end in one vector: what is its length? Try two tensors, [3.] and [[4.]], by hand: the answer is 5, not 3 + 4
     return math.sqrt(sum(float(g.detach().double().pow(2).sum()) for g in grads))
     ### END SOLUTION
 
@@ -88,7 +86,8 @@ check(mine != sum(float(g.norm()) for g in grads),
       "that is the sum of the per-tensor norms; the global norm is the square root of the sum of "
       "the *squared* elements of all tensors")
 check_close(mine, theirs, what="global gradient norm of the MLP", rtol=1e-5,
-            hint="sqrt(sum of g**2 over every element of every gradient)")
+            hint=f"yours is {mine / theirs:.4g} x torch's. The norm of all tensors laid end to end as one vector"
+            if isinstance(mine, float) and theirs else "")
 print(f"global gradient norm {mine:.6f} (torch: {theirs:.6f}) over {len(grads)} tensors")
 
 # %% tags=["points:2"]
@@ -109,15 +108,16 @@ check(global_grad_norm([torch.zeros(5)]) == 0.0, "zero gradients have norm 0")
 # ## Part 1b: the clip coefficient
 #
 # Clipping multiplies every gradient by one number, the **clip coefficient**: `1` when the
-# global norm is at most `max_norm`, otherwise `max_norm / (total_norm + eps)` (torch adds
-# `eps = 1e-6` so a zero norm cannot divide by zero). The direction of the update is unchanged;
-# only its length is capped. Write the coefficient, then `clip_gradients_`, which clips a list
-# of gradients in place and returns `(total_norm_before, coefficient)`.
+# global norm is at most `max_norm`; otherwise the number that brings the global norm down to
+# `max_norm`. torch adds `eps = 1e-6` to the norm wherever it divides by it, so a zero norm
+# cannot divide by zero. The direction of the update is unchanged; only its length is capped.
+# Write the coefficient, then `clip_gradients_`, which clips a list of gradients in place and
+# returns `(total_norm_before, coefficient)`.
 
 # %%
 def clip_coefficient(total_norm: float, max_norm: float, eps: float = 1e-6) -> float:
     """The factor clipping multiplies every gradient by (1.0: no clipping)."""
-    ### BEGIN SOLUTION 1.0 when total_norm <= max_norm, else max_norm / (total_norm + eps)
+    ### BEGIN SOLUTION Multiplying every element by c multiplies the global norm by c: which c turns a norm of 4 into 1? Where does eps go?
     if total_norm <= max_norm:
         return 1.0
     return min(1.0, max_norm / (total_norm + eps))
@@ -126,7 +126,7 @@ def clip_coefficient(total_norm: float, max_norm: float, eps: float = 1e-6) -> f
 
 def clip_gradients_(grads: list, max_norm: float) -> tuple:
     """Clip `grads` in place to global norm `max_norm`; return (norm before, coefficient)."""
-    ### BEGIN SOLUTION use your two functions; multiply each tensor in place with g.mul_(coef) under torch.no_grad()
+    ### BEGIN SOLUTION Your two functions give the coefficient; how do you change a tensor in place, without autograd recording it?
     norm = global_grad_norm(grads)
     coef = clip_coefficient(norm, max_norm)
     with torch.no_grad():
@@ -195,7 +195,7 @@ check(coef < 1e-3 and isinstance(norm, float), "a x1000 batch should be clipped 
 # %%
 def clip_stats(grad_norms: list, max_norm: float) -> dict:
     """Clip rate and mean clip coefficient of a run's (pre-clipping) global gradient norms."""
-    ### BEGIN SOLUTION count the norms above max_norm; average clip_coefficient(n, max_norm) over all norms
+    ### BEGIN SOLUTION The two definitions above are each one pass over the norms: does a norm exactly equal to max_norm count as clipped?
     coefs = [clip_coefficient(n, max_norm) for n in grad_norms]
     return {"clip_rate": sum(n > max_norm for n in grad_norms) / len(grad_norms),
             "mean_coef": sum(coefs) / len(coefs)}
@@ -274,7 +274,9 @@ WINDOW, MIN_HISTORY, LOWER_LR_RATIO, SKIP_RATIO = 20, 8, 2.0, 5.0
 
 def decide(history, grad_norm: float) -> str:
     """'skip', 'lower_lr' or 'continue' for a step with global gradient norm `grad_norm`."""
-    ### BEGIN SOLUTION skip a non-finite norm; typical = statistics.median of the last WINDOW finite history values (a mean is dragged up by an earlier spike); compare the ratio with SKIP_RATIO, then LOWER_LR_RATIO
+    ### BEGIN SOLUTION The rules give the order. For 'typical', try a window of [1, 1, 1, 1, 1, 1, 1, 10] by hand: which statistic still says about 1, and which one is dragged up by the spike? Lab 05, section 4 compares detectors built on two kinds of reference
+    import statistics
+
     if not math.isfinite(grad_norm):
         return "skip"
     recent = [h for h in history if math.isfinite(h)][-WINDOW:]
@@ -350,8 +352,8 @@ rows = run_trainer("fault", faults=[f"grad_scale@{FAULT}=10"])
 norms = [r["grad_norm"] for r in rows]
 real = [decide(norms[:i], norms[i]) for i in range(len(norms))]
 record("part2c.decisions", real)
-print(f"fault at optimizer step {FAULT} (metrics row {FAULT + 1}): norm {norms[FAULT]:.3f}, median of the "
-      f"20 before {statistics.median(norms[FAULT - 20:FAULT]):.3f}")
+print(f"fault at optimizer step {FAULT} (metrics row {FAULT + 1}): norm {norms[FAULT]:.3f}; the 20 before "
+      f"range from {min(norms[FAULT - 20:FAULT]):.3f} to {max(norms[FAULT - 20:FAULT]):.3f}")
 print("your decisions other than 'continue':", {rows[i]["step"]: d for i, d in enumerate(real) if d != "continue"})
 check(real[FAULT] == "skip", f"the x10 step (row {FAULT + 1}) should be skipped, got '{real[FAULT]}'")
 check([i for i, d in enumerate(real) if d == "skip"] == [FAULT],

@@ -41,15 +41,17 @@ SCRATCH = Path(tempfile.mkdtemp(prefix="ex07-"))
 # your code to a file* (`ex07_checkpoint.py`, next to this notebook) rather than defining it here.
 # Edit the functions inside the cell, run it, then run the checks below.
 #
-# **`atomic_save(state, path)`**:
+# **`atomic_save(state, path)`** must hold, whenever the process dies (`SIGKILL`, a power cut):
 #
-# 1. write with `torch.save` into a **temporary file in the same folder** as `path` (a rename is
-#    atomic only within one file system; give it a name that does not look like a checkpoint,
-#    e.g. starting with a dot);
-# 2. `flush()` and `os.fsync()` it, so its bytes are on disk before its name is;
-# 3. `os.replace(temporary, path)`: the commit point, atomic on POSIX and Windows;
-# 4. fsync the folder, so the rename itself survives a power cut;
-# 5. if anything fails before the rename, remove the temporary file and re-raise.
+# 1. `path` holds either its old complete contents or its new complete contents, never a torn
+#    file; a file that is still being written never carries a checkpoint's name
+#    (`list_checkpoints` only counts `step_*.pt`);
+# 2. after a power cut, a name that points at the new contents points at bytes that reached the
+#    disk, and the new name itself survived;
+# 3. a save that fails halfway raises, leaves the old `path` intact and leaves nothing else behind.
+#
+# Lab 07, section 1 shows how `CheckpointManager` gets there: which single operation is its
+# commit point, where does the new data live until then, and what has to reach the disk before it?
 #
 # **`save_checkpoint(state, folder, step, keep_last)`**: `atomic_save` to
 # `checkpoint_path(folder, step)`; load it back with `torch.load(..., weights_only=True)` (if that
@@ -79,7 +81,7 @@ def list_checkpoints(folder) -> list:
 def atomic_save(state: dict, path) -> None:
     """torch.save `state` so that `path` always holds either its old or its new complete contents."""
     path = Path(path)
-    ### BEGIN SOLUTION a temporary file in path.parent (name starting with "."); torch.save into it; f.flush(); os.fsync(f.fileno()); os.replace(tmp, path); fsync the folder (os.open(folder, os.O_RDONLY)); on an exception unlink the temporary file and re-raise
+    ### BEGIN SOLUTION Which file-system operation makes a complete file appear under a name in one indivisible step, and why must the file start in the same folder? What has to be on disk before that step, and what after it? Lab 07, section 1
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -103,7 +105,7 @@ def save_checkpoint(state: dict, folder, step: int, keep_last: int = 2) -> Path:
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     path = checkpoint_path(folder, step)
-    ### BEGIN SOLUTION atomic_save(state, path); try torch.load(path, weights_only=True) and on failure path.unlink() and raise RuntimeError; then unlink every file of list_checkpoints(folder)[:-keep_last]
+    ### BEGIN SOLUTION What could go wrong if anything older were deleted before the new checkpoint is known to load? list_checkpoints is sorted oldest first: which of its entries are the ones to keep? Lab 07, section 2
     atomic_save(state, path)
     try:
         torch.load(path, map_location="cpu", weights_only=True)
@@ -118,10 +120,9 @@ def save_checkpoint(state: dict, folder, step: int, keep_last: int = 2) -> Path:
 # %% [markdown]
 # ## Part 2: `atomic_save`, checked
 #
-# The check watches which file operations your function makes (it wraps `os.replace`,
-# `os.rename` and `os.fsync` while your code runs), saves twice to the same path, and makes one
-# save fail halfway: a state holding an object that refuses to be pickled, as a full disk would
-# make `write` fail.
+# The check watches the renames and the flushes to disk your function makes while it runs,
+# saves twice to the same path, and makes one save fail halfway: a state holding an object that
+# refuses to be pickled, as a full disk would make `write` fail.
 
 # %% tags=["points:3", "probe:checkpoint-atomic"]
 import ex07_checkpoint
@@ -136,7 +137,7 @@ class Unpicklable:
 
 
 def watched(fn, *args):
-    """Run fn(*args) and record its os.replace / os.rename / os.fsync calls."""
+    """Run fn(*args) and record the renames and fsyncs it makes (the os module's functions)."""
     calls, saved = [], {n: getattr(os, n) for n in ("replace", "rename", "fsync")}
 
     def spy(name):
@@ -160,14 +161,15 @@ _, calls = watched(atomic_save, {"step": 1, "w": torch.ones(3)}, target)
 check(target.exists() and torch.load(target, weights_only=True)["step"] == 1,
       "after atomic_save the file should exist and load back with what was saved")
 renames = [a for name, a in calls if name in ("replace", "rename")]
-check(len(renames) == 1, f"atomic_save should call os.replace (or os.rename) exactly once, saw {len(renames)}: "
-      "write a temporary file, then rename it over the target")
+check(len(renames) == 1, "atomic_save renamed nothing: the target was written in place, so a kill mid-write "
+      "tears it (lab 07, section 1)" if not renames else
+      f"atomic_save made {len(renames)} renames; one is enough to swap the complete new file in")
 src, dst = (Path(p) for p in renames[0][:2])
 check(Path(dst).resolve() == target.resolve(), f"the rename should land on the target path, not {dst}")
 check(src.parent.resolve() == target.parent.resolve(),
       f"the temporary file {src} must be in the target's folder: a rename across file systems is not atomic")
-check(any(name == "fsync" for name, _ in calls), "call os.fsync on the temporary file before renaming it: "
-      "otherwise a power cut can leave the new name pointing at data that never reached the disk")
+check(any(name == "fsync" for name, _ in calls), "nothing was flushed to disk: after a power cut the new name "
+      "could point at data that never reached the disk")
 atomic_save({"step": 2, "w": torch.full((3,), 2.0)}, target)
 check(torch.load(target, weights_only=True)["step"] == 2, "a second save to the same path should replace the first")
 try:
@@ -253,7 +255,7 @@ for i, (newest, ok, n, leftovers) in enumerate(rows):
 for i, (newest, ok, n, leftovers) in enumerate(rows):
     check(newest is not None, f"kill {i}: no checkpoint left on disk at all")
     check(ok, f"kill {i}: the newest checkpoint {newest} does not load (or holds another step): it was given "
-          "its final name before it was complete. Write a temporary file, then os.replace it")
+          "its final name before it was complete")
 
 # %% [markdown]
 # **What you should see:** every row's newest checkpoint loads. The odd rows were killed while a

@@ -84,7 +84,7 @@ class BucketedDDP(nn.Module):
         super().__init__()
         self.module = module
         self.world_size = dist.get_world_size()
-        ### BEGIN SOLUTION broadcast every parameter and buffer from rank 0 (under torch.no_grad()); build self.buckets (lists of parameters, reverse order, capped at bucket_mb * 2**20 bytes; None: one bucket); remember which bucket each parameter is in; per-bucket ready counts; register_post_accumulate_grad_hook(self._on_grad_ready) on each trainable parameter
+        ### BEGIN SOLUTION Three jobs, in the contract's words: make the replicas equal, group the trainable parameters into buckets, and arrange to hear when each gradient is final. What will _on_grad_ready and finish_gradient_synchronization need to look up quickly (a parameter's bucket, how many of a bucket's gradients are ready, what is already launched, whether to sync)? Lab 08, section 2 builds buckets for a measured timeline
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):  # each tied tensor once
                 dist.broadcast(t, src=0)
@@ -114,7 +114,7 @@ class BucketedDDP(nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside only accumulate gradients locally."""
-        ### BEGIN SOLUTION switch syncing off, yield, switch it back on (in a finally)
+        ### BEGIN SOLUTION What must the hook know while the block runs, and what if the block raises? Lab 08, section 4 uses torch DDP's no_sync()
         self.syncing = False
         try:
             yield
@@ -124,7 +124,7 @@ class BucketedDDP(nn.Module):
 
     def _launch(self, index):
         """Start the asynchronous all-reduce of bucket `index`: gradients, then one flag each."""
-        ### BEGIN SOLUTION torch.cat the flattened gradients (torch.zeros_like(p) where p.grad is None) and a tensor of flags; work = dist.all_reduce(flat, async_op=True); remember (work, flat, index)
+        ### BEGIN SOLUTION One flat tensor per bucket, laid out so that you can find each parameter's slice again later: what stands in for a gradient a rank does not have, and where do the flags go? What do you keep so that finish_gradient_synchronization can wait for this message and read its result?
         bucket = self.buckets[index]
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
         flags = torch.tensor([float(p.grad is not None) for p in bucket], dtype=bucket[0].dtype)
@@ -135,7 +135,7 @@ class BucketedDDP(nn.Module):
 
     def _on_grad_ready(self, p):
         """Hook: p.grad is final for this backward."""
-        ### BEGIN SOLUTION do nothing outside syncing; count p in its bucket; then launch, in bucket order, every next bucket whose gradients are all ready
+        ### BEGIN SOLUTION Hooks fire in the order backward produces gradients, which need not be bucket order: when p completes its bucket, may that bucket go at once? Which buckets can go now?
         if not self.syncing:
             return
         self.ready[self.bucket_of[p]] += 1
@@ -148,7 +148,7 @@ class BucketedDDP(nn.Module):
     @torch.no_grad()
     def finish_gradient_synchronization(self):
         """After backward, before optimizer.step(): every .grad becomes the mean over ranks."""
-        ### BEGIN SOLUTION launch the buckets still waiting (in order); wait for every handle; divide by the world size; copy each slice back into p.grad (view_as(p)), leaving .grad None where the flag sum is 0; reset ready counts and the launched list
+        ### BEGIN SOLUTION Which buckets never launched during backward, and why? The all-reduce sums: what turns a sum into the mean? Each slice is flat and the parameter is not. What must be clean before the next step's backward?
         for k in range(len(self.launched), len(self.buckets)):
             self._launch(k)
         for work, flat, index in self.launched:

@@ -53,8 +53,8 @@ if SMOKE:
 # * `self.param_groups` (what `torch.optim.Optimizer.__init__` builds from `params`) keeps **all**
 #   parameters and the hyperparameters: an lr scheduler writes the learning rate there, so copy
 #   the hyperparameters of each group into its local group before stepping.
-# * `step()`: step the local optimizer, then for every parameter (same order on every rank)
-#   `dist.broadcast(p.data, src=owner)`: afterwards every rank holds every updated parameter.
+# * `step()`: step the local optimizer; afterwards every rank holds every updated parameter, each
+#   sent by its owner with one collective per parameter, in the same order on every rank.
 # * `add_param_group(group)` must work mid-training: `torch.optim.Optimizer.__init__` calls it for
 #   each initial group **before** your local optimizer exists, and you may call it later.
 
@@ -77,13 +77,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # optimizer_cls's full option set (lr, betas, ...), so every group carries every option
         defaults = optimizer_cls([torch.zeros(1, requires_grad=True)], **kwargs).defaults
         super().__init__(params, defaults)
-        ### BEGIN SOLUTION build self.local_optimizer = optimizer_cls([...one local group per group in self.param_groups...], **kwargs): each local group has this group's options and only the parameters this rank owns
+        ### BEGIN SOLUTION When this line runs, every group has been through add_param_group, so every parameter has an owner. Which object does the real work, over which parameters, and how do torch optimizers accept several groups at once?
         self.local_optimizer = optimizer_cls([self._local_group(g) for g in self.param_groups], **kwargs)
         ### END SOLUTION
 
     def _local_group(self, group):
         """The part of `group` this rank owns: the same options, only its own parameters."""
-        ### BEGIN SOLUTION a dict with every key of group except "params", and "params": [p for p in group["params"] if self.owner[p] == self.rank]
+        ### BEGIN SOLUTION A param group is a dict: which of its entries stay as they are, and which one changes? Which parameters does this rank own (self.owner)?
         local = {k: v for k, v in group.items() if k != "params"}
         local["params"] = [p for p in group["params"] if self.owner[p] == self.rank]
         return local
@@ -92,7 +92,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         super().add_param_group(param_group)  # checks it and fills in the defaults
         group = self.param_groups[-1]
-        ### BEGIN SOLUTION for each p of group["params"], largest first: owner = the rank with the fewest owned elements (lowest on ties); record it and add p.numel(); then, if self.local_optimizer exists, add self._local_group(group) to it
+        ### BEGIN SOLUTION Try it by hand for sizes 42, 7, 49, 7 on 2 ranks: who gets what under the contract's rule? Which attributes set up in __init__ keep the tally, and what must happen when a group arrives after the local optimizer exists?
         for p in sorted(group["params"], key=lambda t: -t.numel()):  # sorted() is stable
             owner = min(range(self.world_size), key=lambda r: self.owned_elements[r])
             self.owner[p] = owner
@@ -108,7 +108,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        ### BEGIN SOLUTION copy each group's options (not "params") into its local group (zip self.param_groups with self.local_optimizer.param_groups); self.local_optimizer.step(); then dist.broadcast(p.data, src=self.owner[p]) for every p of every group
+        ### BEGIN SOLUTION Three things, in the contract's words: the options a scheduler may have changed, the step of this rank's shard, and every rank ending with every updated parameter. Which rank is the source of each parameter's new value?
         for group, local in zip(self.param_groups, self.local_optimizer.param_groups):
             for key, value in group.items():
                 if key != "params":  # an lr scheduler writes here: hand it on

@@ -38,16 +38,17 @@ if SMOKE:
 # %% [markdown]
 # ## Part 1: the two conjugate operators
 #
-# Which communication does each layer need? Follow the gradients.
+# Which communication does each layer need? Follow the values forward and the gradients back.
 #
-# * A column-parallel layer reads the **same** `x` on every rank. Each rank's weight slice
-#   contributes its own part of `dL/dx`, and the true gradient is their **sum**. So before a
-#   column layer sits **f**: identity in forward, **all-reduce (sum) in backward**.
-# * A row-parallel layer's ranks each produce a partial sum of `y`; the output is their sum. So
-#   after a row layer sits **g**: **all-reduce (sum) in forward**, and in backward the identity
-#   (the derivative of a sum with respect to each term is 1).
+# * A column-parallel layer reads the **same** `x` on every rank, and each rank's weight slice
+#   sends back only its own part of `dL/dx`. **f** sits before a column layer: what must it do to
+#   `x` in forward, and to the gradient in backward, so that every rank ends with the true `dL/dx`?
+# * A row-parallel layer's ranks each produce a *partial sum* of `y`. **g** sits after a row
+#   layer: what must it do in forward so that every rank holds `y`? And in backward: what is the
+#   derivative of a sum with respect to one of its terms?
 #
-# `f` and `g` are each other's transpose. Spawned ranks can only run code they can import, so the
+# `f` and `g` are each other's transpose; lab 10, section 2 shows both at work on readable
+# numbers. Spawned ranks can only run code they can import, so the
 # next cell *writes your code to a file* (`ex10_tp_linear.py`, next to this notebook). Fill in the
 # gaps, run the cell, then the checks below it.
 #
@@ -58,22 +59,21 @@ if SMOKE:
 #   `group`). `copy_to_tp(x, group=None)` and `reduce_from_tp(x, group=None)` apply them.
 # * `group=None` means all ranks. Pass `group=` to every collective.
 # * Never change a tensor you were given: `dist.all_reduce` works in place, so reduce a clone.
-# * f's forward returns `x.view_as(x)`: a new tensor object, so autograd records the node.
+# * Autograd records a `Function`'s node only when its forward returns a new tensor object: the
+#   input object itself does not count, even unchanged.
 #
 # The layers, in the same file:
 #
 # * `ColumnParallelLinear(in_features, out_features, bias=True, *, group=None)`: with `N` the
 #   group's size and `r = dist.get_rank(group)`, a `weight` of shape `[out/N, in]` and a `bias` of
-#   shape `[out/N]`; forward `F.linear(f(x), weight, bias)`, output `[..., out/N]`: this rank's
-#   output channels.
+#   shape `[out/N]`; its output is `[..., out/N]`: this rank's output channels.
 # * `RowParallelLinear(in_features, out_features, bias=True, *, group=None)`: a `weight` of shape
 #   `[out, in/N]` and the whole `bias`, `[out]`. Its input is this rank's `in/N` channels (what a
-#   column layer hands over); forward `g(F.linear(x, weight)) + bias`: the bias is added once,
-#   after the sum.
+#   column layer hands over); its output is the whole `[..., out]` on every rank, bias included
+#   exactly once.
 # * `from_linear(linear, group=None)` (a classmethod of each) builds the layer and copies in this
-#   rank's slice of a dense `nn.Linear`: rows `r*out/N ... (r+1)*out/N` of weight and bias for the
-#   column layer; columns `r*in/N ...` of the weight and the whole bias for the row layer.
-#   `tensor.chunk(N, dim)[r]` gives slice `r`.
+#   rank's slice of a dense `nn.Linear`: its output channels for the column layer, its input
+#   channels (and the whole bias) for the row layer. Which dimension of `linear.weight` is which?
 
 # %%
 # %%writefile ex10_tp_linear.py
@@ -87,18 +87,18 @@ from torch import nn
 
 
 class CopyToTP(torch.autograd.Function):
-    """f: identity in forward, all-reduce (sum) of the gradient in backward."""
+    """f: where a replicated activation enters a column-parallel layer."""
 
     @staticmethod
     def forward(ctx, x, group):
-        ### BEGIN SOLUTION remember the group on ctx; return x.view_as(x)
+        ### BEGIN SOLUTION What does f do to x in forward (Part 1's first question)? backward will need the group: where can forward leave it? Mind the contract's note on returning a new tensor object
         ctx.group = group
         return x.view_as(x)
         ### END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
-        ### BEGIN SOLUTION all-reduce (sum) a clone of grad over ctx.group; return it and None (for group)
+        ### BEGIN SOLUTION Every rank read the same x: what is the true gradient of x, given each rank's part? One value per input of forward, and never change the tensor you were given
         total = grad.contiguous().clone()  # all_reduce works in place: never on autograd's tensor
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
         return total, None
@@ -106,11 +106,11 @@ class CopyToTP(torch.autograd.Function):
 
 
 class ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce (sum) in forward, identity in backward."""
+    """g: after a row-parallel layer, whose ranks hold partial sums."""
 
     @staticmethod
     def forward(ctx, x, group):
-        ### BEGIN SOLUTION return the all-reduced (summed) clone of x
+        ### BEGIN SOLUTION Each rank holds a partial sum of y: how does every rank get the whole y, without changing the x it was given?
         total = x.contiguous().clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         return total
@@ -118,7 +118,7 @@ class ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ### BEGIN SOLUTION the gradient passes through unchanged (and None for group)
+        ### BEGIN SOLUTION What is the derivative of a sum with respect to one of its terms? One value per input of forward
         return grad, None
         ### END SOLUTION
 
@@ -142,7 +142,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         if out_features % self.tp:
             raise ValueError(f"out_features ({out_features}) must be divisible by the group size ({self.tp})")
-        ### BEGIN SOLUTION self.weight: nn.Parameter [out/N, in]; self.bias: nn.Parameter [out/N] or None; initialise like nn.Linear (uniform in +-1/sqrt(in_features))
+        ### BEGIN SOLUTION The contract gives the shapes. How does nn.Linear initialise its weight and bias, and whose fan-in counts here: the shard's or the dense layer's?
         bound = 1 / math.sqrt(in_features)  # the dense layer's fan-in: every rank reads all inputs
         self.weight = nn.Parameter(torch.empty(out_features // self.tp, in_features).uniform_(-bound, bound))
         self.bias = nn.Parameter(torch.empty(out_features // self.tp).uniform_(-bound, bound)) if bias else None
@@ -152,7 +152,7 @@ class ColumnParallelLinear(nn.Module):
     def from_linear(cls, linear, group=None):
         """This rank's output channels of a dense nn.Linear: rows of its weight, entries of its bias."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group)
-        ### BEGIN SOLUTION copy slice layer.rank of linear.weight (chunk along dim 0) into layer.weight, and of linear.bias into layer.bias (under torch.no_grad())
+        ### BEGIN SOLUTION An output channel is which dimension of linear.weight ([out, in])? Which part of it, and of the bias, is this rank's? Copying into a Parameter must not be recorded by autograd
         with torch.no_grad():
             layer.weight.copy_(linear.weight.chunk(layer.tp, dim=0)[layer.rank])
             if linear.bias is not None:
@@ -161,7 +161,7 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x):
-        ### BEGIN SOLUTION f on the input, then F.linear with this rank's weight and bias
+        ### BEGIN SOLUTION Where on the way through this layer do f's two jobs belong? Lab 10, section 3 puts f and g into Megatron's MLP
         return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
         ### END SOLUTION
 
@@ -176,7 +176,7 @@ class RowParallelLinear(nn.Module):
         self.tp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         if in_features % self.tp:
             raise ValueError(f"in_features ({in_features}) must be divisible by the group size ({self.tp})")
-        ### BEGIN SOLUTION self.weight: nn.Parameter [out, in/N]; self.bias: nn.Parameter [out] (whole) or None; initialise like nn.Linear with the dense fan-in
+        ### BEGIN SOLUTION The contract gives the shapes; initialise like the column layer: whose fan-in counts?
         bound = 1 / math.sqrt(in_features)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp).uniform_(-bound, bound))
         self.bias = nn.Parameter(torch.empty(out_features).uniform_(-bound, bound)) if bias else None
@@ -186,7 +186,7 @@ class RowParallelLinear(nn.Module):
     def from_linear(cls, linear, group=None):
         """This rank's input channels of a dense nn.Linear: columns of its weight; the whole bias."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group)
-        ### BEGIN SOLUTION copy slice layer.rank of linear.weight (chunk along dim 1) into layer.weight, and the whole linear.bias into layer.bias
+        ### BEGIN SOLUTION An input channel is which dimension of linear.weight? The bias is kept whole: why is that right?
         with torch.no_grad():
             layer.weight.copy_(linear.weight.chunk(layer.tp, dim=1)[layer.rank])
             if linear.bias is not None:
@@ -195,7 +195,7 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x):
-        ### BEGIN SOLUTION the partial product F.linear(x, weight) (no bias), then g, then add the bias once
+        ### BEGIN SOLUTION Each rank computes a partial sum of y: where does g go, and where does the bias go so that it counts once, not N times?
         y = reduce_from_tp(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
         ### END SOLUTION
@@ -205,13 +205,14 @@ class RowParallelLinear(nn.Module):
 #
 # For a few shapes the check calls your operators directly on each rank:
 #
-# | operator | input | forward must give | backward must give |
-# | --- | --- | --- | --- |
-# | f | the same `x` on every rank | `x` | the **sum** of every rank's incoming gradient |
-# | g | a different `x` on each rank | the sum of every rank's `x` | the incoming gradient as it is |
+# | operator | input on each rank | gradient arriving from above |
+# | --- | --- | --- |
+# | f | the same `x` on every rank | a different one on each rank |
+# | g | a different `x` on each rank | the same on every rank |
 #
-# It also counts the collectives each direction issues: one all-reduce in f's backward and one in
-# g's forward, nothing anywhere else.
+# and compares the forward output and `x`'s gradient with what Part 1's answers require (lab 10,
+# section 2 shows the same on readable numbers). It also counts the collectives each direction
+# issues: one all-reduce per operator in total, nothing else.
 
 # %% tags=["points:2"]
 import ex10_tp_linear
@@ -227,11 +228,11 @@ print(f"{'shape':<14} {'f forward':>9} {'f backward':>10} {'g forward':>9} {'g b
 for r in op_rows:
     print(f"{r['shape']:<14} {r['f forward']:>9} {r['f backward']:>10} {r['g forward']:>9} {r['g backward']:>10}")
 check(len(op_rows) == len(SHAPES), "every shape should report a row")
-print("f and g are conjugate: f = identity / all-reduce, g = all-reduce / identity")
+print("f and g are conjugate: each one's backward is the other's forward")
 
 # %% [markdown]
-# **What you should see:** every row `0 1 1 0`. The pattern is the whole point: f communicates
-# only in backward, g only in forward.
+# **What you should see:** in every row one all-reduce for f and one for g, in opposite
+# directions. That pattern is the whole point (lab 10, section 2 says why).
 
 # %% [markdown]
 # ## Part 3: the layers, equal to the dense layer
@@ -275,8 +276,8 @@ check(mlp["forward"] == 1 and mlp["backward"] == 1,
 print("column, row and the Megatron MLP equal the dense layers on 2 ranks")
 
 # %% [markdown]
-# **What you should see:** errors around `1e-7` or below; column `0 / 1` all-reduces (f, in
-# backward), row `1 / 0` (g, in forward), and the MLP `1 / 1`: the GELU in the middle works on
+# **What you should see:** errors around `1e-7` or below; the column and the row layer one
+# all-reduce each, in opposite directions, and the MLP `1 / 1`: the GELU in the middle works on
 # each rank's own channels, so the column layer's output goes straight into the row layer.
 # Each rank holds about half the dense parameters (the row layer's bias is kept whole on both).
 

@@ -28,7 +28,6 @@ import course_lib
 from course_lib.kit.checks import check
 from course_lib.grading import record  # hands checked values to the grader (no-op otherwise)
 from course_lib.labs import exercise11_one_f_one_b as exercise_runs
-from course_lib.parallel.pipeline.schedules import stage_actions
 
 SMOKE = course_lib.smoke(SMOKE)
 if SMOKE:
@@ -69,7 +68,7 @@ if SMOKE:
 # %%
 def forward_actions(pp, stage, i):
     """The actions around the forward of micro-batch i on `stage`."""
-    ### BEGIN SOLUTION recv_activation (unless the first stage), forward, send_activation (unless the last stage)
+    ### BEGIN SOLUTION The table above says which stages have a neighbour before them and which after: where does the data for this forward come from, and where does its output go?
     first, last = stage == 0, stage == pp - 1
     return ([] if first else [("recv_activation", i)]) + [("forward", i)] \
         + ([] if last else [("send_activation", i)])
@@ -78,7 +77,7 @@ def forward_actions(pp, stage, i):
 
 def backward_actions(pp, stage, i):
     """The actions around the backward of micro-batch i on `stage`."""
-    ### BEGIN SOLUTION recv_grad (unless the last stage), backward, send_grad (unless the first stage)
+    ### BEGIN SOLUTION The mirror image of forward_actions: which way do gradients travel, and which stages have no neighbour on that side?
     first, last = stage == 0, stage == pp - 1
     return ([] if last else [("recv_grad", i)]) + [("backward", i)] \
         + ([] if first else [("send_grad", i)])
@@ -173,7 +172,7 @@ def draw(ax, lists, title):
 
 
 fig, axes = plt.subplots(2, 1, figsize=(10, 4.5), sharex=True)
-gpipe = draw(axes[0], [stage_actions("gpipe", PP_SHOW, M_SHOW, s) for s in range(PP_SHOW)], "GPipe")
+gpipe = draw(axes[0], exercise_runs.gpipe_lists(PP_SHOW, M_SHOW), "GPipe")
 mine_lists = [one_f_one_b(PP_SHOW, M_SHOW, s) for s in range(PP_SHOW)]
 mine = draw(axes[1], mine_lists, "your 1F1B")
 axes[1].set_xlabel("time (forward = 1, backward = 2)")

@@ -89,3 +89,107 @@ def test_not_implemented_message_is_grammatical_for_any_subject(what, monkeypatc
     text = str(caught.value)
     assert text.startswith(f"{what}: a 'YOUR CODE HERE' still raises NotImplementedError (rank 1)")
     assert f"{what} still raises" not in text
+
+
+# Issue 34: for every exercise, fragments of its solution (code, formulas, the one design decision)
+# that the learner-facing notebook must not hand over: not in a hint, a check message, the prose,
+# or an import. Taken from the solutions in solutions/*.py.
+FORBIDDEN = {
+    "00_ring_allreduce": ["tensor_split", "% world", "2 * (world_size - 1)", "numel / world_size",
+                          "world_size - 1 steps each", "N/p elements", "lab 01"],
+    "01_memory_budget": ["34 + 5", "5*a*s", "5 a s / h", "5as/h", "34 s b h", "34*s*b*h", "2 s b h",
+                         "2*s*b*h", "max(budget, key", "n_layers x activation_bytes", "4 + 4 + 4"],
+    "02_zero_stages": ["(dp - 1)/dp x N", "(dp-1)/dp x N", "(n - 1)/n x S", "2(n - 1)/n", "passes",
+                       "3 if stage == 3", "[:stage]", "divide by dp when"],
+    "04_custom_attention": ["(j <= i) &", "unsqueeze(1)", "i % checkpoint_every", "p.grad.clone()",
+                            "opt.zero_grad(set_to_none=True)"],
+    "05_gradient_policy": ["statistics", "median", "max_norm / (total_norm", "g.mul_(coef)",
+                           "pow(2).sum()", "sqrt(sum"],
+    "07_atomic_checkpoint": ["os.replace", "os.fsync", "O_RDONLY", "fileno()", "f.flush()",
+                             "[:-keep_last]", "path.unlink()"],
+    "08_bucketed_ddp": ["zeros_like", "torch.cat(", "view_as(p)", "reversed(", "self.ready[",
+                        "(self._on_grad_ready)", "async_op=True); remember"],
+    "09_zero1_optimizer": ["owner[p] == self.rank", 'k != "params"', "min(range(self.world_size)",
+                           "dist.broadcast(p.data", "self.owned_elements[owner]"],
+    "10_tp_linear": ["view_as(x)", "F.linear(f(x)", "g(F.linear(", "chunk(N, dim)", "chunk(layer.tp",
+                     "identity in forward, all-reduce", "all-reduce (sum) in forward",
+                     "f = identity / all-reduce", "every row `0 1 1 0`"],
+    "11_one_f_one_b": ["stage_actions", "pp - stage - 1", "pp - s - 1", "warmup + k"],
+    "12_parallelism_selection": ["tp=4, pp=4, dp=4", "cp=2, zero_stage=3"],
+}
+EXERCISES = sorted(p.stem for p in (ROOT / "solutions").glob("[0-9][0-9]_*.py"))
+
+
+def _hints(name: str) -> list[str]:
+    import ast
+
+    hints = []
+    for node in ast.walk(ast.parse(_code(name))):
+        if (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                and getattr(node.exc.func, "id", None) == "NotImplementedError" and node.exc.args):
+            hints.append(ast.literal_eval(node.exc.args[0]))
+    return hints
+
+
+def _code(name: str) -> str:
+    """The exercise notebook's code cells, '%%writefile' and '%' magics turned into comments."""
+    nb = json.loads((ROOT / "exercises" / f"{name}.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    return "\n".join("\n".join("#" + ln if ln.startswith("%") else ln for ln in c.splitlines())
+                     for c in cells)
+
+
+def test_every_exercise_has_a_forbidden_list():
+    assert set(FORBIDDEN) == set(EXERCISES)
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_exercise_notebook_does_not_hand_over_the_solution(name):
+    text = _exercise_text(name)
+    for fragment in FORBIDDEN[name]:
+        assert fragment not in text, f"exercises/{name}.ipynb gives away {fragment!r}"
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_every_hint_says_something(name):
+    solution = (ROOT / "solutions" / f"{name}.py").read_text()
+    hints = _hints(name)
+    assert len(hints) == solution.count("### BEGIN SOLUTION")
+    for hint in hints:
+        assert hint != "write your solution here" and len(hint.split()) >= 6, f"{name}: hint {hint!r}"
+
+
+@pytest.mark.parametrize("module, fragments", [
+    ("exercise08_bucketed_ddp", ["view_as(", "reset the per-bucket", "Divide the summed bucket",
+                                 "reverse parameter order"]),
+    ("exercise09_zero1_optimizer", ["copy each group's options", "fewest elements",
+                                    "must get only the parameters it owns"]),
+    ("exercise10_tp_linear", ["view_as(", "must all-reduce (sum)", "must return the sum",
+                              "is the identity", "Add it once, after g", "rows [r*out/N",
+                              "columns [r*in/N", "f's in backward"]),
+])
+def test_check_messages_say_what_is_wrong_not_the_code(module, fragments):
+    """The checkers' sentences (CheckFailed and problem texts) name no code and no fix."""
+    source = (ROOT / "course_lib" / "labs" / f"{module}.py").read_text()
+    for fragment in fragments:
+        assert fragment not in source, f"course_lib/labs/{module}.py: {fragment!r}"
+
+
+def test_exercise_08_says_how_far_off():
+    import torch
+
+    from course_lib.labs.exercise08_bucketed_ddp import _compare
+
+    want = {"w": torch.tensor([1.0, -2.0, 3.0])}
+    (text,) = _compare("step 1 gradients", {"w": 2 * want["w"]}, want, "")
+    assert "2 x the expected" in text
+    (text,) = _compare("step 1 gradients", {"w": want["w"].reshape(1, 3)}, want, "")
+    assert "1-D" in text and "view_as" not in text
+
+
+def test_exercise_11_draws_gpipe_without_importing_the_schedules():
+    from course_lib.labs import exercise11_one_f_one_b as ex
+    from course_lib.parallel.pipeline.schedules import stage_actions
+
+    assert ex.gpipe_lists(3, 4) == [stage_actions("gpipe", 3, 4, s) for s in range(3)]
+    assert "gpipe_lists" in _exercise_text("11_one_f_one_b")

@@ -91,6 +91,17 @@ class _Calls:
         return self._real(*args, **kwargs)
 
 
+def _factor(got: torch.Tensor, want: torch.Tensor) -> str:
+    """', N x the expected' when ``got`` is the expected gradient scaled by one number, else ''."""
+    norm = float((want * want).sum())
+    if norm == 0:
+        return ""
+    scale = float((got * want).sum()) / norm
+    if abs(scale - 1) > 1e-3 and torch.allclose(got, scale * want, rtol=RTOL, atol=ATOL):
+        return f", {scale:.4g} x the expected everywhere"
+    return ""
+
+
 def _compare(what: str, got: dict, want: dict, hint: str) -> list[str]:
     problems = []
     for name, w in want.items():
@@ -102,12 +113,12 @@ def _compare(what: str, got: dict, want: dict, hint: str) -> list[str]:
         elif w is not None and g is None:
             problems.append(f"{what}: {name}.grad is None, expected the rank-averaged gradient")
         elif w is not None and g.shape != w.shape:
-            problems.append(f"{what}: {name} has shape {tuple(g.shape)}, expected {tuple(w.shape)}. "
-                            "Use .view_as(p) when copying a slice of the bucket back")
+            problems.append(f"{what}: {name} has shape {tuple(g.shape)}, expected {tuple(w.shape)}: "
+                            "a slice of the flat bucket is 1-D, the parameter is not")
         elif w is not None and not torch.allclose(g, w, rtol=RTOL, atol=ATOL):
             err = (g - w).abs().max().item()
             problems.append(f"{what}: {name} differs from the single-process value by up to {err:.3g} "
-                            f"(max |expected| {w.abs().max().item():.3g}). {hint}")
+                            f"(max |expected| {w.abs().max().item():.3g}){_factor(g, w)}. {hint}")
     return problems
 
 
@@ -138,10 +149,11 @@ def _ddp_scenario(cls, rank, world, tricky, bucket_mb, micro, steps, calls) -> d
         table.append(dict(calls.counts, async_in_backward=calls.async_in_backward))
         got = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
         seen.append(got)
-        hint = ("Step 1 was right: reset the per-bucket ready counts and the pending work at the end "
-                "of finish_gradient_synchronization()." if step and not problems else
-                "Divide the summed bucket by the world size and copy each parameter's slice of the "
-                "bucket back into its .grad (same order and offsets as when you filled it).")
+        hint = ("Step 1 was right and this step is not: what does your wrapper still hold from the "
+                "step before when this backward starts?" if step and not problems else
+                "All-reduce sums over the ranks, and one process sees the whole batch. Does each "
+                "parameter get back its own slice of the bucket (same order and offsets as when it was "
+                "filled)?")
         if table[-1].get("no_sync"):
             problems.append((step + 1, f"dist.all_reduce was called {table[-1]['no_sync']} times "
                              "inside no_sync(): there the hooks must do nothing, gradients just "
@@ -195,9 +207,8 @@ def check_bucketed_ddp(cls, world_size: int, scenarios: list, *, steps: int = 3,
             raise CheckFailed(
                 f"{world_size} ranks, scenario {name!r}: with tiny buckets only "
                 f"{calls['async_in_backward']} of the {total} all-reduces of a step started, with "
-                "async_op=True, while backward was still running: no overlap. Build the buckets in "
-                "reverse parameter order (the order backward produces gradients) and launch each "
-                "one from the hook that completes it.")
+                "async_op=True, while backward was still running: no overlap. In which order does "
+                "backward produce gradients, and when does each bucket become complete?")
         if bucket_mb is None and total > 2:
             raise CheckFailed(f"{world_size} ranks, scenario {name!r}: bucket_mb=None should put "
                               f"everything in one bucket (one all-reduce), saw {total} per step")

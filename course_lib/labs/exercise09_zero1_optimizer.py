@@ -84,11 +84,12 @@ def _zero_scenario(cls, rank, world, opt_name, add_at, schedule, steps) -> dict:
                         hint += (" It belongs to the group added with add_param_group after your "
                                  "optimizer was built: its owned part must join the local optimizer.")
                 elif schedule:
-                    hint = ("An lr scheduler changes self.param_groups[i]['lr'] each step: copy each "
-                            "group's options into the local group before stepping.")
+                    hint = ("An lr scheduler changes the learning rate in self.param_groups each "
+                            "step: does your local optimizer ever see the new value?")
                 else:
-                    hint = ("Step the real optimizer with the same options as the plain one, on the "
-                            "gradients as they arrive, once per step.")
+                    hint = ("Does your local optimizer get the same options (lr, betas, weight decay, "
+                            "per group) as the plain one, and step once per step on the gradients as "
+                            "they arrive?")
                 problems.append((step + 1,
                     f"after step {step + 1}, parameter {i} (shape {tuple(p.shape)}) differs from the "
                     f"plain {opt_cls.__name__} by up to {diff:.3g}; it must be equal to the last bit. "
@@ -129,7 +130,7 @@ def check_sharded_optimizer(cls, world_size: int, scenarios: list, *, steps: int
                 raise CheckFailed(
                     f"{world_size} ranks, scenario {name!r}: parameter {i} has optimizer state on "
                     f"ranks {who or 'none'}; it should live on exactly one rank, its owner. "
-                    + ("Each rank's local optimizer must get only the parameters it owns."
+                    + ("A rank's local optimizer holds a parameter another rank owns."
                        if who else "Did its owner step it?"))
         total, biggest = sum(numel[i] for i in stepped), max(numel[i] for i in stepped)
         for r in range(world_size):
@@ -138,7 +139,8 @@ def check_sharded_optimizer(cls, world_size: int, scenarios: list, *, steps: int
                 raise CheckFailed(
                     f"{world_size} ranks, scenario {name!r}: rank {r} holds state for {held} of "
                     f"{total} elements, more than 1/{world_size} plus the largest parameter "
-                    f"({biggest}): give each new parameter to the rank that owns the fewest elements")
+                    f"({biggest}): the shards are unbalanced. Which rank should the next parameter "
+                    "go to, by the contract's rule?")
             rows.append({"ranks": world_size, "scenario": name, "rank": r, "state_elements": held,
                          "all_elements": total, "outputs": per_rank[r][name]["outputs"]})
     return rows

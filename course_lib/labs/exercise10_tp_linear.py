@@ -104,10 +104,11 @@ def _ops_scenario(f, g, shape, group, n, r, calls) -> dict:
     counts["f forward"] = calls.take("f forward")
     raw["f(x)"] = _raw(y)
     if not isinstance(y, torch.Tensor) or y.shape != x.shape or not torch.equal(y.detach(), x):
-        problems.append((1, "f(x) should return x unchanged (f is the identity in forward)"))
+        problems.append((1, "f(x) is not x (same shape, same values): in forward, the column layer after f needs "
+                            "the very x every rank was given"))
     elif not y.requires_grad or y.grad_fn is None:
-        problems.append((1, "f(x) is not connected to x in the autograd graph: return x.view_as(x) "
-                            "from the forward of a torch.autograd.Function"))
+        problems.append((1, "f(x) is not connected to x in the autograd graph: a torch.autograd.Function "
+                            "that returns its input object itself records no node"))
     else:
         ups = [_randn(shape, 100 + k) for k in range(n)]  # rank k's gradient of f's output
         mine = ups[r].clone()
@@ -116,12 +117,12 @@ def _ops_scenario(f, g, shape, group, n, r, calls) -> dict:
         counts["f backward"] = calls.take("f backward")
         raw["f x.grad"] = _raw(xin.grad)
         want = torch.stack(ups).sum(0)
-        hint = ("f's backward must all-reduce (sum) the incoming gradient over the group: every rank "
-                "read the same x, so x's gradient is the sum of every rank's part")
+        hint = ("every rank read the same x, and each rank's gradient is one part of x's true "
+                "gradient: does every rank end with all of it?")
         if xin.grad is not None and _close(xin.grad, ups[r]):
-            hint = "it equals this rank's own gradient: " + hint
+            hint = "it equals this rank's own part only: " + hint
         elif xin.grad is not None and _close(xin.grad, want / n):
-            hint = "it is the mean over ranks; f's backward must sum (ReduceOp.SUM), not average"
+            hint = f"it is {n} times too small: the mean over ranks, not their total"
         p = _mismatch("x.grad after f's backward", xin.grad, want, hint)
         if p:
             problems.append((2, p))
@@ -136,11 +137,11 @@ def _ops_scenario(f, g, shape, group, n, r, calls) -> dict:
     counts["g forward"] = calls.take("g forward")
     raw["g(x)"] = _raw(y)
     want = torch.stack(xs).sum(0)
-    hint = "g's forward must return the sum over the group of every rank's x (an all-reduce)"
+    hint = "each rank's x is one partial sum of the output; every rank should hold the whole output"
     if isinstance(y, torch.Tensor) and _close(y.detach(), xs[r]):
         hint = "it equals this rank's own x: " + hint
     elif isinstance(y, torch.Tensor) and _close(y.detach(), want / n):
-        hint = "it is the mean over ranks; g must sum (ReduceOp.SUM), not average"
+        hint = f"it is {n} times too small: the mean over ranks, not their total"
     p = _mismatch("g(x)", y.detach() if isinstance(y, torch.Tensor) else None, want, hint)
     if p:
         problems.append((3, p))
@@ -152,8 +153,8 @@ def _ops_scenario(f, g, shape, group, n, r, calls) -> dict:
         y.backward(up)
         counts["g backward"] = calls.take("g backward")
         raw["g x.grad"] = _raw(xin.grad)
-        hint = ("g's backward is the identity: the derivative of a sum with respect to each of its "
-                "terms is 1, so every rank's x gets the incoming gradient as it is")
+        hint = ("what is the derivative of a sum with respect to one of its terms? The gradient "
+                "from above is already the same on every rank")
         if xin.grad is not None and _close(xin.grad, n * up):
             hint = f"it is {n} times too large (the gradient was all-reduced again): " + hint
         p = _mismatch("x.grad after g's backward", xin.grad, up, hint)
@@ -208,10 +209,10 @@ def _dense(kind: str, dims: tuple, bias: bool) -> nn.Module:
 
 
 def _shard_hint(kind: str) -> str:
-    return {"column": "A column-parallel layer keeps rows [r*out/N, (r+1)*out/N) of the weight and of "
-                      "the bias (r = dist.get_rank(group), N = its size): out/N output channels.",
-            "row": "A row-parallel layer keeps columns [r*in/N, (r+1)*in/N) of the weight (in/N input "
-                   "channels) and the whole bias, added once after the all-reduce."}[kind]
+    return {"column": "A column-parallel layer keeps this rank's out/N output channels (r = "
+                      "dist.get_rank(group) of N = its size): part of the weight and of the bias.",
+            "row": "A row-parallel layer keeps this rank's in/N input channels of the weight, and the "
+                   "whole bias, counted once in the output."}[kind]
 
 
 def _layer_scenario(col_cls, row_cls, kind, dims, bias, lead, group, n, r, calls) -> dict:
@@ -258,9 +259,9 @@ def _layer_scenario(col_cls, row_cls, kind, dims, bias, lead, group, n, r, calls
     if kind == "row" and y.shape == want_y.shape:
         partial = F.linear(x_in.detach(), layers[0].weight.detach())
         if bias and _close(y.detach(), want_y + (n - 1) * dense.bias.detach()):
-            hint = f"the bias was added {n} times: each rank added it before the sum. Add it once, after g"
+            hint = f"the bias was added {n} times: each rank added it before the sum"
         elif _close(y.detach() - (dense.bias.detach() if bias else 0), partial) and n > 1:
-            hint = "it is this rank's partial sum: g must add up every rank's partial sum"
+            hint = "it is this rank's partial sum only, not the whole output"
     elif kind == "column" and y.shape == yd.shape and n > 1:
         hint = "the layer should return only this rank's out/N output channels (no gather)"
     if group is not None:
@@ -272,10 +273,9 @@ def _layer_scenario(col_cls, row_cls, kind, dims, bias, lead, group, n, r, calls
     calls.phase = "backward"
     (y * (up.chunk(n, -1)[r] if kind == "column" else up)).sum().backward()
     bwd = calls.take("backward")
-    hint = ("x is read by every rank: its gradient must be summed over the group (f's all-reduce in "
-            "backward, before the column layer)" if kind != "row" else
-            "the row layer's input gradient is this rank's slice of the dense one; g's backward is "
-            "the identity")
+    hint = ("x is read by every rank, and each rank's shard sends back only its part of x's "
+            "gradient: where does your layer put the parts together?" if kind != "row" else
+            "the row layer's input gradient is this rank's slice of the dense one")
     p = _mismatch("the input's gradient", x_in.grad, want_xg, hint)
     if p:
         problems.append((2, p))
@@ -290,7 +290,7 @@ def _layer_scenario(col_cls, row_cls, kind, dims, bias, lead, group, n, r, calls
     for phase, got, n_want in (("forward", fwd, want_fwd), ("backward", bwd, want_bwd)):
         if not problems and n > 1 and (got.get("all_reduce", 0) != n_want or sum(got.values()) != n_want):
             problems.append((4, f"{phase} issued {got or 'no collectives'}; a {kind} layer needs exactly "
-                                f"{n_want} all_reduce there (column: f's in backward; row: g's in forward)"))
+                                f"{n_want} all_reduce there"))
     err = max(_err(y.detach(), want_y), _err(x_in.grad, want_xg),
               *(_err(layer.weight.grad, wg) for layer, (wg, _) in zip(layers, want)))
     raw = {"y": _raw(y), "x.grad": _raw(x_in.grad),
