@@ -25,7 +25,7 @@ from course_lib.planner import evaluate
 from course_lib.planner.exercise import check_chooser, check_layout, problems, review, scenario, to_layout
 
 SMOKE = course_lib.smoke(SMOKE)
-JOBS = {name: scenario(name) for name in ("7b-one-node", "70b-8-nodes", "7b-8k-context")}
+JOBS = {name: scenario(name) for name in ("13b-one-node", "70b-16-nodes-h100", "7b-16k-context")}
 for name, spec in JOBS.items():
     print(f"{name:14} {spec.model_name} ({spec.shape.num_params() / 1e9:.1f}B): {spec.gpus} x {spec.gpu_name} in "
           f"{spec.nodes} node(s), seq {spec.seq}, global batch {spec.global_batch} sequences, "
@@ -43,13 +43,13 @@ for name, spec in JOBS.items():
 # * the global batch is a multiple of `dp * micro_batch` (accumulation makes up the rest);
 # * with `pp > 1` only ZeRO-0 or ZeRO-1.
 #
-# `review(spec, layout)` explains a layout. Here is a first guess for the 7B job, plain data
+# `review(spec, layout)` explains a layout. Here is a first guess for the 13B job, plain data
 # parallelism with nothing sharded:
 
 # %%
 first_guess = dict(tp=1, pp=1, dp=8, zero_stage=0, recompute="none", micro_batch=1)
-print(review(JOBS["7b-one-node"], first_guess)["verdict"])
-print(review(JOBS["7b-one-node"], dict(first_guess, tp=16, dp=1))["verdict"])
+print(review(JOBS["13b-one-node"], first_guess)["verdict"])
+print(review(JOBS["13b-one-node"], dict(first_guess, tp=16, dp=1))["verdict"])
 
 # %% [markdown]
 # What you should see: the first guess does not fit, mostly because of optimizer states; the
@@ -58,7 +58,7 @@ print(review(JOBS["7b-one-node"], dict(first_guess, tp=16, dp=1))["verdict"])
 # `.step_s`.
 
 # %%
-c = evaluate(JOBS["7b-one-node"], to_layout(JOBS["7b-one-node"], first_guess))
+c = evaluate(JOBS["13b-one-node"], to_layout(JOBS["13b-one-node"], first_guess))
 print({k: format_bytes(v) for k, v in c.memory.items() if k != "peak_at"})
 print({k: round(v, 2) for k, v in c.time.items()})
 
@@ -69,29 +69,31 @@ print({k: round(v, 2) for k, v in c.time.items()})
 # layout answers it. A layout passes when it follows the rules, fits, and its modelled step is
 # within 10% of the planner's best.
 #
-# 1. **7B on one node of 8 A100-80GB**, sequence 4096: what fills the memory first?
-# 2. **70B on 64 A100-80GB in 8 nodes**: 1.1 TB of model state; where may which traffic go?
-# 3. **7B with an 8K context** on one node: the attention scores grow with the square of the
+# 1. **13B on one node of 8 A100-80GB**, sequence 4096: what fills the memory first?
+# 2. **70B on 128 H100s in 16 nodes**: 1.1 TB of model state; where may which traffic go?
+# 3. **7B with a 16K context** on one node: the attention scores grow with the square of the
 #    sequence.
+#
+# (Lab 13 planned three cousins of these jobs; the reasoning carries over, the answers do not.)
 
 # %%
-LAYOUT_7B = LAYOUT_70B = LAYOUT_8K = None  # your three layouts replace these
+LAYOUT_13B = LAYOUT_70B = LAYOUT_16K = None  # your three layouts replace these
 ### BEGIN SOLUTION three dicts with tp, pp, dp, (cp,) zero_stage, recompute, micro_batch and why
-LAYOUT_7B = dict(tp=1, pp=1, dp=8, zero_stage=3, recompute="none", micro_batch=1,
-                 why="model states (16 B/param) do not fit replicated: shard everything over the 8 GPUs "
-                     "(FSDP full shard); NVLink hides the gathers")
-LAYOUT_70B = dict(tp=4, pp=4, dp=4, zero_stage=1, recompute="selective", micro_batch=1,
-                  why="1.1 TB of state needs 16-way model splitting: tp=4 on NVLink inside a node, pp=4 across "
-                      "nodes (one activation per micro-batch), ZeRO-1 over dp, selective recompute for the scores")
-LAYOUT_8K = dict(tp=1, pp=1, dp=4, cp=2, zero_stage=3, recompute="none", micro_batch=1,
-                 why="the s x s attention scores dominate at 8K: cp=2 splits each sequence over two GPUs, "
-                     "ZeRO-3 shards the states")
+LAYOUT_13B = dict(tp=2, pp=1, dp=4, zero_stage=3, recompute="none", micro_batch=1,
+                  why="208 GB of model state (16 B/param) cannot be replicated: shard it with ZeRO-3 over dp, and "
+                      "tp=2 on NVLink halves each GPU's activations so no recomputation is needed")
+LAYOUT_70B = dict(tp=4, pp=2, dp=16, zero_stage=1, recompute="selective", micro_batch=1,
+                  why="1.1 TB of state needs model splitting: tp=4 on NVLink inside a node, pp=2 across nodes "
+                      "(one activation per micro-batch), ZeRO-1 over dp, selective recompute for the scores")
+LAYOUT_16K = dict(tp=1, pp=1, dp=2, cp=4, zero_stage=3, recompute="none", micro_batch=1,
+                  why="the s x s attention scores dominate at 16K: cp=4 splits each sequence over four GPUs, "
+                      "ZeRO-3 shards the states")
 ### END SOLUTION
 
 # %% tags=["points:3"]
 rows = []
-for name, var, layout in (("7b-one-node", "LAYOUT_7B", LAYOUT_7B), ("70b-8-nodes", "LAYOUT_70B", LAYOUT_70B),
-                          ("7b-8k-context", "LAYOUT_8K", LAYOUT_8K)):
+for name, var, layout in (("13b-one-node", "LAYOUT_13B", LAYOUT_13B), ("70b-16-nodes-h100", "LAYOUT_70B", LAYOUT_70B),
+                          ("7b-16k-context", "LAYOUT_16K", LAYOUT_16K)):
     row = check_layout(JOBS[name], layout, name=f"{var} ({name})")
     rows.append(row)
     print(f"{name:14} {row['label']:42} {row['memory_gib']:6.1f} GiB  {row['step_s']:6.1f} s  "
@@ -121,7 +123,7 @@ record("part1.accepted", [bool(r["fits"] and r["vs_best"] <= 0.10) for r in rows
 # %%
 def choose_layout(spec):
     """A legal layout dict for `spec` that fits and has the shortest modelled step."""
-    ### BEGIN SOLUTION enumerate tp (divisors of the heads, <= gpus per node), cp, pp (divisors of the layers), dp, ZeRO, recompute, micro-batch; keep what fits; return the fastest
+    ### BEGIN SOLUTION which (tp, cp, pp, dp) combinations do the rules above allow for this spec, and which ZeRO stages go with each? Ask evaluate() about every one; when two are within a rounding of each other, which would you rather run?
     sh, gpn = spec.shape, spec.gpus_per_node
     best_key, best_layout = None, None
     tps = [t for t in range(1, gpn + 1)

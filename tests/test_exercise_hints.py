@@ -70,9 +70,19 @@ def test_exercise_12_untouched_part_1_says_what_to_fill_in():
     from course_lib.planner.exercise import check_layout, scenario
 
     text = _exercise_text("12_parallelism_selection")
-    assert "LAYOUT_7B = LAYOUT_70B = LAYOUT_8K = None" in text  # defined even when the answer cell raises
-    with pytest.raises(CheckFailed, match=r"LAYOUT_7B \(7b-one-node\): no layout yet: write a dict"):
-        check_layout(scenario("7b-one-node"), None, name="LAYOUT_7B (7b-one-node)")
+    assert "LAYOUT_13B = LAYOUT_70B = LAYOUT_16K = None" in text  # defined even when the answer cell raises
+    with pytest.raises(CheckFailed, match=r"LAYOUT_13B \(13b-one-node\): no layout yet: write a dict"):
+        check_layout(scenario("13b-one-node"), None, name="LAYOUT_13B (13b-one-node)")
+
+
+def test_exercise_12_does_not_ask_for_the_jobs_lab_13_solves():
+    """Lab 13 prints the planner's best layouts for its jobs: the exercise's jobs must be others."""
+    from course_lib.planner.exercise import EXERCISE_JOBS, SCENARIOS
+
+    text = _exercise_text("12_parallelism_selection")
+    assert not set(EXERCISE_JOBS) & set(SCENARIOS)
+    assert not any(kw in SCENARIOS.values() for kw in EXERCISE_JOBS.values())
+    assert all(f'"{name}"' in text for name in EXERCISE_JOBS) and not any(f'"{name}"' in text for name in SCENARIOS)
 
 
 @pytest.mark.parametrize("what", ["your f and g", "your tensor-parallel layers", "your BucketedDDP"])
@@ -115,7 +125,7 @@ FORBIDDEN = {
                      "identity in forward, all-reduce", "all-reduce (sum) in forward",
                      "f = identity / all-reduce", "every row `0 1 1 0`"],
     "11_one_f_one_b": ["stage_actions", "pp - stage - 1", "pp - s - 1", "warmup + k"],
-    "12_parallelism_selection": ["tp=4, pp=4, dp=4", "cp=2, zero_stage=3"],
+    "12_parallelism_selection": ["tp=4, pp=2, dp=16", "cp=4, zero_stage=3", "tp=2, pp=1, dp=4"],
 }
 EXERCISES = sorted(p.stem for p in (ROOT / "solutions").glob("[0-9][0-9]_*.py"))
 

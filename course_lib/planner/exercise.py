@@ -23,7 +23,7 @@ search_module = importlib.import_module("course_lib.planner.search")
 
 GIB = 2**30
 
-#: The three jobs of the lab and the exercise (make_spec keywords).
+#: The three jobs lab 13 plans (make_spec keywords).
 SCENARIOS = {
     "7b-one-node": dict(model="llama2-7b", gpu="a100-80gb", gpus=8, gpus_per_node=8, tokens="1T"),
     "70b-8-nodes": dict(model="llama2-70b", gpu="a100-80gb", gpus=64, gpus_per_node=8, tokens="2T"),
@@ -33,11 +33,20 @@ SCENARIOS = {
 _KEYS = ("tp", "pp", "dp", "zero_stage", "recompute", "micro_batch")
 
 
+#: Exercise 12's three jobs: cousins of the lab's, not the same ones (the lab prints its answers).
+EXERCISE_JOBS = {
+    "13b-one-node": dict(model="llama2-13b", gpu="a100-80gb", gpus=8, gpus_per_node=8, tokens="1T"),
+    "70b-16-nodes-h100": dict(model="llama2-70b", gpu="h100", gpus=128, gpus_per_node=8, tokens="2T"),
+    "7b-16k-context": dict(model="llama2-7b", gpu="a100-80gb", gpus=8, gpus_per_node=8, tokens="1T", seq=16384),
+}
+
+
 def scenario(name: str) -> JobSpec:
-    """The JobSpec of one of SCENARIOS by name."""
-    if name not in SCENARIOS:
-        raise ValueError(f"scenario must be one of {', '.join(SCENARIOS)}; got {name!r}")
-    return make_spec(**SCENARIOS[name])
+    """The JobSpec of one of SCENARIOS (lab 13) or EXERCISE_JOBS (exercise 12) by name."""
+    jobs = {**SCENARIOS, **EXERCISE_JOBS}
+    if name not in jobs:
+        raise ValueError(f"scenario must be one of {', '.join(jobs)}; got {name!r}")
+    return make_spec(**jobs[name])
 
 
 def problems(spec: JobSpec, choice: dict) -> list[str]:
