@@ -45,6 +45,7 @@ def s3():
 
 def mirror_for(kind, tmp_path, s3_options=None, **kw):
     if kind == "file":
+        (tmp_path / "remote").mkdir(exist_ok=True)  # a mirror's root exists (a missing one is an error)
         return CheckpointMirror(f"file://{tmp_path}/remote", backoff_s=0.01, **kw)
     return CheckpointMirror(f"s3://{BUCKET}/{tmp_path.name}", storage_options=s3_options, backoff_s=0.01, **kw)
 
@@ -137,7 +138,7 @@ def test_newest_valid_checkpoint_on_either_tier(tmp_path, kind, options):
     blob = bytearray(mirror.fs.cat_file(path))
     blob[len(blob) // 2] ^= 0xFF
     mirror.fs.pipe_file(path, bytes(blob))
-    with pytest.warns(RuntimeWarning, match="step_000000003 \\(mirror\\).*checksum"):
+    with pytest.warns(RuntimeWarning, match=r"step_000000003 is unusable \(mirror copy\).*checksum"):
         res = CheckpointManager(tmp_path / "local", mirror=mirror).load(m)
     assert (res.step, res.source) == (2, "mirror") and torch.equal(m.weight, model_at(2).weight)
 
@@ -153,7 +154,7 @@ def test_corrupt_local_copy_uses_the_mirror_copy_and_a_reader_never_falls_back(t
     blob[len(blob) // 2] ^= 0xFF
     (newest / "model.safetensors").write_bytes(bytes(blob))
     m = nn.Linear(16, 16)
-    with pytest.warns(RuntimeWarning, match=r"step_000000002 \(local\).*checksum"):
+    with pytest.warns(RuntimeWarning, match=r"step_000000002 is unusable \(local copy\).*checksum"):
         res = CheckpointManager(tmp_path / "local", mirror=mirror).load(m)
     assert (res.step, res.source) == (2, "mirror") and torch.equal(m.weight, model_at(2).weight)
     assert (newest / "manifest.json").exists()  # the good copy is back in place
