@@ -16,7 +16,7 @@ from torch import nn
 
 import tiny_loop
 from course_lib.checkpoint import io as cio
-from course_lib.checkpoint import CheckpointLoadError, CheckpointManager
+from course_lib.checkpoint import CheckpointError, CheckpointLoadError, CheckpointManager
 from course_lib.checkpoint.mirror import CheckpointMirror
 
 BUCKET = "ckpt"
@@ -264,3 +264,30 @@ def test_mirror_validates_arguments(kwargs, err, needle):
         CheckpointMirror(**kwargs)
     with pytest.raises(TypeError, match="mirror"):
         CheckpointManager("/tmp/unused-ckpt-root", mirror=42, writer=False)
+
+
+def test_a_missing_file_mirror_root_is_an_error_not_an_empty_mirror(tmp_path):
+    """An unmounted share: the file:// root is not there. Listing it raises; a resume with no
+    local checkpoint refuses; a fresh run creates the root only when its parent exists, and
+    refuses a mirror that already holds checkpoints (its uploads would replace them)."""
+    from course_lib.checkpoint.mirror import MirrorRootMissing
+    from course_lib.checkpoint.tiers import check_fresh_mirror
+
+    gone = CheckpointMirror(f"file://{tmp_path}/share/run1")
+    with pytest.raises(MirrorRootMissing, match="does not exist"):
+        gone.list()
+    with pytest.warns(RuntimeWarning, match="cannot list mirror"):
+        mgr = CheckpointManager(tmp_path / "local", mirror=gone)
+        with pytest.raises(CheckpointLoadError, match="does not exist.*cannot tell whether this is a fresh start"):
+            mgr.load(nn.Linear(16, 16))
+    with pytest.raises(MirrorRootMissing, match="parent folder does not exist"):
+        check_fresh_mirror(gone)  # never builds /share/run1 inside a bare mount point
+    assert not (tmp_path / "share").exists()
+    (tmp_path / "share").mkdir()
+    check_fresh_mirror(gone)  # a new run starts its mirror
+    assert gone.list() == {}
+    mgr = CheckpointManager(tmp_path / "local", mirror=gone)
+    mgr.save(1, model=model_at(1))
+    mgr.close()
+    with pytest.raises(CheckpointError, match="already holds 1 checkpoint.*--resume auto"):
+        check_fresh_mirror(gone)
