@@ -119,6 +119,9 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     state = TrainState(strategy.model, strategy.optimizer, scheduler, policy, stream,
                        {"stabilizer": stabilizer, **wandb_log.stateful()})
 
+    if ck["mirror"] and not resume:  # a fresh run never uploads over a mirror's checkpoints
+        train_setup.check_fresh_mirror(ck["mirror"], strategy)
+
     # ---- files start here
     checkpoints = strategy.checkpointer(out_dir / "checkpoints", every_steps=ck["save_every"] or None,
                                         keep_last=ck["keep_last"], async_save=ck["async_save"],

@@ -181,8 +181,11 @@ def sharded_roundtrip(rank, world_size, root):
 
 
 def sharded_corrupt_fallback(rank, world_size, root):
-    """Two sharded saves; rank 0 flips a byte in the newest; loading falls back to the older.
-    Then both are corrupt: loading refuses, naming both (it does not start fresh)."""
+    """Two sharded saves; rank 0 flips a byte in the newest; loading falls back to the older and
+    moves the corrupt one aside (.corrupt-*). Then the older is corrupt too: loading refuses,
+    naming it and the quarantined one (it does not start fresh)."""
+    from pathlib import Path
+
     model, opt, sched = _model_and_opt()
     _train(model, opt, sched, rank, 1, seed=1)
     older = save_sharded(root, 1, model, opt)
@@ -195,7 +198,9 @@ def sharded_corrupt_fallback(rank, world_size, root):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = load_sharded(root, model2, opt2)
-    out = {"step": res.step, "warned": bool(_warned(caught, "unusable"))}
+    out = {"step": res.step, "warned": bool(_warned(caught, "unusable")),
+           "after_fallback": sorted(p.name[:len(".corrupt-step_000000002")] if p.name.startswith(".corrupt-")
+                                    else p.name for p in Path(root).iterdir())}
     dist.barrier()  # every rank has finished reading step 1 before rank 0 damages it
     if rank == 0:
         _flip(older / "rank1.pt")
@@ -260,12 +265,14 @@ def sharded_planted_metadata(rank, world_size, root):
 
     msd, osd = get_state_dict(model, opt)
     try:
-        dcp_load({"model": msd, "optim": osd}, storage_reader=RestrictedFileSystemReader(str(older)))
+        aside = next(Path(root).glob(f".corrupt-{older.name}-*"))  # moved aside by the refused load
+        dcp_load({"model": msd, "optim": osd}, storage_reader=RestrictedFileSystemReader(str(aside)))
         out["reader"] = ""
     except BaseException as e:  # DCP wraps what the reader raised in a CheckpointException (a BaseException)
         out["reader"] = str(e)
     dist.barrier()
     out["marker"] = marker.exists()
+    out["quarantined"] = sorted(p.name.split("-")[1] for p in Path(root).glob(".corrupt-*"))
     return out
 
 

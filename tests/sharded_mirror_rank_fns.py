@@ -31,3 +31,115 @@ def resume_only(rank, world_size, cfg, out_dir):
 
     result = train(cfg, out_dir, resume=True)
     return result.steps, result.resumed_from
+
+
+def _outcome(fn, *args, **kwargs):
+    """``("ok", (resumed_from, steps))`` of a train() call, or ``(exception type name, message)``:
+    every rank raises together."""
+    try:
+        result = fn(*args, **kwargs)
+        return "ok", (result.resumed_from, result.steps)
+    except Exception as e:  # noqa: BLE001 - the test checks the type and the message
+        return type(e).__name__, str(e)
+
+
+def _rows(out_dir):
+    import json
+    from pathlib import Path
+
+    return [json.loads(line)["step"] for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _ckpts(folder):
+    from pathlib import Path
+
+    folder = Path(folder)
+    return sorted(p.name.split("-")[0] + "-" + p.name.split("-")[1] if p.name.startswith(".corrupt-") else p.name
+                  for p in folder.iterdir()) if folder.is_dir() else []
+
+
+def tier_rules(rank, world_size, cfgs, root):
+    """The rules full checkpoints keep, on fsdp's sharded ones, one launch (rank 0 damages files,
+    every rank trains). ``cfgs``: ``{"6"|"8"|"10": cfg with the file:// mirror root/m1, "missing":
+    cfg of 10 steps whose file:// mirror root does not exist}``. Returns what each step saw."""
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from course_lib.checkpoint.mirror import CheckpointMirror
+    from course_lib.train import train
+
+    run, ckpts, mirror = Path(root) / "run", Path(root) / "run" / "checkpoints", Path(root) / "m1"
+    out = {"first": train(cfgs["6"], run).steps}
+    out["mirror_after_first"] = _ckpts(mirror)
+    # a fresh run into another folder with the same mirror would upload over its step names
+    out["fresh_over_mirror"] = _outcome(train, cfgs["6"], Path(root) / "other")
+    out["other_exists"] = (Path(root) / "other").exists()
+    dist.barrier()
+    if rank == 0:  # one byte of the newest local shard flips; the mirror's copy is intact
+        shard = sorted((ckpts / "step_000000006").glob("*.distcp"))[0]
+        blob = bytearray(shard.read_bytes())
+        blob[len(blob) // 2] ^= 0xFF
+        shard.write_bytes(bytes(blob))
+    dist.barrier()
+    out["corrupt_newest"] = _outcome(train, cfgs["8"], run, resume=True)
+    out["local_after_corrupt"] = _ckpts(ckpts)
+    dist.barrier()
+    if rank == 0:  # the local disk is lost...
+        shutil.rmtree(ckpts)
+    dist.barrier()
+    real_list = CheckpointMirror.list
+
+    def outage(self):  # ...and the mirror cannot be listed (an S3 outage)
+        raise OSError("network is unreachable")
+
+    CheckpointMirror.list = outage
+    try:
+        out["outage"] = _outcome(train, cfgs["10"], run, resume=True)
+    finally:
+        CheckpointMirror.list = real_list
+    out["rows_after_outage"] = _rows(run)
+    out["missing_root"] = _outcome(train, cfgs["missing"], run, resume=True)  # an unmounted share
+    out["rows_after_missing"] = _rows(run)
+    out["back"] = _outcome(train, cfgs["10"], run, resume=True)  # the mirror is back: nothing was lost
+    return out
+
+
+def slow_mirror(rank, world_size, cfg, out_dir, mirror_dir, seconds):
+    """fsdp saving every step to a mirror that needs ``seconds`` per file (a slow link, rank 0's
+    uploads): the prune must leave folders still uploading. Returns the upload failures warned
+    about (rank 0), the mirror's folders and whether each is complete, and the local folder."""
+    import time
+    import warnings
+    from pathlib import Path
+
+    from course_lib.checkpoint.mirror import CheckpointMirror
+    from course_lib.train import train
+
+    upload = CheckpointMirror._upload_once
+
+    def slow(self, local_dir):  # every file crosses the slow link
+        put = self.fs.put_file
+
+        def slow_put(*args, **kwargs):
+            time.sleep(seconds)
+            return put(*args, **kwargs)
+
+        self.fs.put_file = slow_put
+        try:
+            return upload(self, local_dir)
+        finally:
+            self.fs.put_file = put
+
+    CheckpointMirror._upload_once = slow
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(cfg, out_dir)
+    finally:
+        CheckpointMirror._upload_once = upload
+    mirror_dir = Path(mirror_dir)
+    return {"failed": [str(w.message) for w in caught if "mirror upload" in str(w.message)],
+            "mirror": {p.name: (p / "manifest.json").exists() for p in mirror_dir.iterdir()},
+            "local": _ckpts(Path(out_dir) / "checkpoints")}

@@ -52,8 +52,11 @@ def test_corrupt_sharded_checkpoint_falls_back_and_all_corrupt_refuses(two_ranks
         c = r["corrupt"]
         assert c["step"] == 1  # the flipped byte in step 2 was caught by its checksum
         assert c["all_corrupt"]["type"] == "CheckpointLoadError"  # not None: no silent fresh start
-        assert c["all_corrupt"]["failures"] == ["step_000000002", "step_000000001"]
-        assert "checksum" in c["all_corrupt"]["msg"]
+        # the corrupt step 2 was moved aside by the fall-back (rank 0, the writer), so it neither
+        # loads nor counts toward keep_last; the refusal lists step 1 and names the quarantined one
+        assert c["after_fallback"] == [".corrupt-step_000000002", "step_000000001"], c["after_fallback"]
+        assert c["all_corrupt"]["failures"] == ["step_000000001"]
+        assert "checksum" in c["all_corrupt"]["msg"] and ".corrupt-step_000000002" in c["all_corrupt"]["msg"]
     assert results[0]["corrupt"]["warned"]  # rank 0 checks the checksums and says why it fell back
 
 
@@ -66,6 +69,7 @@ def test_planted_metadata_payload_runs_nothing(two_ranks):
         assert "posix.system" in p["refused"]["msg"] and ".metadata" in p["refused"]["msg"]
         assert "posix.system" in p["reader"]  # the DCP reader refuses on its own, too
         assert p["marker"] is False  # the payload never ran
+        assert p["quarantined"] == ["step_000000001", "step_000000002"]  # both moved aside, kept for forensics
     warning = results[0]["planted"]["warnings"]
     assert warning and "posix.system" in warning[0]
 

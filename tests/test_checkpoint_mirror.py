@@ -16,7 +16,7 @@ from torch import nn
 
 import tiny_loop
 from course_lib.checkpoint import io as cio
-from course_lib.checkpoint import CheckpointLoadError, CheckpointManager
+from course_lib.checkpoint import CheckpointError, CheckpointLoadError, CheckpointManager
 from course_lib.checkpoint.mirror import CheckpointMirror
 
 BUCKET = "ckpt"
@@ -45,6 +45,7 @@ def s3():
 
 def mirror_for(kind, tmp_path, s3_options=None, **kw):
     if kind == "file":
+        (tmp_path / "remote").mkdir(exist_ok=True)  # a mirror's root exists (a missing one is an error)
         return CheckpointMirror(f"file://{tmp_path}/remote", backoff_s=0.01, **kw)
     return CheckpointMirror(f"s3://{BUCKET}/{tmp_path.name}", storage_options=s3_options, backoff_s=0.01, **kw)
 
@@ -137,7 +138,7 @@ def test_newest_valid_checkpoint_on_either_tier(tmp_path, kind, options):
     blob = bytearray(mirror.fs.cat_file(path))
     blob[len(blob) // 2] ^= 0xFF
     mirror.fs.pipe_file(path, bytes(blob))
-    with pytest.warns(RuntimeWarning, match="step_000000003 \\(mirror\\).*checksum"):
+    with pytest.warns(RuntimeWarning, match=r"step_000000003 is unusable \(mirror copy\).*checksum"):
         res = CheckpointManager(tmp_path / "local", mirror=mirror).load(m)
     assert (res.step, res.source) == (2, "mirror") and torch.equal(m.weight, model_at(2).weight)
 
@@ -153,7 +154,7 @@ def test_corrupt_local_copy_uses_the_mirror_copy_and_a_reader_never_falls_back(t
     blob[len(blob) // 2] ^= 0xFF
     (newest / "model.safetensors").write_bytes(bytes(blob))
     m = nn.Linear(16, 16)
-    with pytest.warns(RuntimeWarning, match=r"step_000000002 \(local\).*checksum"):
+    with pytest.warns(RuntimeWarning, match=r"step_000000002 is unusable \(local copy\).*checksum"):
         res = CheckpointManager(tmp_path / "local", mirror=mirror).load(m)
     assert (res.step, res.source) == (2, "mirror") and torch.equal(m.weight, model_at(2).weight)
     assert (newest / "manifest.json").exists()  # the good copy is back in place
@@ -263,3 +264,30 @@ def test_mirror_validates_arguments(kwargs, err, needle):
         CheckpointMirror(**kwargs)
     with pytest.raises(TypeError, match="mirror"):
         CheckpointManager("/tmp/unused-ckpt-root", mirror=42, writer=False)
+
+
+def test_a_missing_file_mirror_root_is_an_error_not_an_empty_mirror(tmp_path):
+    """An unmounted share: the file:// root is not there. Listing it raises; a resume with no
+    local checkpoint refuses; a fresh run creates the root only when its parent exists, and
+    refuses a mirror that already holds checkpoints (its uploads would replace them)."""
+    from course_lib.checkpoint.mirror import MirrorRootMissing
+    from course_lib.checkpoint.tiers import check_fresh_mirror
+
+    gone = CheckpointMirror(f"file://{tmp_path}/share/run1")
+    with pytest.raises(MirrorRootMissing, match="does not exist"):
+        gone.list()
+    with pytest.warns(RuntimeWarning, match="cannot list mirror"):
+        mgr = CheckpointManager(tmp_path / "local", mirror=gone)
+        with pytest.raises(CheckpointLoadError, match="does not exist.*cannot tell whether this is a fresh start"):
+            mgr.load(nn.Linear(16, 16))
+    with pytest.raises(MirrorRootMissing, match="parent folder does not exist"):
+        check_fresh_mirror(gone)  # never builds /share/run1 inside a bare mount point
+    assert not (tmp_path / "share").exists()
+    (tmp_path / "share").mkdir()
+    check_fresh_mirror(gone)  # a new run starts its mirror
+    assert gone.list() == {}
+    mgr = CheckpointManager(tmp_path / "local", mirror=gone)
+    mgr.save(1, model=model_at(1))
+    mgr.close()
+    with pytest.raises(CheckpointError, match="already holds 1 checkpoint.*--resume auto"):
+        check_fresh_mirror(gone)

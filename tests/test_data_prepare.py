@@ -92,3 +92,32 @@ def test_bad_inputs_exit_2_and_write_nothing(tmp_path, capsys, monkeypatch, args
     assert main(["data", "prepare", *args, "--out", "out"]) == 2
     assert words in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_dotted_out_names_keep_their_whole_name_and_never_overwrite_without_force(tmp_path, capsys, no_network):
+    """``--out dp/wiki.train`` then ``--out dp/wiki.val``: two corpora side by side (``with_suffix``
+    used to write both to dp/wiki.bin, the validation text replacing the training one); a third
+    call onto an existing output is refused unless --force, naming the file and writing nothing."""
+    (tmp_path / "train.txt").write_text("the training corpus, many words " * 40 + "\n")
+    (tmp_path / "val.txt").write_text("held out text for validation\n" * 5)
+    dp = tmp_path / "dp"
+    dp.mkdir()
+    assert main(["data", "prepare", str(tmp_path / "train.txt"), "--out", str(dp / "wiki.train"),
+                 "--vocab-size", "300"]) == 0
+    train_ids = np.fromfile(dp / "wiki.train.bin", dtype="<u2")
+    assert main(["data", "prepare", str(tmp_path / "val.txt"), "--out", str(dp / "wiki.val"),
+                 "--tokenizer", str(dp / "wiki.train.tokenizer.json")]) == 0
+    assert sorted(p.name for p in dp.iterdir()) == ["wiki.train.bin", "wiki.train.json", "wiki.train.tokenizer.json",
+                                                    "wiki.val.bin", "wiki.val.json"]
+    assert np.array_equal(np.fromfile(dp / "wiki.train.bin", dtype="<u2"), train_ids)
+    assert json.loads((dp / "wiki.val.json").read_text())["train_config"]["path"] == str(dp / "wiki.val.bin")
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in dp.iterdir()}
+    assert main(["data", "prepare", str(tmp_path / "val.txt"), "--out", str(dp / "wiki.train"),
+                 "--tokenizer", str(dp / "wiki.train.tokenizer.json")]) == 2
+    err = capsys.readouterr().err
+    assert str(dp / "wiki.train.bin") in err and "--force" in err and "nothing was written" in err
+    assert {p.name: p.read_bytes() for p in dp.iterdir()} == before
+    assert main(["data", "prepare", str(tmp_path / "val.txt"), "--out", str(dp / "wiki.train.bin"),
+                 "--tokenizer", str(dp / "wiki.train.tokenizer.json"), "--force"]) == 0
+    assert len(np.fromfile(dp / "wiki.train.bin", dtype="<u2")) < len(train_ids)  # replaced, as asked

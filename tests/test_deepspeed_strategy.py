@@ -297,9 +297,17 @@ def refusal_cases():
     """Trainer inputs DeepSpeed runs must refuse before any file (ds_fns.refusals' cases)."""
     bad_parse = copy.deepcopy(ds_cfg())
     bad_parse["parallel"]["offload_optimizer"] = "disk"  # past the schema: DeepSpeed's parser refuses it
+    # checkpoint.format = 'full' / 'sharded' is refused by config validation, before any rank
+    # starts: test_a_checkpoint_format_deepspeed_cannot_hold_is_a_config_error
     return [("fp16", ds_cfg({"train.precision": "fp16"})), ("parser", bad_parse),
-            ("format", ds_cfg({"checkpoint.format": "full"})),
             ("grad-fault", ds_cfg({"parallel.zero_stage": 2}), ["inf_grad@3"])]
+
+
+def test_a_checkpoint_format_deepspeed_cannot_hold_is_a_config_error():
+    for fmt in ("full", "sharded"):
+        with pytest.raises(train_config.ConfigError, match=f"checkpoint.format = '{fmt}' does not fit "
+                                                           f"train.strategy = 'deepspeed'"):
+            ds_cfg({"checkpoint.format": fmt})
 
 
 def test_bad_input_is_refused_before_any_file(stage_runs):
@@ -307,7 +315,6 @@ def test_bad_input_is_refused_before_any_file(stage_runs):
     for r in out:
         assert "train.precision" in r["fp16"][0] and "CUDA" in r["fp16"][0]
         assert r["parser"][0].startswith("parallel.offload_optimizer")
-        assert "checkpoint.format" in r["format"][0]
         assert "inf_grad@3" in r["grad-fault"][0] and "nan_loss" in r["grad-fault"][0]
         assert not any(exists for _, exists in r.values())
 

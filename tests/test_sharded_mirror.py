@@ -1,7 +1,10 @@
 """``checkpoint.mirror`` for sharded (DCP) checkpoints: fsdp on 2 ranks with async saves copies
 every checkpoint (every rank's shards and per-rank files, then the manifest as commit marker) to
 a second tier; after the local folder is wiped, ``--resume auto`` continues from the mirror alone,
-on 2 ranks and on 3, with the losses of one process on the same global batch."""
+on 2 ranks and on 3, with the losses of one process on the same global batch. And the rules of
+docs/CHECKPOINTS.md that full checkpoints keep hold for sharded ones (issue 36): the mirror's copy
+of a corrupt newest, a refusal when the mirror cannot be listed (an outage, a missing root) and
+nothing is local, no prune of a folder still uploading, no fresh run over a mirror's checkpoints."""
 from __future__ import annotations
 
 import json
@@ -12,6 +15,7 @@ import pytest
 import sharded_mirror_rank_fns as fns
 from course_lib.trainer import config as train_config
 from course_lib.checkpoint.dcp import DCP_FORMAT
+import rank_fns
 from course_lib.parallel import run_ranks
 from course_lib.train import train
 
@@ -19,11 +23,11 @@ TINY = Path(__file__).resolve().parents[1] / "labs" / "configs" / "tiny-cpu.toml
 GLOBAL_BATCH = 12  # 2 ranks x 6, 3 ranks x 4, one process x 12
 
 
-def cfg(steps, micro, strategy="fsdp", mirror=""):
+def cfg(steps, micro, strategy="fsdp", mirror="", save_every=2):
     return train_config.load(TINY, [
         "train.progress=false", f"train.max_steps={steps}", f"train.micro_batch={micro}",
-        f"train.strategy={strategy}", "schedule.kind=constant", "schedule.warmup_steps=2",
-        "train.peak_flops=1e12", "checkpoint.save_every=2", "checkpoint.keep_last=2",
+        f"train.strategy={strategy}", "schedule.kind=constant", "schedule.warmup_steps=1",
+        "train.peak_flops=1e12", f"checkpoint.save_every={save_every}", "checkpoint.keep_last=2",
         "checkpoint.async_save=true", f"checkpoint.mirror={json.dumps(mirror)}"])
 
 
@@ -33,6 +37,68 @@ def losses(out):
 
 def max_rel(got: dict, ref: dict) -> float:
     return max(abs(v - ref[k]) / abs(ref[k]) for k, v in got.items())
+
+
+@pytest.fixture(scope="module")
+def tier_runs(tmp_path_factory):
+    """One 2-rank launch: ``sharded_mirror_rank_fns.tier_rules`` (a run, its mirror, corrupt and
+    lost copies) and ``slow_mirror`` (a save every step, 0.3 s per uploaded file). Per rank: both outcomes."""
+    root = tmp_path_factory.mktemp("tiers")
+    m1 = f"file://{root / 'm1'}"
+    cfgs = {"6": cfg(6, 6, mirror=m1), "8": cfg(8, 6, mirror=m1), "10": cfg(10, 6, mirror=m1),
+            "missing": cfg(10, 6, mirror=f"file://{root / 'unmounted' / 'm1'}")}
+    slow = (cfg(6, 6, mirror=f"file://{root / 'm2'}", save_every=1), str(root / "slow"), str(root / "m2"), 0.3)
+    return root, run_ranks(rank_fns.several, 2, [(fns.tier_rules, (cfgs, str(root))), (fns.slow_mirror, slow)],
+                           timeout=600)
+
+
+def test_a_corrupt_newest_sharded_checkpoint_resumes_from_the_mirror_copy_and_is_quarantined(tier_runs):
+    """One byte flipped in the newest local shard (step 6): the mirror's intact step 6 is used,
+    not the older local step 4, and the corrupt folder is moved aside, so keep_last = 2 keeps the
+    good steps 6 and 8 (it used to count the corrupt one and prune the good step 4)."""
+    _, per_rank = tier_runs
+    for tiers, _ in per_rank:
+        assert tiers["first"] == 6 and tiers["corrupt_newest"] == ("ok", (6, 8)), tiers["corrupt_newest"]
+    # rank 0 uploads (rank 1 may list before rank 0's last upload is done)
+    assert per_rank[0][0]["mirror_after_first"] == ["step_000000004", "step_000000006"]
+    assert per_rank[0][0]["local_after_corrupt"] == [".corrupt-step_000000006", "step_000000006", "step_000000008"]
+
+
+def test_lost_local_folder_and_an_unlistable_mirror_refuse_instead_of_starting_fresh(tier_runs):
+    """The local folder lost and the mirror down (listing raises) or its file:// root missing (an
+    unmounted share): CheckpointLoadError (exit 3) on every rank, metrics.jsonl untouched; once the
+    mirror is back the run resumes from its step 8."""
+    _, per_rank = tier_runs
+    for tiers, _ in per_rank:
+        kind, msg = tiers["outage"]
+        assert kind == "CheckpointLoadError" and "cannot tell whether this is a fresh start" in msg, tiers["outage"]
+        assert "network is unreachable" in msg
+        kind, msg = tiers["missing_root"]
+        assert kind == "CheckpointLoadError" and "does not exist" in msg and "unmounted" in msg, tiers["missing_root"]
+        assert tiers["rows_after_outage"] == tiers["rows_after_missing"] == list(range(1, 9))
+        assert tiers["back"] == ("ok", (8, 10)), tiers["back"]
+
+
+def test_a_fresh_run_never_uploads_over_a_mirror_that_holds_checkpoints(tier_runs):
+    """A run without --resume whose mirror already holds checkpoints (here: another run folder's)
+    is a config error before anything is written, not a run whose uploads replace step 2, 4..."""
+    _, per_rank = tier_runs
+    for tiers, _ in per_rank:
+        kind, msg = tiers["fresh_over_mirror"]
+        assert kind == "ConfigError" and "already holds 2 checkpoint(s)" in msg and "--resume auto" in msg, msg
+        assert tiers["other_exists"] is False
+
+
+def test_the_sharded_prune_leaves_a_folder_the_mirror_is_still_uploading(tier_runs):
+    """save_every = 1, keep_last = 2, 0.3 s per uploaded file (5 files a checkpoint): no upload fails (a pruned folder used to
+    fail with FileNotFoundError, leaving partial copies), every mirror folder is complete, the
+    mirror holds the last step, and the local folder ends with keep_last."""
+    root, per_rank = tier_runs
+    slow = per_rank[0][1]
+    assert slow["failed"] == [], slow["failed"]
+    assert slow["mirror"] and all(slow["mirror"].values()), slow["mirror"]
+    assert "step_000000006" in slow["mirror"] and len(slow["mirror"]) <= 2, slow["mirror"]
+    assert slow["local"] == ["step_000000005", "step_000000006"], slow["local"]
 
 
 def test_sharded_checkpoints_resume_from_the_mirror_alone_on_the_same_and_another_world_size(tmp_path):

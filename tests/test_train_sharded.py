@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import deepspeed_rank_fns as generic  # its refusals() runs any config expecting a ConfigError
 import sharded_train_rank_fns as fns
 from rank_fns import several
 from course_lib.trainer import config as train_config
@@ -79,7 +78,7 @@ def launches(tmp_path_factory):
     2. 3 ranks: the world-size run resumed from step 4 to 8.
     3. 2 ranks: each resume test's copy (step-8 checkpoint removed) resumed from step 4, the killed
        folder resumed as the kill left it, the world-size run shrunk back to 2 ranks (8 -> 12);
-       then the checkpoint-format refusals (format_cases, other_format_cases).
+       then the resumes beside checkpoints of another format (other_format_cases).
     """
     from course_lib.parallel import RankFailedError
 
@@ -126,13 +125,12 @@ def launches(tmp_path_factory):
         shutil.rmtree(sorted((rroot / n / "cut" / "checkpoints").glob("step_*"))[-1])
     runs = [(confs[n], str(rroot / n / "cut"), True) for n in SHARDED] + [(async_conf, str(killed), True)]
     runs.append((ws_cfg(12, 6), str(back), True))
-    calls = [(fns.train_many, (runs,)), (generic.refusals, (format_cases(), str(root / "format-refusals"))),
-             (fns.resume_into_other_formats, (other_format_cases(), str(root / "other-formats")))]
+    calls = [(fns.train_many, (runs,)), (fns.resume_into_other_formats, (other_format_cases(), str(root / "other-formats")))]
     third = run_ranks(several, 2, calls, timeout=600)
     second = third[0][0]
     return {"root": root, "single": single, "first": first, "stats": stats, "grown": grown,
             "shrunk": second[-1], "second": dict(zip(SHARDED + [KILLED], second[:-1])),
-            "format_refusals": [r[1] for r in third], "other_formats": third[0][2],
+            "other_formats": third[0][1],
             "kill": {"rank": died.value.rank, "msg": str(died.value).splitlines()[0], "left": torn,
                      "torn_files": torn_files}}
 
@@ -325,23 +323,14 @@ def test_fsdp_needs_blocks_to_shard():
     assert message.startswith("ConfigError") and "blocks" in message and "train.strategy" in message, message
 
 
-def format_cases():
+def test_a_checkpoint_format_the_strategy_cannot_hold_is_refused():
     """zero2/fsdp-scratch keep non-DTensor shards (full files only); FSDP2 keeps DTensors (DCP only):
-    each asked for the other format, for ``deepspeed_rank_fns.refusals`` (any config expecting a
-    ConfigError)."""
-    return [("zero2", cfg(train__micro_batch=8, train__strategy="zero2", checkpoint__format="sharded")),
-            ("fsdp-scratch", cfg(train__micro_batch=8, train__strategy="fsdp-scratch", checkpoint__format="sharded")),
-            ("fsdp", cfg(train__micro_batch=8, train__strategy="fsdp", checkpoint__format="full"))]
-
-
-def test_a_checkpoint_format_the_strategy_cannot_hold_is_refused(launches):
-    """zero2/fsdp-scratch keep non-DTensor shards (full files only); FSDP2 keeps DTensors (DCP only).
-    The runs are in the third of ``launches``."""
-    for rank_out in launches["format_refusals"]:
-        assert set(rank_out) == {"zero2", "fsdp-scratch", "fsdp"}, rank_out
-        for name, (message, exists) in rank_out.items():
-            assert message and "checkpoint.format" in message and name in message, (name, message)
-            assert not exists, f"{name}: the run folder was created before the refusal"
+    each asked for the other format is a config error naming both keys, before any rank starts
+    (every pair: tests/test_checkpoint_formats.py)."""
+    for name, fmt in (("zero2", "sharded"), ("fsdp-scratch", "sharded"), ("fsdp", "full")):
+        with pytest.raises(train_config.ConfigError) as info:
+            cfg(train__micro_batch=8, train__strategy=name, checkpoint__format=fmt)
+        assert "checkpoint.format" in str(info.value) and repr(name) in str(info.value), (name, str(info.value))
 
 
 def other_format_cases():

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import shutil
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -29,7 +28,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from . import io as cio
-from .io import CheckpointCorruptError, CheckpointError, CheckpointLoadError
+from .io import CheckpointError, CheckpointLoadError
 
 
 def broadcast(obj: Any, group: Any = None) -> Any:
@@ -123,10 +122,10 @@ def prepare_everywhere(plan: SavePlan, prepare: Callable[[], Any], group: Any = 
 
 def finish_save(plan: SavePlan, prepared: Any, write: Callable[[Path, Any], None], *,
                 manifest: dict[str, Any], keep_last: int, group: Any = None,
-                write_errors: tuple = (Exception,)) -> Path:
+                write_errors: tuple = (Exception,), busy: Callable[[], set[str]] | None = None) -> Path:
     """Steps 3-4, collective over ``group``: every rank's ``write(tmp, prepared)``, errors
     exchanged; then rank 0's one commit (manifest, rename, fsync), re-read and only then pruning
-    to ``keep_last``; its outcome is broadcast. Returns the final path; CheckpointError on every
+    to ``keep_last`` (:func:`prune`: never a folder ``busy()`` names); its outcome is broadcast. Returns the final path; CheckpointError on every
     rank when any rank failed (nothing committed). Every collective here runs on ``group`` only:
     an async save runs this in a background thread on a group of its own."""
     error = None
@@ -143,8 +142,7 @@ def finish_save(plan: SavePlan, prepared: Any, write: Callable[[Path, Any], None
                       "world_size": dist.get_world_size(group), **manifest}
             final = cio.commit_dir(plan.tmp, root / plan.name, sealed)  # removes tmp if it fails
             cio.read_verified(final)  # re-read before pruning anything older
-            for _, old, _ in newest_first(root, plan.format)[0][keep_last:]:
-                cio.remove_dir(root / old)
+            prune(root, plan.format, keep_last, busy)
         except BaseException as e:  # every rank must hear of it, then fail together
             shutil.rmtree(plan.tmp, ignore_errors=True)
             error = describe(e)
@@ -157,42 +155,64 @@ def finish_save(plan: SavePlan, prepared: Any, write: Callable[[Path, Any], None
 def collective_save(root: str | Path, step: int, *, what: str, format: str,
                     prepare: Callable[[], Any], write: Callable[[Path, Any], None],
                     manifest: dict[str, Any], keep_last: int, group: Any = None,
-                    write_errors: tuple = (Exception,)) -> Path:
+                    write_errors: tuple = (Exception,), busy: Callable[[], set[str]] | None = None) -> Path:
     """Run the protocol of the module docstring on every rank of ``group``, synchronously;
     returns the final path. ``what`` names the checkpoint kind in errors ("sharded",
     "deepspeed"); ``manifest``: extra fields (metrics, ZeRO stage) next to format, step, seq,
     time and world size; ``write_errors``: the exception types ``write`` may raise that are
-    reported rather than propagated (DCP's CheckpointException is a BaseException).
+    reported rather than propagated (DCP's CheckpointException is a BaseException); ``busy``:
+    names the prune must leave (a mirror's uploads in flight, rank 0).
     CheckpointError on every rank when any rank fails; nothing is committed then."""
     plan = begin_save(root, step, what=what, format=format, group=group)
     prepared = prepare_everywhere(plan, prepare, group)
     return finish_save(plan, prepared, write, manifest=manifest, keep_last=keep_last, group=group,
-                       write_errors=write_errors)
+                       write_errors=write_errors, busy=busy)
 
 
-def choose_newest(root: Path, format: str, verify: Callable[[Path, dict], dict], what: str) -> tuple:
-    """Rank 0's choice of what every rank loads: ``("ok", name, manifest)``, ``("none", None, None)``
-    when there is no checkpoint at all, or ``("error", message, failures)``. Newest first: a
-    checkpoint whose ``verify(path, manifest)`` raises CheckpointCorruptError is passed over with a
-    warning (fall back); CheckpointLoadError stops the choice (an older checkpoint would silently
-    lose progress); checkpoints that exist while none loads is a refusal listing each."""
-    candidates, damaged = newest_first(root, format)
-    failures = []
-    for name, reason in sorted(damaged.items(), reverse=True):
-        warnings.warn(f"{what} {name} is unusable: no readable manifest ({reason}); falling "
-                      f"back to the previous one", RuntimeWarning, stacklevel=3)
-        failures.append((name, f"no readable manifest ({reason})"))
-    for _, name, manifest in candidates:
+def choose_newest(root: Path, format: str, verify: Callable[[Path, dict | None], dict], what: str,
+                  mirror: Any = None) -> tuple:
+    """Rank 0's choice of what every rank loads, by the rules of :func:`course_lib.checkpoint.tiers.choose`
+    (the local folder and ``mirror``; corrupt copies moved aside): ``("ok", name, manifest, source)``,
+    ``("none", None, None, None)`` when neither tier holds a checkpoint, or ``("error", message,
+    failures, None)``; a tuple to broadcast, so every rank raises together."""
+    from .tiers import choose
+
+    try:
+        chosen = choose(root, format, verify, what=what, mirror=mirror)
+    except CheckpointLoadError as e:
+        return "error", str(e), e.failures, None
+    if chosen is None:
+        return "none", None, None, None
+    return "ok", chosen.name, chosen.value, chosen.source
+
+
+_verified: dict[tuple, bool] = {}  # (path, seq, created) -> checksums matched, once per process
+
+
+def _intact(path: Path, manifest: dict) -> bool:
+    """Whether ``path``'s files match its manifest (checked once per process and checkpoint)."""
+    key = (str(path), manifest.get("seq"), manifest.get("created_unix"))
+    if key not in _verified:
         try:
-            return "ok", name, verify(root / name, manifest)
-        except CheckpointCorruptError as e:
-            warnings.warn(f"{what} {name} is unusable: {e}; falling back to the previous one",
-                          RuntimeWarning, stacklevel=3)
-            failures.append((name, str(e)))
-        except CheckpointLoadError as e:
-            return "error", (f"cannot load {what} {name}: {e}. No older checkpoint was used: fix "
-                             f"the cause and retry"), failures + [(name, str(e))]
-    if failures or cio.quarantined(root):
-        err = cio.refusal(root, failures, what=what)
-        return "error", str(err), err.failures
-    return "none", None, None
+            cio.read_verified(path, manifest)
+            _verified[key] = True
+        except CheckpointError:
+            _verified[key] = False
+    return _verified[key]
+
+
+def prune(root: Path, format: str, keep_last: int, busy: Callable[[], set[str]] | None = None) -> list[str]:
+    """Rank 0, after a commit verified: keep the ``keep_last`` newest checkpoints of ``format``
+    that verify and delete older verified ones, except those ``busy()`` names (a mirror still
+    uploading them: pruned at a later save). A corrupt one is neither counted nor deleted here:
+    the loader quarantines it with a warning. Returns the names removed."""
+    held = busy() if busy is not None else set()
+    kept, removed = 0, []
+    for _, name, manifest in newest_first(root, format)[0]:
+        if not _intact(root / name, manifest):
+            continue
+        kept += 1
+        if kept > keep_last and name not in held:
+            cio.remove_dir(root / name)
+            removed.append(name)
+    return removed

@@ -101,11 +101,13 @@ def write_rank_state(tmp: Path, prepared: tuple, rank: int, process_group: Any =
 
 def save_sharded(root: str | Path, step: int, model: torch.nn.Module, optimizer: Any = None, *,
                  shared: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
-                 metrics: dict | None = None, keep_last: int = 3, process_group: Any = None) -> Path:
+                 metrics: dict | None = None, keep_last: int = 3, process_group: Any = None,
+                 busy: Any = None) -> Path:
     """Collective: save a sharded checkpoint after ``step`` optimizer steps into ``root`` (a
     directory every rank can see). ``shared``: state_dict-able objects equal on all ranks (the
     scheduler), saved once by rank 0; ``per_rank``: objects whose state differs per rank (data
-    position); ``keep_last`` >= 1 sharded checkpoints are kept. Returns the final path.
+    position); ``keep_last`` >= 1 sharded checkpoints are kept (never one ``busy()`` names, rank
+    0: a mirror still uploading it). Returns the final path.
     Synchronous: training waits for the commit (:class:`course_lib.checkpoint.dcp_async.AsyncShardedSaver`
     overlaps the write with training).
 
@@ -121,7 +123,7 @@ def save_sharded(root: str | Path, step: int, model: torch.nn.Module, optimizer:
         prepare=lambda: prepare_rank_state(model, optimizer, rank, shared=shared, per_rank=per_rank),
         write=lambda tmp, prepared: write_rank_state(tmp, prepared, rank, process_group),
         manifest={"metrics": dict(metrics or {})}, keep_last=keep_last, group=process_group,
-        write_errors=dcp_exceptions())
+        write_errors=dcp_exceptions(), busy=busy)
 
 
 # ----------------------------------------------------------------------------- load
@@ -147,9 +149,10 @@ def verify_sharded(path: Path, manifest: dict | None = None) -> dict:
     return manifest
 
 
-def _choose(root: Path) -> tuple:
-    """Rank 0's choice (see :func:`course_lib.checkpoint.collective.choose_newest`)."""
-    return choose_newest(root, DCP_FORMAT, verify_sharded, "sharded checkpoint")
+def _choose(root: Path, mirror: Any = None) -> tuple:
+    """Rank 0's choice from the local folder and ``mirror`` (see
+    :func:`course_lib.checkpoint.collective.choose_newest`)."""
+    return choose_newest(root, DCP_FORMAT, verify_sharded, "sharded checkpoint", mirror)
 
 
 def _model_mismatch(path: Path, model_sd: dict, strict: bool) -> list[str]:
@@ -176,16 +179,20 @@ def _model_mismatch(path: Path, model_sd: dict, strict: bool) -> list[str]:
 
 def load_sharded(root: str | Path, model: torch.nn.Module, optimizer: Any = None, *,
                  shared: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
-                 restore_rng: bool = True, strict: bool = True, process_group: Any = None) -> LoadResult | None:
-    """Collective: restore the newest sharded checkpoint under ``root`` that verifies (rank 0
-    checks, falling back past corrupt ones with a warning), on every rank. With a different world
+                 restore_rng: bool = True, strict: bool = True, process_group: Any = None,
+                 mirror: Any = None) -> LoadResult | None:
+    """Collective: restore the newest sharded checkpoint under ``root`` or on ``mirror`` (rank 0's
+    :class:`~course_lib.checkpoint.mirror.CheckpointMirror`, None elsewhere) that verifies, on
+    every rank. Rank 0 chooses by the rules of :mod:`course_lib.checkpoint.tiers`: newest first,
+    the mirror's copy of a corrupt local one before an older checkpoint, corrupt copies moved
+    aside with a warning, a mirror-only one downloaded into ``root`` first. With a different world
     size, model and optimizer are resharded by DCP; a rank that saved no per-rank state (the world
     grew) takes rank 0's (the data position, which counts the global stream) and keeps its RNG.
 
-    Returns None on every rank only when there is no sharded checkpoint at all. Raises
+    Returns None on every rank only when there is no sharded checkpoint in either tier. Raises
     CheckpointLoadError on every rank when checkpoints exist but none verifies (listing each), when
-    the chosen one cannot be read, or when the model does not fit it (refused by name before any
-    weight is touched)."""
+    the local folder holds none and the mirror cannot be listed, when the chosen one cannot be
+    read, or when the model does not fit it (refused by name before any weight is touched)."""
     if not dist.is_initialized():
         raise RuntimeError("load_sharded needs an initialised process group (course_lib.parallel.ranks.launch)")
     check_bool("restore_rng", restore_rng)
@@ -197,10 +204,10 @@ def load_sharded(root: str | Path, model: torch.nn.Module, optimizer: Any = None
     chosen = None
     if rank == 0:
         try:
-            chosen = _choose(root)
+            chosen = _choose(root, mirror)
         except BaseException as e:  # the others wait for the choice: tell them, then fail
-            chosen = ("error", f"choosing a sharded checkpoint under {root} failed: {_describe(e)}", [])
-    kind, name, manifest = _broadcast(chosen, process_group)
+            chosen = ("error", f"choosing a sharded checkpoint under {root} failed: {_describe(e)}", [], None)
+    kind, name, manifest, source = _broadcast(chosen, process_group)
     if kind == "none":
         return None
     if kind == "error":
@@ -238,7 +245,7 @@ def load_sharded(root: str | Path, model: torch.nn.Module, optimizer: Any = None
     except dcp_exceptions() as e:
         raise CheckpointLoadError(f"cannot load sharded checkpoint {name} on rank {rank}: {_describe(e)}",
                                   [(name, _describe(e))]) from e
-    return LoadResult(manifest["step"], path, "local", manifest.get("metrics", {}), manifest.get("seq", 0), manifest)
+    return LoadResult(manifest["step"], path, source, manifest.get("metrics", {}), manifest.get("seq", 0), manifest)
 
 
 def consolidate_sharded(path: str | Path) -> dict[str, torch.Tensor]:

@@ -108,12 +108,13 @@ class AsyncShardedSaver:
     def save(self, root: str | Path, step: int, model: torch.nn.Module, optimizer: Any = None, *,
              shared: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
              metrics: dict | None = None, keep_last: int = 3,
-             on_commit: Callable[[Path], None] | None = None) -> None:
+             on_commit: Callable[[Path], None] | None = None, busy: Callable[[], set] | None = None) -> None:
         """Collective: start saving a sharded checkpoint after ``step`` optimizer steps into
         ``root`` (arguments as :func:`course_lib.checkpoint.dcp.save_sharded`). Returns once
         every rank has staged its copy; the write and the commit go on in the background.
         ``on_commit(path)``: called in the background thread, on every rank, right after the
         commit (e.g. rank 0 hands the checkpoint to a mirror); its error fails the save.
+        ``busy()``: names the prune after the commit must leave (rank 0: uploads in flight).
         First waits for the previous save (raising its CheckpointError on every rank). A
         failure before staging completes raises CheckpointError here, on every rank."""
         if not dist.is_initialized():
@@ -138,7 +139,7 @@ class AsyncShardedSaver:
                 outcome["path"] = finish_save(
                     plan, prepared, lambda tmp, p: write_rank_state(tmp, p, rank, group),
                     manifest={"metrics": dict(metrics or {})}, keep_last=keep_last, group=group,
-                    write_errors=dcp_exceptions())
+                    write_errors=dcp_exceptions(), busy=busy)
                 if on_commit is not None:
                     on_commit(outcome["path"])
             except BaseException as e:  # handed to the training thread by wait()

@@ -298,7 +298,8 @@ def refusal(root: Path, failures: list[tuple[str, str]], what: str = "checkpoint
     aside = quarantined(root)
     if failures:
         lines = "\n".join(f"  - {name}: {reason}" for name, reason in failures)
-        msg = (f"no {what} under {root} could be loaded; every one failed verification:\n{lines}\n"
+        earlier = f"Moved aside as corrupt (by this attempt or an earlier one): {', '.join(aside)}.\n" if aside else ""
+        msg = (f"no {what} under {root} could be loaded; every one failed verification:\n{lines}\n{earlier}"
                f"They were moved aside as .corrupt-* where this process is the writer. Restore a good "
                f"copy (e.g. from the mirror or a backup) to resume, or move them away / use a fresh "
                f"output folder to start over.")

@@ -28,7 +28,6 @@ import math
 import os
 import threading
 import time
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from . import io as cio
 from .io import CheckpointCorruptError, CheckpointError, CheckpointLoadError  # noqa: F401  (re-exported)
 from .mirror import CheckpointMirror, as_mirror
 from .state import LoadResult, apply_state, gather_train_state, to_cpu_copy
+from .tiers import choose, quarantine
 
 
 class CheckpointManager:
@@ -267,8 +267,7 @@ class CheckpointManager:
     def _quarantine(self, path: Path) -> None:
         """Move a bad checkpoint out of the way (kept for forensics, never loaded or counted)."""
         self._valid.pop(path.name, None)
-        if path.is_dir():
-            os.rename(path, path.with_name(f".corrupt-{path.name}-{uuid.uuid4().hex[:6]}"))
+        quarantine(path)
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -327,81 +326,22 @@ class CheckpointManager:
         if only is not None and not (isinstance(only, str) and cio.NAME_RE.match(only)):
             raise ValueError(f"only must be None or a checkpoint name like 'step_000000020', got {only!r}")
         self.wait(mirror=False)
-        mirror_errors: list = []
-        local, damaged = cio.scan(self.root, cio.FORMAT)
-        remote = self._remote(mirror_errors)
-        if only is not None:
-            local = {n: m for n, m in local.items() if n == only}
-            remote = {n: m for n, m in remote.items() if n == only}
-            damaged = {n: r for n, r in damaged.items() if n == only}
-        failures: list[tuple[str, str]] = []
-        for name, reason in sorted(damaged.items()):
-            self._corrupt(self.root / name, "local", f"no readable manifest ({reason})", failures)
-        # Newest first; for the same checkpoint the local copy first, the mirror's if that fails.
-        order = sorted([(m.get("seq", 0), n, "local") for n, m in local.items()] +
-                       [(m.get("seq", 0), n, "mirror") for n, m in remote.items()],
-                       key=lambda e: (-e[0], e[1], e[2] != "local"))
-        for seq, name, source in order:
-            path = self.root / name
-            try:
-                if source == "mirror":
-                    if not self.writer:
-                        raise CheckpointLoadError(
-                            f"checkpoint {name}: no usable local copy, only the mirror's, and a writer=False "
-                            f"manager does not download; load it on the writer first (it downloads it), then "
-                            f"pass only={name!r}", [(name, "only on the mirror")])
-                    if path.exists():  # a local copy we could not use is still in the way
-                        raise CheckpointLoadError(f"checkpoint {name}: the local copy is corrupt but could "
-                                                  f"not be moved aside, so the mirror copy cannot be fetched",
-                                                  [(name, "local copy in the way")])
-                    path = self.mirror.download(name, self.root)
-                manifest, blobs = cio.read_verified(path)
-                model_state, train_state = cio.decode(manifest, blobs)
-                del blobs
-            except CheckpointCorruptError as e:  # damaged bytes: move aside, try the previous one
-                self._corrupt(path, source, str(e), failures)
-                continue
-            except CheckpointLoadError as e:
-                raise CheckpointLoadError(f"cannot load checkpoint {name} ({source}): {e}. It was not moved "
-                                          f"aside and no older checkpoint was used: fix the cause and retry",
-                                          failures + [(name, str(e))]) from e
-            except Exception as e:  # I/O, network, a bug: not the checkpoint's fault
-                raise CheckpointLoadError(f"cannot load checkpoint {name} ({source}): {e!r}. It was not moved "
-                                          f"aside and no older checkpoint was used: fix the cause and retry",
-                                          failures + [(name, repr(e))]) from e
-            if str(map_location) != "cpu":
-                model_state = {k: v.to(map_location) for k, v in model_state.items()}
-            self._valid[name] = manifest
-            apply_state(model_state, train_state, model, optimizer, scheduler, scaler, data,
-                        stateful or {}, restore_rng=restore_rng, strict=strict, rank=rank, label=name)
-            self._next_seq = max(self._next_seq, seq + 1)
-            if self.mirror is not None and self.writer and name not in self._remote():
-                self.mirror.submit(path)  # a checkpoint the last run could not upload
-            return LoadResult(manifest["step"], path, source, manifest.get("metrics", {}), seq, manifest)
-        if only is not None:
-            if failures:
-                raise CheckpointLoadError(f"checkpoint {only} under {self.root} cannot be loaded: "
-                                          + "; ".join(f"{n}: {r}" for n, r in failures), failures)
-            raise CheckpointLoadError(f"checkpoint {only} not found under {self.root}"
-                                      + (f" or on the mirror {self.mirror.url}" if self.mirror else ""),
-                                      [(only, "not found")])
-        if failures or cio.quarantined(self.root):
-            if not failures:
-                warnings.warn(f"{self.root} holds only quarantined checkpoints: {cio.quarantined(self.root)}",
-                              RuntimeWarning, stacklevel=2)
-            raise cio.refusal(self.root, failures)
-        if mirror_errors:
-            raise CheckpointLoadError(f"no local checkpoint under {self.root}, and the mirror {self.mirror.url} "
-                                      f"cannot be listed ({mirror_errors[0]!r}): cannot tell whether this is a "
-                                      f"fresh start. Fix the mirror or configure none to start over",
-                                      [("mirror", repr(mirror_errors[0]))])
-        return None
 
-    def _corrupt(self, path: Path, source: str, reason: str, failures: list) -> None:
-        """Record a checkpoint copy that failed verification, warn, and move it aside (local
-        copies, writer only)."""
-        warnings.warn(f"checkpoint {path.name} ({source}) is unusable: {reason}; falling back to the "
-                      f"previous one", RuntimeWarning, stacklevel=3)
-        failures.append((path.name, f"{source}: {reason}"))
-        if source == "local" and self.writer:
-            self._quarantine(path)
+        def verify(path: Path, manifest: dict | None) -> tuple:
+            manifest, blobs = cio.read_verified(path, manifest)
+            return (manifest, *cio.decode(manifest, blobs))  # CheckpointCorruptError if it does not parse
+
+        chosen = choose(self.root, cio.FORMAT, verify, mirror=self.mirror, writer=self.writer, only=only)
+        if chosen is None:
+            return None
+        name, path, seq = chosen.name, chosen.path, chosen.seq
+        manifest, model_state, train_state = chosen.value
+        if str(map_location) != "cpu":
+            model_state = {k: v.to(map_location) for k, v in model_state.items()}
+        self._valid[name] = manifest
+        apply_state(model_state, train_state, model, optimizer, scheduler, scaler, data,
+                    stateful or {}, restore_rng=restore_rng, strict=strict, rank=rank, label=name)
+        self._next_seq = max(self._next_seq, seq + 1)
+        if self.mirror is not None and self.writer and name not in self._remote():
+            self.mirror.submit(path)  # a checkpoint the last run could not upload
+        return LoadResult(manifest["step"], path, chosen.source, manifest.get("metrics", {}), seq, manifest)

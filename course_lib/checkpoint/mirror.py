@@ -25,6 +25,12 @@ from .io import (FORMAT, MANIFEST, NAME_RE, CheckpointCorruptError, CheckpointEr
                  sha256_hex, write_checkpoint_dir)
 
 
+class MirrorRootMissing(CheckpointError):
+    """The mirror's root does not exist (a ``file://`` folder that is not there - an unmounted
+    share - or an object store's bucket): an error, never an empty mirror, since a resume that took
+    it for one would start from step 0 beside the real checkpoints."""
+
+
 #: what a prune keeps: names, or a function of the mirror's ``{name: manifest}`` listing giving them
 Keep = Union[Iterable[str], Callable[[dict], Iterable[str]], None]
 
@@ -137,17 +143,40 @@ class CheckpointMirror:
             raise CheckpointError(f"mirror manifest {remote}/{MANIFEST} did not read back identical")
 
     # ------------------------------------------------------------------ read side
+    def _local(self) -> bool:
+        protocol = self.fs.protocol
+        return "file" in (protocol if isinstance(protocol, (tuple, list)) else (protocol,))
+
     def _names(self) -> list[str]:
         self.fs.invalidate_cache()
         try:
             entries = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
+            # An object store has no folders: an unused prefix of an existing bucket is empty.
+            # A local folder (or a bucket) that is not there is a missing mount or a typo.
+            bucket = self.root.split("/", 1)[0]
+            if self._local() or not bucket or not self.fs.exists(bucket):
+                raise MirrorRootMissing(f"mirror root {self.url} does not exist (an unmounted share, a typo?); "
+                                        f"refusing to take it for an empty mirror") from None
             return []
         return [n for n in (e.rstrip("/").rsplit("/", 1)[-1] for e in entries) if NAME_RE.match(n)]
 
+    def create_root(self) -> None:
+        """Create the mirror's root for a new run: a ``file://`` folder whose parent must exist
+        (never a whole path inside an unmounted mount point); nothing for object stores."""
+        if self._local():
+            try:
+                self.fs.mkdir(self.root, create_parents=False)
+            except FileNotFoundError:
+                raise MirrorRootMissing(f"mirror root {self.url}: its parent folder does not exist (an unmounted "
+                                        f"share?); create it, or fix checkpoint.mirror") from None
+            except FileExistsError:
+                pass
+
     def list(self) -> dict[str, dict]:
         """``{name: manifest}`` of remote checkpoints that have a parseable manifest (complete
-        uploads). Checksums are checked on :meth:`download`."""
+        uploads). Checksums are checked on :meth:`download`. Raises :class:`MirrorRootMissing`
+        when the root does not exist, and the filesystem's error when it cannot be listed."""
         out = {}
         for name in self._names():
             try:

@@ -11,6 +11,11 @@ writes, each atomically (a temporary file in the same folder, fsynced, then rena
   path and sha256 and the source's, and the ``[data]`` keys to train on it;
 * ``data/corpus.tokenizer.json`` when a tokenizer was trained (HuggingFace ``tokenizers`` format).
 
+The whole ``--out`` name is the prefix: ``--out data/wiki.train`` writes ``data/wiki.train.bin``,
+``data/wiki.train.json`` (never ``data/wiki.bin``: a second call with ``--out data/wiki.val`` must
+not replace the training corpus). An existing output is never overwritten unless ``--force`` is
+given: the command refuses, naming the file, before writing anything.
+
 Tokenizers come from the HuggingFace ``tokenizers`` library, trained or loaded from a local file:
 nothing is downloaded (``Tokenizer.from_pretrained`` is never called). The text is read as UTF-8
 with line endings kept as they are and encoded one line at a time (lines batched for speed), so
@@ -103,17 +108,31 @@ def _replace_atomically(tmp: Path, final: Path) -> None:
         os.close(fd)
 
 
+def output_paths(out: str | Path, *, trains_tokenizer: bool) -> dict[str, Path]:
+    """The files ``--out OUT`` names: ``{"bin": OUT.bin, "json": OUT.json}`` plus ``"tokenizer":
+    OUT.tokenizer.json`` when a tokenizer is trained. The whole name is the prefix, dots and all
+    (``wiki.train`` -> ``wiki.train.bin``); a trailing ``.bin`` is accepted and dropped."""
+    out = Path(out)
+    if out.name.endswith(".bin"):
+        out = out.with_name(out.name[: -len(".bin")])
+    paths = {"bin": out.with_name(f"{out.name}.bin"), "json": out.with_name(f"{out.name}.json")}
+    if trains_tokenizer:
+        paths["tokenizer"] = out.with_name(f"{out.name}.tokenizer.json")
+    return paths
+
+
 def prepare(text_path: str | Path, out: str | Path, *, vocab_size: int | None = None,
             tokenizer_path: str | Path | None = None, min_frequency: int = 2,
-            progress: bool | None = None) -> dict:
+            progress: bool | None = None, force: bool = False) -> dict:
     """Tokenize ``text_path`` into ``<out>.bin`` + ``<out>.json`` (see the module docstring); train a
     byte-level BPE of ``vocab_size`` ids or load ``tokenizer_path`` (exactly one). ``progress``:
-    a tqdm bar on stderr (None: only for inputs of PROGRESS_MIN_BYTES and more). Returns the
-    sidecar dict. Raises PrepareError before writing anything when an input is unusable."""
+    a tqdm bar on stderr (None: only for inputs of PROGRESS_MIN_BYTES and more). ``force``:
+    replace outputs that already exist (otherwise refused). Returns the sidecar dict. Raises
+    PrepareError before writing anything when an input is unusable or an output exists."""
     text_path = Path(text_path)
     out = Path(out)
-    if out.suffix == ".bin":
-        out = out.with_suffix("")
+    if out.name in ("", ".", "..") or out.name == ".bin":
+        raise PrepareError(f"--out: {str(out)!r} is a folder, not an output prefix like data/corpus")
     if (vocab_size is None) == (tokenizer_path is None):
         raise PrepareError("give exactly one of --vocab-size N (train a byte-level BPE) and --tokenizer PATH")
     if not text_path.is_file():
@@ -121,16 +140,24 @@ def prepare(text_path: str | Path, out: str | Path, *, vocab_size: int | None = 
     if vocab_size is not None and not MIN_VOCAB <= vocab_size <= 2**32:
         raise PrepareError(f"--vocab-size must be in [{MIN_VOCAB}, {2**32}] (a byte-level BPE holds the 256 byte "
                            f"symbols, then merges), got {vocab_size}")
-    if not out.parent.is_dir():
-        raise PrepareError(f"--out: folder {str(out.parent)!r} does not exist")
+    paths = output_paths(out, trains_tokenizer=tokenizer_path is None)
+    if not paths["bin"].parent.is_dir():
+        raise PrepareError(f"--out: folder {str(paths['bin'].parent)!r} does not exist")
+    if tokenizer_path is not None and Path(tokenizer_path).resolve() in {p.resolve() for p in paths.values()}:
+        raise PrepareError(f"--tokenizer {str(tokenizer_path)!r} is one of the outputs of --out {str(out)!r}")
+    existing = [str(p) for p in paths.values() if p.exists()]
+    if existing and not force:
+        # Two corpora under one prefix (train and val) would silently replace each other.
+        raise PrepareError(f"--out: {', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}; "
+                           f"nothing was written. Pass --force to replace, or choose another --out")
     try:
-        return _prepare(text_path, out, vocab_size, tokenizer_path, min_frequency, progress)
+        return _prepare(text_path, paths, vocab_size, tokenizer_path, min_frequency, progress)
     except UnicodeDecodeError as exc:
         raise PrepareError(f"input: {text_path} is not UTF-8 text ({exc.reason} at byte {exc.start} of a "
                            f"line); nothing was written") from None
 
 
-def _prepare(text_path: Path, out: Path, vocab_size: int | None, tokenizer_path, min_frequency: int,
+def _prepare(text_path: Path, paths: dict[str, Path], vocab_size: int | None, tokenizer_path, min_frequency: int,
              progress: bool | None) -> dict:
     source_bytes = text_path.stat().st_size
     show = source_bytes >= PROGRESS_MIN_BYTES if progress is None else progress
@@ -154,7 +181,8 @@ def _prepare(text_path: Path, out: Path, vocab_size: int | None, tokenizer_path,
     dtype = dtype_for_vocab(vocab)
     item = np.dtype(dtype).itemsize
 
-    tmp_bin = out.with_name(f"{out.name}.bin.tmp-{os.getpid()}")
+    bin_path = paths["bin"]
+    tmp_bin = bin_path.with_name(f"{bin_path.name}.tmp-{os.getpid()}")
     written, top, round_trip = 0, -1, None
     bar = None
     if show:
@@ -178,11 +206,11 @@ def _prepare(text_path: Path, out: Path, vocab_size: int | None, tokenizer_path,
             raise PrepareError(f"the tokenizer produced id {top} but reports {vocab} ids")
         tok_file = tokenizer_path
         if tokenizer_path is None:  # save the trained tokenizer next to the data, atomically too
-            tok_file = out.with_name(f"{out.name}.tokenizer.json")
+            tok_file = paths["tokenizer"]
             tmp_tok = tok_file.with_name(f"{tok_file.name}.tmp-{os.getpid()}")
             tok.save(str(tmp_tok))
             _replace_atomically(tmp_tok, tok_file)
-        _replace_atomically(tmp_bin, out.with_suffix(".bin"))
+        _replace_atomically(tmp_bin, bin_path)
     except BaseException:
         tmp_bin.unlink(missing_ok=True)
         raise
@@ -191,7 +219,6 @@ def _prepare(text_path: Path, out: Path, vocab_size: int | None, tokenizer_path,
             bar.close()
     import tokenizers
 
-    bin_path = out.with_suffix(".bin")
     sidecar = {
         "format": "course-tokens/1",
         "bin": bin_path.name, "dtype": dtype, "byte_order": "little", "tokens": written,
@@ -203,9 +230,9 @@ def _prepare(text_path: Path, out: Path, vocab_size: int | None, tokenizer_path,
         "seconds": round(time.perf_counter() - t0, 3),
         "train_config": {"task": "tokens", "path": str(bin_path), "dtype": dtype, "vocab_size": vocab},
     }
-    tmp_json = out.with_name(f"{out.name}.json.tmp-{os.getpid()}")
+    tmp_json = paths["json"].with_name(f"{paths['json'].name}.tmp-{os.getpid()}")
     tmp_json.write_text(json.dumps(sidecar, indent=2) + "\n")
-    _replace_atomically(tmp_json, out.with_suffix(".json"))
+    _replace_atomically(tmp_json, paths["json"])
     return sidecar
 
 
@@ -222,7 +249,7 @@ def summary(sidecar: dict) -> str:
     return (f"wrote {d['path']}: {s['tokens']:,} tokens ({s['dtype']}, {s['bytes'] / 2**20:.2f} MiB) from "
             f"{s['source']['bytes'] / 2**20:.2f} MiB of text, {per_token:.2f} bytes/token, in {s['seconds']:.1f} s\n"
             f"tokenizer: {s['tokenizer']['kind']}, {s['vocab_size']:,} ids, {s['tokenizer']['path']}; {trip}\n"
-            f"sidecar: {Path(d['path']).with_suffix('.json')}\n"
+            f"sidecar: {output_paths(d['path'], trains_tokenizer=False)['json']}\n"
             f"train on it with:\n  [data]\n  task = \"tokens\"\n  path = \"{d['path']}\"\n  dtype = \"{d['dtype']}\"\n"
             f"  vocab_size = {d['vocab_size']}")
 
@@ -237,11 +264,14 @@ def add_data_parser(sub) -> None:
     data_sub = p.add_subparsers(dest="data_command", required=True)
     prep = data_sub.add_parser("prepare", help="tokenize a text file into OUT.bin (+ OUT.json) for data.task = tokens")
     prep.add_argument("input", help="UTF-8 text file")
-    prep.add_argument("--out", required=True, help="output prefix: writes OUT.bin and OUT.json (OUT.bin accepted too)")
+    prep.add_argument("--out", required=True, help="output prefix, the whole name: writes OUT.bin and OUT.json "
+                                                   "(and OUT.tokenizer.json when training one; OUT.bin accepted too)")
     how = prep.add_mutually_exclusive_group(required=True)
     how.add_argument("--vocab-size", type=int, help=f"train a byte-level BPE of this many ids (>= {MIN_VOCAB}) here")
     how.add_argument("--tokenizer", help="a local tokenizer.json (HuggingFace tokenizers); nothing is downloaded")
     prep.add_argument("--min-frequency", type=int, default=2, help="BPE training: least count of a merged pair")
+    prep.add_argument("--force", action="store_true",
+                      help="replace OUT.bin / OUT.json / OUT.tokenizer.json if they exist (default: refuse)")
     prep.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                       help=f"progress bar (default: for inputs of {PROGRESS_MIN_BYTES >> 20} MiB and more)")
     prep.set_defaults(func=run_cli)
@@ -251,7 +281,8 @@ def run_cli(args: argparse.Namespace) -> int:
     """Exit 0 with a printed summary, or 2 with the reason on stderr (nothing written)."""
     try:
         sidecar = prepare(args.input, args.out, vocab_size=args.vocab_size, tokenizer_path=args.tokenizer,
-                          min_frequency=args.min_frequency, progress=args.progress)
+                          min_frequency=args.min_frequency, progress=args.progress,
+                          force=args.force)
     except PrepareError as exc:
         print(f"course data prepare: {exc}", file=sys.stderr)
         return 2

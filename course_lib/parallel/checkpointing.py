@@ -112,8 +112,8 @@ class ShardedCheckpoints:
     and the commit run in the background (:class:`~course_lib.checkpoint.dcp_async.AsyncShardedSaver`),
     and the next save, a load and :meth:`close` wait for it. ``mirror``: fsspec URL of a second
     tier; after each commit rank 0 copies the sealed checkpoint (every rank's files, then the
-    manifest as commit marker) in the background, and a resume fetches the mirror's newest one
-    when the local folder has none as new (:mod:`course_lib.checkpoint.dcp_mirror`)."""
+    manifest as commit marker) in the background (:mod:`course_lib.checkpoint.dcp_mirror`), the
+    prune leaves folders still uploading, and a resume chooses across both tiers."""
 
     format = "sharded"
 
@@ -147,33 +147,36 @@ class ShardedCheckpoints:
 
             self.mirror.submit(path, mirror_keep(self.keep_last))
 
+    def _busy(self) -> set[str]:
+        """Folders the prune after a commit must leave: those the mirror is still uploading."""
+        return self.mirror.busy() if self.mirror is not None else set()
+
     def save(self, step: int, state: TrainState, metrics: dict) -> None:
         """Collective: every rank writes its shards, RNG and data position (async: returns once
         they are staged; the previous async save is committed first)."""
         from course_lib.checkpoint.dcp import save_sharded
 
         kwargs = dict(shared=self._shared(state), per_rank={"data": state.data} if state.data is not None else {},
-                      metrics=metrics, keep_last=self.keep_last)
+                      metrics=metrics, keep_last=self.keep_last, busy=self._busy)
         if self._async is not None:
             self._async.save(self.root, step, state.model, state.optimizer, on_commit=self._committed, **kwargs)
         else:
             self._committed(save_sharded(self.root, step, state.model, state.optimizer, **kwargs))
 
     def load(self, state: TrainState, *, restore_data: bool = True):
-        """Collective: rank 0 picks the newest sharded checkpoint that verifies (first fetching the
-        mirror's newest one when no local one is as new); every rank loads its shards of it
-        (resharded by DCP if the world size changed)."""
+        """Collective: rank 0 picks the newest sharded checkpoint of either tier that verifies, by
+        the rules full checkpoints follow (:mod:`course_lib.checkpoint.tiers`: the mirror's copy of
+        a corrupt local one first, corrupt ones moved aside, no local checkpoint and an unlistable
+        mirror refused); every rank loads its shards of it (resharded by DCP if the world size
+        changed)."""
         from course_lib.checkpoint.dcp import load_sharded
 
         self.flush()  # a save in flight is committed first: rank 0 must be able to choose it
         if self.mirror is not None:  # rank 0 only; the others wait for its choice inside load_sharded
-            from course_lib.checkpoint.dcp_mirror import fetch_newer
-
             self.mirror.wait()  # an upload in flight finishes before the mirror is listed
-            fetch_newer(self.mirror, self.root)
         per_rank = {"data": state.data} if restore_data and state.data is not None else {}
         return load_sharded(self.root, state.model, state.optimizer, shared=self._shared(state),
-                            per_rank=per_rank)
+                            per_rank=per_rank, mirror=self.mirror)
 
     def flush(self) -> None:
         """Wait for the async save in flight to be committed (raises its error, if any)."""
@@ -186,4 +189,8 @@ class ShardedCheckpoints:
             self.flush()
         finally:
             if self.mirror is not None:
+                from course_lib.checkpoint.collective import prune
+                from course_lib.checkpoint.dcp import DCP_FORMAT
+
                 self.mirror.close()
+                prune(self.root, DCP_FORMAT, self.keep_last)  # what uploads in flight kept from the prune

@@ -26,6 +26,25 @@ STRATEGIES: dict[str, tuple[str, str, str]] = {  # name -> (module, class, one-l
                   "the DeepSpeed engine, ZeRO stage parallel.zero_stage (0-3), optional CPU offload"),
 }
 
+#: ``checkpoint.format`` values (besides "auto") each ``train.strategy`` can save and load when
+#: parallel.tp = pp = cp = 1, and why the others cannot; the config validator refuses the rest
+#: before anything is written (the strategies' ``checkpoint_formats`` say the same; a test holds
+#: them together). Under tp/pp/cp > 1 trainer.config decides (full, or sharded for fsdp x tp).
+CHECKPOINT_FORMATS: dict[str, tuple[tuple[str, ...], str]] = {
+    "single": (("full",), "sharded (DCP) checkpoints are written by every rank of a process group, and "
+                          "'single' runs one process without one"),
+    "ddp": (("full", "sharded"), ""),
+    "ddp-scratch": (("full", "sharded"), ""),
+    "zero1": (("full",), "its optimizer shards are flat tensors, not DTensors: they are consolidated into a "
+                         "full file"),
+    "zero2": (("full",), "its optimizer shards are flat tensors, not DTensors: they are consolidated into a "
+                         "full file"),
+    "fsdp-scratch": (("full",), "its flat padded shards are not DTensors: they are saved in the unsharded layout"),
+    "fsdp": (("sharded",), "its DTensor shards save through DCP only (consolidate_sharded makes a full file)"),
+    "deepspeed": (("deepspeed",), "the engine writes its own partitioned checkpoints (deepspeed_to_state_dict "
+                                  "converts one to a plain state dict)"),
+}
+
 #: Not a ``train.strategy`` name: chosen by :func:`make_strategy` when ``parallel.tp * parallel.pp
 #: * parallel.cp > 1``; ``train.strategy`` then names its data-parallel dimension, one of
 #: :data:`MODEL_PARALLEL_DP`.

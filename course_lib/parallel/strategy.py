@@ -247,6 +247,7 @@ class Single(Strategy):
     """One process on one device: the reference the parallel strategies are tested against."""
 
     name = "single"
+    checkpoint_formats = ("full",)  # DCP's sharded save is a collective: it needs a process group
 
     def __init__(self, info: DistInfo, device: torch.device, cfg: dict | None = None):
         if info.world_size > 1:

@@ -128,6 +128,8 @@ def _cross_checks(cfg: dict) -> None:
         raise ConfigError(f"data.path: no such file {path!r} (a UTF-8 text file; \"\" = the bundled notes)")
     if cfg["checkpoint"]["mirror"]:
         _mirror_check(t["strategy"])
+    if model_parallel_size(cfg) == 1:  # under tp/pp/cp the layout decides (_parallel_checks)
+        _checkpoint_format_check(t["strategy"], cfg["checkpoint"]["format"])
     if t["strategy"] == "deepspeed" and (o["fused"] or t["compile"]):
         key = "optim.fused" if o["fused"] else "train.compile"
         raise ConfigError(f"{key} does not apply to train.strategy = 'deepspeed': the engine builds its own "
@@ -174,6 +176,19 @@ def _token_file_checks(cfg: dict, mcfg) -> None:
                                  key=f"data.{key}")
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+
+
+def _checkpoint_format_check(strategy: str, fmt: str) -> None:
+    """``checkpoint.format`` against ``train.strategy`` (registry.CHECKPOINT_FORMATS): a pair that
+    cannot save is refused here, not at the first save after every step has trained."""
+    from course_lib.parallel.registry import CHECKPOINT_FORMATS
+
+    formats, why = CHECKPOINT_FORMATS[strategy]
+    if fmt == "auto" or fmt in formats:
+        return
+    accepted = ", ".join(repr(f) for f in ("auto", *formats) if f in ("auto", "full", "sharded"))
+    raise ConfigError(f"checkpoint.format = {fmt!r} does not fit train.strategy = {strategy!r}: {why}. "
+                      f"checkpoint.format accepts {accepted} with train.strategy = {strategy!r}")
 
 
 def _mirror_check(strategy: str) -> None:

@@ -136,6 +136,27 @@ def check_faults_reach(stab, strategy, strategy_name: str) -> None:
         raise ConfigError(f"--inject-fault: {exc}") from None
 
 
+def check_fresh_mirror(url: str, strategy) -> None:
+    """Collective, for a run that does not resume and has ``checkpoint.mirror``: ConfigError on
+    every rank, before the run writes anything, when the mirror already holds checkpoints (the
+    new run's uploads would replace them under the same step names) or cannot be listed. Rank 0
+    looks (:func:`course_lib.checkpoint.tiers.check_fresh_mirror`; it creates a missing
+    ``file://`` root whose parent exists, the only write here, outside the run folder) and
+    broadcasts its verdict."""
+    from course_lib.checkpoint.mirror import as_mirror
+    from course_lib.checkpoint.tiers import check_fresh_mirror as check
+
+    error = None
+    if strategy.info.rank == 0:
+        try:
+            check(as_mirror(url))
+        except Exception as exc:  # noqa: BLE001 - the others wait for the verdict: tell them
+            error = f"{exc}; nothing was written"
+    error = strategy.broadcast_object(error)
+    if error is not None:
+        raise ConfigError(error)
+
+
 def adamw(optim: dict) -> Callable[[Any], torch.optim.Optimizer]:
     """``model -> AdamW`` from ``[optim]`` (lr, betas, eps, weight decay on the model's decayed
     group only), for ``strategy.setup``: the strategy decides which module it is built on."""

@@ -175,8 +175,8 @@ def load_deepspeed(root: str | Path, engine: Any, *, shared: dict[str, Any] | No
         try:
             chosen = _choose(root, dist.get_world_size(), int(engine.zero_optimization_stage()))
         except BaseException as e:  # the others wait for the choice: tell them, then fail
-            chosen = ("error", f"choosing a deepspeed checkpoint under {root} failed: {_describe(e)}", [])
-    kind, name, manifest = _broadcast(chosen, None)
+            chosen = ("error", f"choosing a deepspeed checkpoint under {root} failed: {_describe(e)}", [], None)
+    kind, name, manifest, _ = _broadcast(chosen, None)
     if kind == "none":
         return None
     if kind == "error":

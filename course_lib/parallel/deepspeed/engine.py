@@ -76,6 +76,7 @@ class DeepSpeedStrategy(Distributed):
 
     name = "deepspeed"
     checkpoint_format = "deepspeed"
+    checkpoint_formats = ("deepspeed",)  # its own partitioned files; checkpoint.format = "auto" only
 
     launch_hint = "torchrun, the deepspeed launcher (or course_lib.parallel.run_ranks)"
 
