@@ -124,6 +124,8 @@ def start_commands(spec: JobSpec, c: Candidate, files: list[str], plan_dir: str,
                    + (f" on the first host of `{d}/hostfile` (the others reached over ssh/pdsh; the variables the "
                       f"ranks need travel in `{d}/.deepspeed_env`, which the script writes)" if spec.nodes > 1 else "")
                    + ". Provide: the data, as for torchrun.")
+    else:
+        out.append("- **DeepSpeed**: no script: the kit's DeepSpeed strategy runs data parallelism only (see above).")
     out.append(f"- **accelerate**{every}: `bash {d}/launch_accelerate.sh`"
                + (" (under SLURM, or with MASTER_ADDR and NODE_RANK set)" if spec.nodes > 1 else "")
                + ". Provide: `pip install accelerate`, and the data as for torchrun.")
