@@ -40,8 +40,8 @@ def hand_to_trainer(tool: str, program: list[str], module: bool, env: dict[str, 
     """Run the trainer's config check for the command ``program`` (``[module_or_script, *args]``)
     with rank 0's environment ``env``; log and return the exit code."""
     record = {"tool": tool, **facts, "program": program[:1], "node_env": {
-        k: os.environ[k] for k in ("SLURM_NODEID", "SLURM_PROCID", "FAKE_NODE_RANK", "SLURM_CPUS_PER_TASK")
-        if k in os.environ}}
+        k: os.environ[k] for k in ("SLURM_NODEID", "SLURM_PROCID", "FAKE_NODE_RANK", "SLURM_CPUS_PER_TASK",
+                                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE") if k in os.environ}}
     if not module or program[0] != "course_lib.train":
         return _log(record, 1, error=f"{tool} (fake) checks only `-m course_lib.train ...`, got {program[:2]}")
     os.environ.update(env)
@@ -150,7 +150,8 @@ def torchrun(argv: list[str]) -> int:
     world = nnodes * nproc
     facts = {"world_size": world, "nnodes": nnodes, "nproc_per_node": nproc, "node_rank": node_rank,
              "rdzv_backend": backend, "rdzv_endpoint": endpoint, "rdzv_id": a.rdzv_id,
-             "master_addr": addr, "max_restarts": a.max_restarts}
+             "master_addr": addr, "max_restarts": a.max_restarts,
+             "shutdown_timeout": getattr(a, "shutdown_timeout", None)}
     env = {**_rank_env(world, nproc, node_rank, addr, port), "TORCHELASTIC_RUN_ID": a.rdzv_id,
            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts)}
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # torchrun's default: 1
