@@ -144,3 +144,7 @@ def test_deepspeed_passes_every_variable_to_the_other_nodes(plans, tmp_path):
     reached = set(re.findall(r"export ([A-Z_][A-Z0-9_]*)=", remote))
     assert exported <= reached, f"never reach the other nodes: {sorted(exported - reached)}"
     assert Path(folder / ".deepspeed_env").read_text().count("\n") == len(exported)
+    # nothing to pass (a CPU cluster's `course launch`): no file, whose one empty line DeepSpeed could not read
+    from course_lib.launchers.commands import deepspeed_env_block
+
+    assert deepspeed_env_block("", "x") == "" and "x/.deepspeed_env" in deepspeed_env_block('export A="1"\n', "x")

@@ -265,8 +265,8 @@ def _real_options(source: Path) -> set[str]:
 
 
 def test_fakes_know_only_the_real_tools_options():
-    """What a fake accepts, the installed tool accepts too (accelerate is not installed here: its
-    fake follows the names of `accelerate launch --help`)."""
+    """What a fake accepts, the installed tool accepts too (torchrun and DeepSpeed: the option names
+    of their sources; accelerate, a dev dependency: its own ``accelerate launch`` parser)."""
     torch_spec = importlib.util.find_spec("torch")  # the package's path, without importing it
     real = _real_options(Path(torch_spec.origin).parent / "distributed" / "run.py")
     assert "--nproc-per-node" in real and "--shutdown-timeout" in real
@@ -277,6 +277,11 @@ def test_fakes_know_only_the_real_tools_options():
     real = _real_options(Path(ds_spec.origin).parent / "launcher" / "runner.py")
     assert "--num_gpus" in real and "--hostfile" in real
     assert _options(fake_launchers.deepspeed_parser()) - real == set()
+    from accelerate.commands.launch import launch_command_parser
+
+    real = _options(launch_command_parser())
+    assert "--machine_rank" in real and "--config_file" in real
+    assert _options(fake_launchers.accelerate_parser()) - real == set()
 
 
 # --------------------------------------------------------------------------------------------
