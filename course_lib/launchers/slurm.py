@@ -7,7 +7,8 @@ the SLURM job id as rendezvous id, so no node needs to be told its rank.
 
 Time limit: ``--signal=B:USR1@LEAD`` makes SLURM send USR1 to the batch shell LEAD seconds before the
 limit. The trap forwards SIGTERM to the srun step; srun passes it to its tasks, the torchrun agents;
-each agent passes it to its ranks (and waits ``--shutdown-timeout`` seconds before SIGKILL). The
+each agent passes it to its ranks (and waits ``--shutdown-timeout`` seconds before SIGKILL, where
+this node's torchrun has that option - the script asks its ``--help`` - else torchrun's 30 s). The
 trainer's handler (:mod:`course_lib.watch.stop_signal`) makes every rank finish the current step,
 agree on it, write a checkpoint there and exit 75. The trap waits for the step to end, then
 requeues the job (``scontrol requeue``); the requeued job runs this same script and ``--resume
