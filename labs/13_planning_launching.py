@@ -300,6 +300,9 @@ print((plan_dir / "launch_torchrun.sh").read_text())
 #   `NCCL_DEBUG=WARN` logs only problems; `NCCL_IB_DISABLE=0` uses InfiniBand; `NCCL_SOCKET_IFNAME`
 #   keeps NCCL off loopback and docker bridges; `TORCH_NCCL_ASYNC_ERROR_HANDLING=1` turns a hung or
 #   failed collective into a crash that torchrun can restart instead of a silent hang;
+# * `export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (several nodes with restarts): every restart
+#   attempt gets a fresh rendezvous store, so no rank reads a dead attempt's addresses;
+#   `OMP_NUM_THREADS` gives each rank its share of the node's cores (torchrun would set 1);
 # * `RDZV_HOST=...:?`: the script refuses to start until you say which node hosts the rendezvous;
 # * `torchrun --nnodes 8 --nproc-per-node 8`: one agent per node, 8 ranks each;
 #   `--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id`: the agents find each other and agree
@@ -325,6 +328,12 @@ print((plan_dir / "job.sbatch").read_text())
 #   script with SLURM faked);
 # * `HEAD_NODE` is the allocation's first host: it hosts the rendezvous; `OMP_NUM_THREADS` gives
 #   each rank its share of the cores;
+# * `mkdir -p runs/... && sbatch ...` (the header's submit line): SLURM opens the `--output` log
+#   before the script runs, so its folder must exist first;
+# * `GRACE=(--shutdown-timeout ...)` only if this node's `torchrun --help` lists it: an older torch
+#   would stop at the unknown option;
+# * `srun --cpus-per-task=...`: since Slurm 22.05 srun does not inherit sbatch's, and the agent with
+#   its 8 ranks would be bound to one core;
 # * `srun ... &` then `wait`: the step runs in the background so that the shell can run its
 #   trap the moment USR1 arrives.
 #

@@ -115,6 +115,7 @@ def problems(p, calls: dict[str, list[dict]], folder: Path) -> list[str]:
     spec, lay = p.spec, p.best.layout
     out = []
     nodes = spec.nodes
+    cpus = json.loads((folder / "budget.json").read_text())["slurm"]["cpus_per_task"]
     for name, made in calls.items():
         want = nodes if name == "job.sbatch" else (1 if nodes == 1 else len({0, nodes - 1}))
         if len(made) != want or any(c["tool"] is None for c in made):
@@ -141,6 +142,12 @@ def problems(p, calls: dict[str, list[dict]], folder: Path) -> list[str]:
                 out.append(f"{where}: {c['nnodes']} nodes x {c['nproc_per_node']}, plan {nodes} x {spec.gpus_per_node}")
             if nodes > 1 and c["master_addr"] != "node0":
                 out.append(f"{where}: rendezvous / main address {c['master_addr']!r}, expected the first node")
+            if c["tool"] == "torchrun" and nodes > 1 and c["max_restarts"] and \
+                    c["node_env"].get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+                out.append(f"{where}: --max-restarts on {nodes} nodes without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+            if name == "job.sbatch" and c["node_env"].get("SLURM_CPUS_PER_TASK") != str(cpus):
+                out.append(f"{where}: srun gave the torchrun agent {c['node_env'].get('SLURM_CPUS_PER_TASK', 'no')} "
+                           f"CPUs, the plan's task has {cpus} (srun does not inherit sbatch's --cpus-per-task)")
         ranks = sorted(c.get("node_rank") for c in made)
         if name == "job.sbatch" and ranks != list(range(nodes)):
             out.append(f"{name}: node ranks {ranks}, expected 0..{nodes - 1} once each")
@@ -258,8 +265,8 @@ def _real_options(source: Path) -> set[str]:
 
 
 def test_fakes_know_only_the_real_tools_options():
-    """What a fake accepts, the installed tool accepts too (accelerate is not installed here: its
-    fake follows the names of `accelerate launch --help`)."""
+    """What a fake accepts, the installed tool accepts too (torchrun and DeepSpeed: the option names
+    of their sources; accelerate, a dev dependency: its own ``accelerate launch`` parser)."""
     torch_spec = importlib.util.find_spec("torch")  # the package's path, without importing it
     real = _real_options(Path(torch_spec.origin).parent / "distributed" / "run.py")
     assert "--nproc-per-node" in real and "--shutdown-timeout" in real
@@ -270,6 +277,11 @@ def test_fakes_know_only_the_real_tools_options():
     real = _real_options(Path(ds_spec.origin).parent / "launcher" / "runner.py")
     assert "--num_gpus" in real and "--hostfile" in real
     assert _options(fake_launchers.deepspeed_parser()) - real == set()
+    from accelerate.commands.launch import launch_command_parser
+
+    real = _options(launch_command_parser())
+    assert "--machine_rank" in real and "--config_file" in real
+    assert _options(fake_launchers.accelerate_parser()) - real == set()
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from course_lib.validate import check_bool, check_choice, check_divides, check_int
+from course_lib.validate import check_bool, check_choice, check_divides, check_int, check_number
 
 MLPS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
@@ -60,6 +60,9 @@ class ModelShape:
     bias: bool = True
     mlp: str = "gelu"
     norm: str = "layernorm"
+    # RoPE's base (rotary models only): it changes the model, not its size, yet an engine given
+    # another base trains another model (Llama 3 uses 500,000, Llama 2 and GPT-NeoX 10,000).
+    rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len"):
@@ -74,6 +77,7 @@ class ModelShape:
             check_bool(name, getattr(self, name))
         check_choice("mlp", self.mlp, MLPS)
         check_choice("norm", self.norm, NORMS)
+        check_number("rope_theta", self.rope_theta, 0, lo_open=True)
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -208,12 +212,13 @@ class ModelShape:
 
 
 _LLAMA = dict(tied_embeddings=False, learned_pos_emb=False, bias=False, mlp="swiglu", norm="rmsnorm")
+_LLAMA3 = dict(_LLAMA, rope_theta=500000.0)  # Llama 3 paper, Section 3.1.1 (HF config.json: rope_theta)
 
 #: Published shapes. Sources: GPT-2 - Radford et al. 2019 Table 2 and the released checkpoints
 #: (vocab 50257, context 1024); GPT-3 - Brown et al. 2020 Table 2.1 (context 2048, GPT-2
 #: architecture); Llama 2 - Touvron et al. 2023 and the HF `config.json` files (context 4096,
 #: 70B uses 8 KV heads); Llama 3/3.1 - Llama 3 paper (Dubey et al. 2024) Table 3 and HF configs
-#: (vocab 128256, 8 KV heads; seq_len is the 8192-token pre-training context).
+#: (vocab 128256, 8 KV heads, RoPE base 500,000; seq_len is the 8192-token pre-training context).
 PRESETS: dict[str, ModelShape] = {
     "gpt2-small": ModelShape(12, 768, 12, 50257, 1024),
     "gpt2-medium": ModelShape(24, 1024, 16, 50257, 1024),
@@ -223,7 +228,7 @@ PRESETS: dict[str, ModelShape] = {
     "llama2-7b": ModelShape(32, 4096, 32, 32000, 4096, d_ff=11008, **_LLAMA),
     "llama2-13b": ModelShape(40, 5120, 40, 32000, 4096, d_ff=13824, **_LLAMA),
     "llama2-70b": ModelShape(80, 8192, 64, 32000, 4096, d_ff=28672, n_kv_heads=8, **_LLAMA),
-    "llama3-8b": ModelShape(32, 4096, 32, 128256, 8192, d_ff=14336, n_kv_heads=8, **_LLAMA),
-    "llama3-70b": ModelShape(80, 8192, 64, 128256, 8192, d_ff=28672, n_kv_heads=8, **_LLAMA),
-    "llama3-405b": ModelShape(126, 16384, 128, 128256, 8192, d_ff=53248, n_kv_heads=8, **_LLAMA),
+    "llama3-8b": ModelShape(32, 4096, 32, 128256, 8192, d_ff=14336, n_kv_heads=8, **_LLAMA3),
+    "llama3-70b": ModelShape(80, 8192, 64, 128256, 8192, d_ff=28672, n_kv_heads=8, **_LLAMA3),
+    "llama3-405b": ModelShape(126, 16384, 128, 128256, 8192, d_ff=53248, n_kv_heads=8, **_LLAMA3),
 }

@@ -74,8 +74,8 @@ _PROGRAMS = {
     "torchrun": "comes with torch: activate the kit's environment first (source .venv/bin/activate)",
     "deepspeed": "comes with DeepSpeed, which ./kit installs: activate the kit's environment first "
                  "(source .venv/bin/activate)",
-    "accelerate": "Hugging Face accelerate is not part of the kit: pip install accelerate "
-                  "(launch_torchrun.sh needs nothing extra)",
+    "accelerate": "Hugging Face accelerate: ./kit setup installs it in the kit's venv, elsewhere pip install "
+                  "accelerate (launch_torchrun.sh needs nothing extra)",
 }
 
 
@@ -138,7 +138,8 @@ def build_files(args: argparse.Namespace) -> dict[str, str]:
                                       "\n".join(x for x in (restart_comment(cluster), nccl) if x), needs="torchrun"),
         "hostfile": node_note + C.hostfile_text(hosts, cluster.nproc_per_node),
         "launch_deepspeed.sh": _script("deepspeed launcher; the trainer writes its ds_config.json to "
-                                       f"{out}/ds_config.json (a copy is in {args.out}/ds_config.json)", ds, nccl,
+                                       f"{out}/ds_config.json (a copy is in {args.out}/ds_config.json)", ds,
+                                       nccl + (C.deepspeed_env_block(nccl, args.out) if cluster.nodes > 1 else ""),
                                        needs="deepspeed"),
         "accelerate_config.yaml": C.accelerate_config_yaml(cluster),
         "launch_accelerate.sh": _script("accelerate launch" + ("; run on every node with NODE_RANK set"

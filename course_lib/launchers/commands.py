@@ -10,6 +10,7 @@ much work a restart loses is ``checkpoint.save_every`` steps at most, so set it 
 """
 from __future__ import annotations
 
+import re
 import shlex
 from typing import Sequence
 
@@ -103,6 +104,25 @@ def deepspeed_command(config: str, overrides: Sequence[str], cluster: Cluster,
         head += ["--master_addr", cluster.master_addr]
     return head + ["--master_port", str(cluster.master_port), "--module"] \
         + trainer_args(config, overrides, out)[1:]
+
+
+def deepspeed_env_block(env: str, folder: str) -> str:
+    """Shell lines that pass every variable ``env`` exports to the ranks on the other nodes.
+
+    DeepSpeed's multi-node launcher starts them over pdsh with only ``NCCL*``, ``PYTHON*``, ``UCX*``,
+    ``MV2*`` and ``MLFLOW*`` of this shell's variables, plus the ``KEY=VALUE`` lines of the file
+    ``DS_ENV_FILE`` names (default ``.deepspeed_env``, in ``~`` or the working folder;
+    deepspeed/launcher/runner.py). The script writes that file when it runs, with this node's
+    values (so an override from the environment travels too): no comment lines, DeepSpeed reads
+    every line as ``KEY=VALUE``, so no variables means no file ("")."""
+    names = re.findall(r"^export ([A-Z_][A-Z0-9_]*)=", env, flags=re.M)
+    if not names:
+        return ""
+    lines = " ".join(f'"{n}=${n}"' for n in names)
+    return (f"# DeepSpeed's pdsh launcher passes on only NCCL*, PYTHON*, UCX*, MV2* and MLFLOW* variables and the\n"
+            f"# lines of the file DS_ENV_FILE names: every variable above goes there, with this node's values.\n"
+            f'export DS_ENV_FILE="{folder}/.deepspeed_env"\n'
+            f"printf '%s\\n' {lines} >\"$DS_ENV_FILE\"\n")
 
 
 def accelerate_config_yaml(cluster: Cluster, machine_rank: int = 0, mixed_precision: str = "no") -> str:

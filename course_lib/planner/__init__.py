@@ -10,7 +10,7 @@
 Modules: spec (validated inputs, PlanError naming flags) - hardware (GPU aliases, interconnect
 table) - costs (memory and step time of one layout) - search (enumerate, rank, why each lost) -
 stages (pipeline splits, virtual stages) - layout_score (--layout) - checkpoint_plan (Young/Daly) - configs (trainer TOML, DeepSpeed JSON, FSDP) - engines
-(torchtitan job config, Megatron-LM arguments) - launch_budget
+(what the engine files share) - torchtitan_job (job config + model module) - megatron_job (arguments + command) - launch_budget
 (scripts via course_lib.launchers, budget) - report (table, plan.md) - output (writing files) - cli.
 """
 from course_lib.planner.checkpoint_plan import CheckpointPlan, checkpoint_plan, young_daly_interval_s

@@ -96,6 +96,8 @@ def trainer_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan, mirror: st
             "n_heads": (sh.n_heads, ""), "n_kv_heads": (sh.kv_heads, ""), "d_ff": (sh.ffn_dim, ""),
             "norm": (sh.norm, ""), "mlp": (sh.mlp, ""),
             "position": ("learned" if sh.learned_pos_emb else "rope", ""),
+            **({} if sh.learned_pos_emb else {"rope_theta": (float(sh.rope_theta), "RoPE base (Megatron --rotary-base, "
+                                                                                    "torchtitan rope_theta)")}),
             "bias": (sh.bias, ""), "tie_embeddings": (sh.tied_embeddings, ""), "dropout": (0.0, ""),
             "checkpointing": (lay.recompute, "activation recomputation (under tp/pp too)"),
         },

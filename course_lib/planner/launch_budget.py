@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from course_lib.launchers import commands as C
-from course_lib.launchers.cluster import Cluster
+from course_lib.launchers.cluster import Cluster, restart_comment
 from course_lib.launchers.nccl_env import nccl_exports
 from course_lib.launchers.slurm import sbatch_script
 from course_lib.planner.checkpoint_plan import CheckpointPlan
@@ -59,15 +59,23 @@ def launch_files(spec: JobSpec, c: Candidate, config_path: str, plan_dir: str, t
     launch_accelerate.sh, job.sbatch. ``config_path`` is the TOML as the scripts will see it."""
     cluster = cluster_for(spec, c)
     nccl = nccl_exports(cluster)
+    # Each rank's share of the node's cores, as job.sbatch sets it (torchrun and DeepSpeed set 1).
+    threads = (f'# Each rank\'s share of the node\'s cores (the launchers would set 1).\n'
+               f'export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{max(1, cluster.cpus_per_task // cluster.nproc_per_node)}}}"\n')
     if cluster.nodes == 1:
         torchrun = C.shell_join(C.torchrun_single_node(config_path, [], cluster, train_out))
-        hosts, note = ["localhost"], ""
+        hosts, note, torchrun_env = ["localhost"], "", threads + nccl
     else:
         torchrun = ('RDZV_HOST="${RDZV_HOST:?set RDZV_HOST to the first node (the rendezvous host)}"\n'
                     + C.shell_join(C.torchrun_multi_node(config_path, [], cluster, train_out,
                                                          endpoint=f"${{RDZV_HOST}}:{cluster.master_port}")))
         hosts = [f"node{i}" for i in range(cluster.nodes)]
         note = "# Replace node0.. with your host names; deepspeed reaches them over ssh (pdsh).\n"
+        # the same fresh store per restart attempt as job.sbatch (--max-restarts on several nodes)
+        torchrun_env = restart_comment(cluster) + "\n" + threads + nccl
+    ds_env = threads + nccl
+    if cluster.nodes > 1:
+        ds_env += C.deepspeed_env_block(ds_env, plan_dir)
     ds = C.shell_join(C.deepspeed_command(config_path, [], cluster, train_out, hostfile=f"{plan_dir}/hostfile"))
     rank = "0" if cluster.nodes == 1 else "$NODE_RANK"
     acc = C.shell_join(C.accelerate_command(config_path, [], cluster, train_out,
@@ -89,12 +97,12 @@ def launch_files(spec: JobSpec, c: Candidate, config_path: str, plan_dir: str, t
     every = "; run on every node" if cluster.nodes > 1 else ""
     return {
         "launch_torchrun.sh": _script(f"torchrun: {cluster.nodes} node(s) x {cluster.nproc_per_node} GPU(s){every}",
-                                      torchrun, nccl),
+                                      torchrun, torchrun_env),
         "hostfile": note + C.hostfile_text(hosts, cluster.nproc_per_node),
         "launch_deepspeed.sh": _script("deepspeed launcher (train.strategy=deepspeed; ZeRO stage from the TOML)",
-                                       ds, nccl),
+                                       ds, ds_env),
         "accelerate_config.yaml": acc_yaml,
-        "launch_accelerate.sh": _script(f"accelerate launch{every}", acc, nccl),
+        "launch_accelerate.sh": _script(f"accelerate launch{every}", acc, threads + nccl),
         "job.sbatch": sbatch_script(config_path, [], cluster, train_out).replace("{DIR}", plan_dir),
     }
 

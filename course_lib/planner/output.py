@@ -10,15 +10,17 @@ from pathlib import Path
 
 from course_lib.planner.checkpoint_plan import checkpoint_plan
 from course_lib.planner.configs import deepspeed_json, deepspeed_supports, fsdp_settings, trainer_toml
-from course_lib.planner.engines import megatron_args_text, torchtitan_toml
 from course_lib.planner.launch_budget import budget, launch_files
+from course_lib.planner.megatron_job import megatron_args_text
 from course_lib.planner.report import plan_markdown
 from course_lib.planner.search import Plan
+from course_lib.planner.torchtitan_job import torchtitan_model_py, torchtitan_toml, torchtitan_unsupported
 
 #: Every file `course plan` may write (and the only ones it ever replaces).
 PLAN_FILES = ("plan.md", "train.toml", "ds_config.json", "fsdp_settings.json", "budget.json",
               "launch_torchrun.sh", "launch_deepspeed.sh", "hostfile", "accelerate_config.yaml",
-              "launch_accelerate.sh", "job.sbatch", "torchtitan.toml", "megatron_args.txt")
+              "launch_accelerate.sh", "job.sbatch", "torchtitan.toml", "torchtitan_model.py",
+              "megatron_args.txt")
 
 
 def plan_files(plan: Plan, out_dir: str | Path, *, mirror: str = "", validate_ds: bool = True) -> dict[str, str]:
@@ -32,8 +34,10 @@ def plan_files(plan: Plan, out_dir: str | Path, *, mirror: str = "", validate_ds
     train_out = f"runs/{spec.model_name}-{spec.gpus}gpu"
     files = {"train.toml": trainer_toml(spec, best, ck, mirror),
              "fsdp_settings.json": json.dumps(fsdp_settings(spec, best), indent=2) + "\n",
-             "torchtitan.toml": torchtitan_toml(spec, best, ck),        # the engines people run at scale
-             "megatron_args.txt": megatron_args_text(spec, best, ck)}
+             "megatron_args.txt": megatron_args_text(spec, best, ck, out)}  # the engines people run at scale
+    if not torchtitan_unsupported(spec):  # else plan.md says why there is no torchtitan file
+        files["torchtitan.toml"] = torchtitan_toml(spec, best, ck, out)
+        files["torchtitan_model.py"] = torchtitan_model_py(spec)
     deepspeed_runs_it = deepspeed_supports(best)
     if deepspeed_runs_it:  # DeepSpeed runs data parallelism here; no script for a layout it cannot start
         files["ds_config.json"] = json.dumps(deepspeed_json(spec, best, validate=validate_ds), indent=2) + "\n"
@@ -43,7 +47,7 @@ def plan_files(plan: Plan, out_dir: str | Path, *, mirror: str = "", validate_ds
     if not deepspeed_runs_it:
         del launch["launch_deepspeed.sh"], launch["hostfile"]
     files.update(launch)
-    files["plan.md"] = plan_markdown(plan, ck, bud, sorted(files) + ["plan.md"])
+    files["plan.md"] = plan_markdown(plan, ck, bud, sorted(files) + ["plan.md"], out, train_out)
     return files
 
 

@@ -6,10 +6,12 @@ import dataclasses
 from course_lib.estimate import format_bytes
 from course_lib.planner.checkpoint_plan import CheckpointPlan
 from course_lib.planner.costs import Candidate, evaluate
-from course_lib.planner.engines import MEGATRON_VERSION, TORCHTITAN_VERSION, megatron_layout_args
+from course_lib.planner.engines import MEGATRON_VERSION, TORCHTITAN_VERSION
+from course_lib.planner.megatron_job import MEGATRON_INPUTS, megatron_command, megatron_layout_args
 from course_lib.planner.search import Plan, why_lost, why_not_fit
 from course_lib.planner.spec import JobSpec
 from course_lib.planner.stages import compact_counts
+from course_lib.planner.torchtitan_job import TORCHTITAN_INPUTS, torchtitan_command, torchtitan_unsupported
 
 
 def table(plan: Plan, n: int = 6) -> str:
@@ -109,8 +111,47 @@ def megatron_flags(spec: JobSpec, c: Candidate) -> str:
             "(every argument, with the model's shape and the schedule: `megatron_args.txt`)")
 
 
-def plan_markdown(plan: Plan, ck: CheckpointPlan | None, budget: dict | None, files: list[str]) -> str:
-    """The whole plan in words: choice, why, runners-up, checkpoints, budget, assumptions."""
+def start_commands(spec: JobSpec, c: Candidate, files: list[str], plan_dir: str, train_out: str) -> list[str]:
+    """plan.md's "How to start it": per engine, the one command and what the user provides."""
+    d = plan_dir
+    every = " on every node" if spec.nodes > 1 else ""
+    rdzv = "RDZV_HOST=<first node> " if spec.nodes > 1 else ""
+    out = ["## How to start it", "", "From the kit's root (the scripts name the plan's files by this path); what you "
+           "provide follows each command.", "",
+           f"- **this kit's trainer, torchrun**{every}: `{rdzv}bash {d}/launch_torchrun.sh`. Provide: the data "
+           "(`[data]` in train.toml: the bundled text, or your corpus with `course data prepare`); checkpoints go to "
+           f"`{train_out}`.",
+           f"- **the same under SLURM**: `mkdir -p {train_out} && sbatch {d}/job.sbatch` (SLURM opens the job's log "
+           f"in `{train_out}` before the script runs, so the folder must exist first); it requeues itself at the "
+           "time limit."]
+    if "launch_deepspeed.sh" in files:
+        out.append(f"- **DeepSpeed**: `bash {d}/launch_deepspeed.sh`"
+                   + (f" on the first host of `{d}/hostfile` (the others reached over ssh/pdsh; the variables the "
+                      f"ranks need travel in `{d}/.deepspeed_env`, which the script writes)" if spec.nodes > 1 else "")
+                   + ". Provide: the data, as for torchrun.")
+    else:
+        out.append("- **DeepSpeed**: no script: the kit's DeepSpeed strategy runs data parallelism only (see above).")
+    out.append(f"- **accelerate**{every}: `bash {d}/launch_accelerate.sh`"
+               + (" (under SLURM, or with MASTER_ADDR and NODE_RANK set)" if spec.nodes > 1 else "")
+               + ". Provide: `pip install accelerate`, and the data as for torchrun.")
+    out.append(f"- **Megatron-LM {MEGATRON_VERSION}**{every}"
+               + (" (HEAD_NODE = the first node, JOB_ID = one id for all nodes)" if spec.nodes > 1 else "")
+               + f": `{megatron_command(spec, c, d)}`. Provide: "
+               + "; ".join(f"`{k}`: {v}" for k, v in MEGATRON_INPUTS.items()) + ".")
+    why = torchtitan_unsupported(spec)
+    if why:
+        out.append(f"- **torchtitan {TORCHTITAN_VERSION}**: no file: {why}.")
+    else:
+        out.append(f"- **torchtitan {TORCHTITAN_VERSION}**{every}: `{torchtitan_command(spec, d)}` "
+                   f"(`{d}/torchtitan_model.py` registers the plan's exact model). Provide: "
+                   + "; ".join(f"{k}: {v}" for k, v in TORCHTITAN_INPUTS.items()) + ".")
+    return out
+
+
+def plan_markdown(plan: Plan, ck: CheckpointPlan | None, budget: dict | None, files: list[str],
+                  plan_dir: str = ".", train_out: str = "runs/plan") -> str:
+    """The whole plan in words: choice, why, runners-up, how to start it, checkpoints, budget,
+    assumptions. ``plan_dir`` and ``train_out`` are the folders the commands name."""
     spec, best = plan.spec, plan.best
     sh = spec.shape
     lines = [f"# Plan: {spec.model_name} ({sh.num_params() / 1e9:.2f}B parameters) on {spec.gpus} x {spec.gpu_name}",
@@ -140,10 +181,14 @@ def plan_markdown(plan: Plan, ck: CheckpointPlan | None, budget: dict | None, fi
                      f"(tp = pp = cp = 1), and this layout has tp {lay.tp} x pp {lay.pp} x cp {lay.cp}. The kit runs "
                      "it with `launch_torchrun.sh` / `job.sbatch`; DeepSpeed users carry the layout to "
                      "Megatron-DeepSpeed with the flags above.")
+    titan = torchtitan_unsupported(spec)
     lines += ["", "## The same layout in production frameworks", "", megatron_flags(spec, best), "",
-              f"torchtitan ({TORCHTITAN_VERSION}): `torchtitan.toml` (`--job.config_file`) carries the same degrees, "
-              "pipeline schedule and blocks per stage, recomputation, batch and checkpoint interval.", "",
+              f"torchtitan ({TORCHTITAN_VERSION}): " + (f"no `torchtitan.toml`: {titan}." if titan else
+              "`torchtitan.toml` (`--job.config_file`) carries the same degrees, pipeline schedule and blocks per "
+              "stage, recomputation, batch and checkpoint interval; `torchtitan_model.py` registers the plan's model "
+              "(shape, vocabulary, RoPE) with torchtitan's Llama code."), "",
               deepspeed + " `fsdp_settings.json` says whether FSDP2 fits the plan."]
+    lines += [""] + start_commands(spec, best, files, plan_dir, train_out)
     lines += ["", "## Checkpoints", "",
               f"- format: {ck.format_reason}.",
               f"- size: {format_bytes(ck.checkpoint_bytes, 'GB')} (weights + fp32 master + optimizer moments); "

@@ -40,7 +40,8 @@ def hand_to_trainer(tool: str, program: list[str], module: bool, env: dict[str, 
     """Run the trainer's config check for the command ``program`` (``[module_or_script, *args]``)
     with rank 0's environment ``env``; log and return the exit code."""
     record = {"tool": tool, **facts, "program": program[:1], "node_env": {
-        k: os.environ[k] for k in ("SLURM_NODEID", "SLURM_PROCID", "FAKE_NODE_RANK") if k in os.environ}}
+        k: os.environ[k] for k in ("SLURM_NODEID", "SLURM_PROCID", "FAKE_NODE_RANK", "SLURM_CPUS_PER_TASK",
+                                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE") if k in os.environ}}
     if not module or program[0] != "course_lib.train":
         return _log(record, 1, error=f"{tool} (fake) checks only `-m course_lib.train ...`, got {program[:2]}")
     os.environ.update(env)
@@ -82,7 +83,8 @@ def _rank_env(world: int, nproc: int, node_rank: int, addr: str, port: int) -> d
 # ---------------------------------------------------------------------------------- torchrun
 
 def torchrun_parser() -> argparse.ArgumentParser:
-    """torch.distributed.run's options that the kit's scripts may use, with torchrun's defaults."""
+    """torch.distributed.run's options that the kit's scripts may use, with torchrun's defaults.
+    ``FAKE_TORCHRUN_OLD=1`` plays an older torch, whose torchrun has no ``--shutdown-timeout``."""
     p = argparse.ArgumentParser(prog="torchrun")
     p.add_argument("--nnodes", default="1:1")
     p.add_argument("--nproc-per-node", "--nproc_per_node", default="1")
@@ -93,7 +95,8 @@ def torchrun_parser() -> argparse.ArgumentParser:
     p.add_argument("--standalone", action="store_true")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0)
     p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1)
-    p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=30)
+    if os.environ.get("FAKE_TORCHRUN_OLD") != "1":
+        p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=30)
     p.add_argument("--node-rank", "--node_rank", type=int, default=0)
     p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
     p.add_argument("--master-port", "--master_port", type=int, default=29500)
@@ -147,7 +150,8 @@ def torchrun(argv: list[str]) -> int:
     world = nnodes * nproc
     facts = {"world_size": world, "nnodes": nnodes, "nproc_per_node": nproc, "node_rank": node_rank,
              "rdzv_backend": backend, "rdzv_endpoint": endpoint, "rdzv_id": a.rdzv_id,
-             "master_addr": addr, "max_restarts": a.max_restarts}
+             "master_addr": addr, "max_restarts": a.max_restarts,
+             "shutdown_timeout": getattr(a, "shutdown_timeout", None)}
     env = {**_rank_env(world, nproc, node_rank, addr, port), "TORCHELASTIC_RUN_ID": a.rdzv_id,
            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts)}
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # torchrun's default: 1

@@ -1,0 +1,42 @@
+"""The engines' own code for the plan-file tests, imported the way they can be on a CPU machine.
+
+torchtitan 0.2.0 (a dev dependency, pyproject.toml) imports triton when its package is imported:
+``torchtitan/__init__.py`` imports ``torchtitan.components.quantization`` (to register its float8
+and MX converters), whose float8 module reaches ``torchtitan.models.moe.kernels`` and triton, a GPU
+compiler of several hundred MB that torch's CPU wheel does not bring. The clean way chosen here:
+create the ``torchtitan`` package from its installed spec **without running its ``__init__``**
+(:func:`torchtitan_package`). Its submodules then import normally from the installed files -
+config (ConfigManager, JobConfig), distributed.parallel_dims (ParallelDims), protocols.train_spec,
+models.llama3 (model args, Transformer, pipeline helpers) - and only the quantization converters,
+which the plan never names (``[model] converters`` is empty), are left unregistered.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+
+def torchtitan_package():
+    """The ``torchtitan`` package object, created from its spec without its ``__init__`` (see the
+    module's docstring); skips the test when torchtitan 0.2.0 is not installed."""
+    import pytest
+
+    if "torchtitan" in sys.modules:
+        return sys.modules["torchtitan"]
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is None:
+        pytest.skip("torchtitan is not installed (./kit setup installs torchtitan==0.2.0)")
+    from importlib.metadata import version
+
+    if version("torchtitan") != "0.2.0":
+        pytest.skip(f"torchtitan {version('torchtitan')} is installed; the plan files are for 0.2.0")
+    package = importlib.util.module_from_spec(spec)  # __path__ set: submodules import from the wheel
+    sys.modules["torchtitan"] = package
+    return package
+
+
+def torchtitan(module: str):
+    """A torchtitan submodule, e.g. ``torchtitan("config.manager")``, imported from the wheel."""
+    torchtitan_package()
+    return importlib.import_module(f"torchtitan.{module}")
