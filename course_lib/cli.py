@@ -24,6 +24,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.clear_stale_locks:
         for path in doctor.clear_stale_locks():
             print(f"removed stale op build lock {path}")
+    if args.measure_peak:
+        print("measuring this CPU's matmul peak for MFU (fp32 and bf16, 1 thread up to every core) ...", flush=True)
+        doctor.measure_peak()
     report = doctor.gather(load_ops=args.load_ops, root=find_root())
     print(json.dumps(report, indent=2) if args.json else doctor.format_report(report))
     return 1 if report["problems"] else 0
@@ -135,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clear-stale-locks", action="store_true",
                    help="first delete op build locks left by killed builds (no process holds them, "
                         "older than COURSE_OP_LOCK_STALE_S, default 120 s)")
+    p.add_argument("--measure-peak", action="store_true",
+                   help="first measure this CPU's fp32/bf16 matmul peak and stamp it into the venv, where the "
+                        "trainer's MFU reads it (run it on a quiet machine; a few seconds per core count)")
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("notebooks", help="generate .ipynb files from the .py sources")

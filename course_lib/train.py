@@ -14,6 +14,7 @@ scale at once); the learning rate, timings and metrics are host values.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -35,6 +36,7 @@ from course_lib.trainer.config import ConfigError
 from course_lib.watch import control as watch_control
 from course_lib.trainer import profiling
 from course_lib.trainer import utilization
+from course_lib.trainer.cpu_peak import Peak
 from course_lib.trainer.mfu import MfuGuard, model_flops_per_token
 from course_lib.trainer.progress import StepBar, Throughput, append_event, run_summary, step_row
 # Start-up facts live in trainer.startup; their names stay importable from here (course_lib.train.
@@ -64,6 +66,7 @@ class TrainResult:
     strategy: Any = field(default=None, repr=False)  # the strategy (e.g. strategy.full_weights())
     stopped_by: str | None = None  # signal that stopped the run early after a checkpoint (course_lib.watch)
     val_loss: float | None = None  # nats/token on data.val_path after the last step (rank 0; OUT/val.json)
+    peak: Any = None  # the MFU peak (trainer.cpu_peak.Peak): FLOP/s per device and where it came from
 
 
 def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[str] = (),
@@ -140,9 +143,12 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     log = open_log(resume_step=start)
 
     tokens_per_step = t["micro_batch"] * t["grad_accum"] * d["seq_len"] * strategy.dp_size
+    peak = _agreed_peak(Peak.of(_peak_flops(cfg, device)), info)  # config, datasheet, doctor's stamp or start-up
+    if strategy.is_writer:  # which peak every MFU of this run divides by, and why that one
+        (out_dir / "mfu_peak.json").write_text(json.dumps(dataclasses.asdict(peak), indent=2) + "\n")
     throughput = Throughput(tokens_per_step, model_flops_per_token(model, d["seq_len"]),
-                            MfuGuard(_peak_flops(cfg, device), info.world_size, configured=t["peak_flops"] > 0,
-                                     warn=strategy.is_writer))  # never above 100%: an unreliable peak logs None
+                            MfuGuard(peak.flops, info.world_size, configured=peak.source == "config",
+                                     warn=strategy.is_writer, source=peak.source))  # an unreliable peak logs None
     bar = StepBar(enabled=t["progress"] and strategy.is_writer, start=start, max_steps=t["max_steps"],
                   log_every=t["log_every"], throughput=throughput)
     skipped, rollbacks = 0, 0
@@ -228,7 +234,24 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     # strategy.model: this rank's trained module (under tensor/pipeline parallelism its shard or
     # stage; the dense ``model`` it was cut from is not trained).
     return TrainResult(step, start, last_loss, skipped, out_dir, rollbacks, strategy.model, str(device),
-                       info.backend, strategy, stopped_by=control.stopped_by, val_loss=val_loss)
+                       info.backend, strategy, stopped_by=control.stopped_by, val_loss=val_loss, peak=peak)
+
+
+def _agreed_peak(peak: Peak, info) -> Peak:
+    """The peak every rank divides by. A peak measured at start-up is each rank's own, taken while
+    the other ranks were busy doing the same: the ranks agree on the highest (the one least lowered
+    by the others; one tiny all-reduce), so every rank logs an MFU and none logs it from a peak its
+    neighbours pushed down. Configured, datasheet and stamped peaks are already the same everywhere."""
+    if peak.source != "start-up" or info.world_size == 1 or info.backend is None:
+        return peak
+    import torch.distributed as dist
+
+    rate = torch.tensor([peak.flops], dtype=torch.float64)
+    if info.backend == "nccl":
+        rate = rate.cuda()
+    dist.all_reduce(rate, op=dist.ReduceOp.MAX)
+    return dataclasses.replace(peak, flops=float(rate.item()),
+                               detail=peak.detail + f"; the highest of {info.world_size} ranks' measurements")
 
 
 def _grads_to_check(strategy):

@@ -162,3 +162,14 @@ def refused(rank, world_size, fn, *args):
     except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def agreed_peak(rank, world_size):
+    """Each rank's start-up peak differs (rank r measured r + 1 FLOP/s: the others held its cores);
+    the trainer's agreement step gives every rank the highest."""
+    from course_lib.parallel.ranks.launch import DistInfo
+    from course_lib.train import _agreed_peak
+    from course_lib.trainer.cpu_peak import Peak
+
+    info = DistInfo(rank, world_size, rank, torch.device("cpu"), "gloo")
+    return _agreed_peak(Peak(float(rank + 1), "start-up", "measured at start-up"), info).flops

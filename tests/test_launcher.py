@@ -182,6 +182,10 @@ def test_init_distributed_single_process(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     info = launch.init_distributed()
     assert (info.rank, info.world_size, info.backend, info.is_main) == (0, 1, None, True)
+    # what a script prints about it says what that means, not "backend None"
+    assert info.describe().startswith("one process, no process group (not started by torchrun)")
+    assert "None" not in info.describe()
+    assert launch.DistInfo(1, 2, 1, "cpu", "gloo").describe() == "rank 1 of 2 on gloo (cpu)"
     with pytest.raises(ValueError, match="backend must be"):
         launch.init_distributed(backend="carrier-pigeon")
 

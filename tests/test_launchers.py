@@ -226,3 +226,27 @@ def test_jobs_restart_by_default_and_several_nodes_get_a_fresh_store_per_attempt
         export = sbatch.index("export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
         assert export < sbatch.index('"$TORCHRUN"') if '"$TORCHRUN"' in sbatch else export >= 0
     assert "TORCH_DISABLE_SHARE" not in sbatch_script(CONFIG, [], Cluster(nodes=2, max_restarts=0))
+
+
+def test_torchrun_scripts_give_each_rank_its_cores_so_torchrun_prints_no_banner(tmp_path):
+    """torchrun sets OMP_NUM_THREADS=1 and prints a banner about it whenever it is unset: the
+    generated script sets each rank's share of the node's cores first (an existing value wins),
+    and so does the torchrun ``course launch`` runs here."""
+    from course_lib.launchers.cli import omp_threads_env, omp_threads_export
+
+    line = omp_threads_export(4).splitlines()[-1]
+    for env, want in (({}, None), ({"OMP_NUM_THREADS": "3"}, "3")):
+        out = subprocess.run(["bash", "-c", f"{line}; echo $OMP_NUM_THREADS; nproc"], capture_output=True,
+                             text=True, check=True, env={"PATH": "/usr/bin:/bin", **env}).stdout.split()
+        assert out[0] == (want or str(max(1, int(out[1]) // 4)))
+    assert omp_threads_env(2, {"OMP_NUM_THREADS": "5"})["OMP_NUM_THREADS"] == "5"
+    assert int(omp_threads_env(64, {})["OMP_NUM_THREADS"]) == 1
+    with pytest.raises(ValueError, match="nproc_per_node"):
+        omp_threads_export(0)
+    parser = argparse.ArgumentParser()
+    add_launch_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["launch", "--config", str(ROOT / "labs" / "configs" / "tiny-cpu.toml"),
+                              "--nproc-per-node", "2", "--out", str(tmp_path / "l")])
+    from course_lib.launchers.cli import build_files
+
+    assert line.replace("4", "2") in build_files(args)["launch_torchrun.sh"]

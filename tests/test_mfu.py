@@ -76,3 +76,27 @@ def test_training_with_a_generous_peak_logs_mfu_fractions(tmp_path):
         train(cfg, tmp_path)
     rows = read_rows(tmp_path / "metrics.jsonl")
     assert all(r["mfu"] is not None and 0 < r["mfu"] < 1 for r in rows)
+
+
+def test_training_divides_by_the_stamped_peak_and_says_so(tmp_path, monkeypatch):
+    """With ``course doctor --measure-peak``'s stamp the run times nothing at start-up, writes which
+    peak it used to OUT/mfu_peak.json, and every MFU is tokens/s x FLOPs/token over that peak."""
+    import torch
+
+    from course_lib.trainer import cpu_peak, startup
+
+    monkeypatch.setenv(cpu_peak.STAMP_ENV, str(tmp_path / "stamp.json"))
+    threads = str(torch.get_num_threads())
+    cpu_peak.write_stamp({"float32": {"1": 1e12, threads: 1e12}})
+    monkeypatch.setattr(startup, "_measured_cpu_peak", lambda *a: pytest.fail("the stamp was not used"))
+    cfg = train_config.load(TINY, ["train.progress=false", "train.max_steps=2", "schedule.warmup_steps=1"])
+    result = train(cfg, tmp_path / "run")
+    used = json.loads((tmp_path / "run" / "mfu_peak.json").read_text())
+    assert used["source"] == "stamp" and used["flops"] == 1e12 and "--measure-peak" in used["detail"]
+    assert result.peak.flops == 1e12
+    rows = read_rows(tmp_path / "run" / "metrics.jsonl")
+    from course_lib.trainer.mfu import model_flops_per_token
+
+    per_token = model_flops_per_token(result.model, cfg["data"]["seq_len"])
+    for r in rows:
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * per_token / 1e12)

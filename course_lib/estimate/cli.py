@@ -155,6 +155,20 @@ def estimate(args) -> dict:
     return out
 
 
+def _peak_note(b: dict, micro_batches: int, unit: str) -> list[str]:
+    """Why the step peak and the total differ: the total sums every part as if all were live at
+    once; the step peak is what is live at its one moment (memory.training_step_peak_bytes)."""
+    if b["step_peak_at"] == "backward start":
+        grads = ("the gradients summed so far (micro-batches 2 and up)" if micro_batches > 1
+                 else "no gradients yet (one micro-batch: they are created during backward)")
+        when = (f"the start of backward: states with {grads}, all activations, and the output layer's "
+                f"gradient ({format_bytes(b['output_transient'], unit)})")
+    else:
+        when = "the optimizer step: every model state, activations already freed"
+    return ["  total = the four rows above summed, as if all were live at once;",
+            f"  step peak = what is live at {when}. A device must hold the step peak."]
+
+
 def _text(r: dict, unit: str) -> str:
     md, lay, asm, b = r["model"], r["layout"], r["assumptions"], r["per_rank_bytes"]
     rec = asm["recipe"]
@@ -179,6 +193,7 @@ def _text(r: dict, unit: str) -> str:
         f"  {'per rank':<34}{'':>{width - len(unit)}}{unit}",
     ]
     lines += [f"  {label:<34}{format_bytes(v, unit):>{width}}" for label, v in rows]
+    lines += _peak_note(b, lay["micro_batches"], unit)
     fl, cm = r["flops"], r["comm"]
     lines += [
         "",

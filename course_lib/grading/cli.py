@@ -45,8 +45,8 @@ def cmd_grade(args: argparse.Namespace) -> int:
         print(f"course grade: {exc}", file=sys.stderr)
         return 2
     if not sandbox.sandbox_available() or args.no_sandbox:
-        print("note: kernels ran WITHOUT namespaces (no network/process/file isolation); see the README's "
-              "grading section", file=sys.stderr)
+        print("note: kernels ran WITHOUT namespaces (no network/process/file isolation); see docs/GRADING.md, "
+              "Isolation", file=sys.stderr)
     for line in report.console_lines(graded):
         print(line)
     print(f"reports in {args.out}")

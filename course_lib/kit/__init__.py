@@ -9,4 +9,5 @@ tells a user whether this machine can run them.
 | ``notebook_paths`` | keeps the maintainer's paths out of committed lab outputs |
 | ``checks`` | ``check``, ``check_close``: the notebooks' checks, failing with a sentence |
 | ``doctor``, ``catalog`` | ``course doctor``: what this machine and install can do; what each lab needs |
+| ``course_map`` | the README's course map: each lab, its exercise, its recorded full-size time |
 """

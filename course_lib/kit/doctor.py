@@ -148,6 +148,35 @@ def _labs(root: Path | None, has_cuda: bool) -> list[dict]:
     return rows
 
 
+def _mfu_peak() -> dict:
+    """The CPU peak the trainer's MFU divides by (trainer/cpu_peak.py): the stamp's path, its fp32
+    and bf16 figures on 1 thread and on every core, when it was measured, or why there is none."""
+    import torch
+
+    from course_lib.trainer import cpu_peak
+
+    path = cpu_peak.stamp_path()
+    stamp, why = cpu_peak.read_stamp(path)
+    if stamp is None:
+        return {"path": str(path), "stamped": False, "why": why}
+    cores = stamp["cores"]
+    rates = {f"{dt}_{t}": cpu_peak.peak_from_stamp(stamp, dtype, t)
+             for dt, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)) for t in sorted({1, cores})}
+    return {"path": str(path), "stamped": True, "measured_at": stamp.get("measured_at"),
+            "load_1min": stamp.get("load_1min"), "cores": cores, "gflops": {
+                k: None if v is None else round(v / 1e9, 1) for k, v in rates.items()}}
+
+
+def measure_peak() -> dict:
+    """``course doctor --measure-peak``: time fp32 and bf16 matmuls on 1, 2, 4, ... threads up to
+    every core and stamp the best rates into the venv (trainer/cpu_peak.py), where the trainer's
+    MFU reads them. Run it on a quiet machine; a figure already stamped is only ever raised.
+    Returns the stamp written."""
+    from course_lib.trainer import cpu_peak
+
+    return cpu_peak.write_stamp(cpu_peak.measure())
+
+
 def gather(*, load_ops: bool = False, root: Path | None = None) -> dict:
     """Probe the machine and install. ``load_ops=True`` also builds/loads DeepSpeed's ops (the
     first time takes about a minute per op on 2 cores; cached in ``TORCH_EXTENSIONS_DIR``)."""
@@ -159,6 +188,7 @@ def gather(*, load_ops: bool = False, root: Path | None = None) -> dict:
         report["op_locks"] = _op_locks()  # before loading any op: a stale lock is the answer, not a hang
         report["deepspeed"] = _deepspeed_info(load_ops) if report["versions"]["deepspeed"] else {}
         report["labs"] = _labs(root, report["device"]["cuda_available"])
+        report["mfu_peak"] = _mfu_peak()
     report["kernel"] = _kernel_info()
     report["problems"] = problems(report)
     return report
@@ -217,6 +247,31 @@ def _split_stamps(stamps: list[str]) -> tuple[str, list[str]]:
     return ", ".join(common), [", ".join(x for x in p if x not in common) for p in parts]
 
 
+def _format_peak(peak: dict | None) -> list[str]:
+    """The report's MFU-peak line: the stamped figures, or how to stamp them."""
+    if not peak:
+        return []
+    if not peak["stamped"]:
+        return [f"MFU peak    not stamped ({peak['why']}): the trainer measures it at start-up instead, "
+                "which a busy machine makes low (MFU high); run `course doctor --measure-peak` on a quiet machine"]
+    by_dtype: dict[str, list[str]] = {}
+    for key, v in peak["gflops"].items():
+        dt, t = key.split("_")
+        if v is not None:
+            by_dtype.setdefault(dt, []).append(f"{v:,.1f} ({t} thread{'s' if t != '1' else ''})")
+    figures = "; ".join(f"{dt} {', '.join(parts)}" for dt, parts in by_dtype.items())
+    load = peak.get("load_1min")
+    busy = (f"; the machine was busy then (load {load:.1f} on {peak['cores']} cores), so these are low: "
+            "measure again when it is quiet (a stamp is only ever raised)") if busy_load(load, peak["cores"]) else ""
+    return [f"MFU peak    GFLOP/s {figures}; stamped {peak['measured_at']} ({peak['path']}){busy}"]
+
+
+def busy_load(load: float | None, cores: int) -> bool:
+    """Whether a 1-minute load average of ``load`` on ``cores`` cores means a peak measured then
+    is low: more than half the cores were already taken."""
+    return load is not None and load > cores / 2
+
+
 def format_report(report: dict) -> str:
     """Human-readable report (sizes in GiB = 2**30 bytes)."""
     lines = [f"Python      {report['python']}  ({report['executable']})"]
@@ -248,6 +303,7 @@ def format_report(report: dict) -> str:
             lines.append(f"deepspeed   accelerator {ds['accelerator']}, comm backend {ds['backend']}; {ops}")
     for lock in report.get("op_locks", []):
         lines.append(f"op lock     {lock['line']}")
+    lines.extend(_format_peak(report.get("mfu_peak")))
     k = report["kernel"]
     lines.append(f"kernel      '{KERNEL_NAME}': " + (
         f"registered ({k['python']})" if k.get("registered") else "NOT registered"))

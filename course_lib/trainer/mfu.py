@@ -1,16 +1,20 @@
 """MFU for the trainer: a robust measured CPU peak, and a guard that never reports MFU above 100%.
 
 MFU divides the model FLOP/s a run achieved by a peak. On a GPU the peak is a datasheet number;
-on a CPU the kit measures it (``measure.cpu_matmul_peak_flops``). A peak measured while another
-process holds the cores is too low, and every MFU divided by it is too high: lab 14 printed
-343% and the bf16 README example 608%. Two defences live here:
+on a CPU it is a measurement, and a peak measured while another process holds the cores is too
+low, so every MFU divided by it is too high: lab 14 printed 343% and the bf16 README example 608%.
+The defences:
 
-- ``robust_cpu_peak_flops`` times several sizes in interleaved passes and keeps the best timing
-  of all: a busy moment then costs one pass of one size, not the figure.
+- ``trainer.cpu_peak``: the peak ``course doctor --measure-peak`` measured once on a quiet machine
+  and stamped into the venv (the trainer's first choice; a busy machine can only make a new
+  measurement slower, and a stamp keeps the fastest).
+- ``robust_cpu_peak_flops`` (here): the start-up fallback without a stamp. It times several sizes
+  in interleaved passes and keeps the best timing of all: a busy moment then costs one pass of one
+  size, not the figure.
 - ``MfuGuard`` turns achieved FLOP/s into MFU and, the first time a step would exceed 100%,
   declares the peak unreliable: that row and every later one log MFU as ``None`` and one warning
-  names the fix (``train.peak_flops``). A ceiling the run beat is not a ceiling, so the values
-  under 100% it would still produce are not trusted either.
+  names the fix. A ceiling the run beat is not a ceiling, so the values under 100% it would still
+  produce are not trusted either.
 """
 from __future__ import annotations
 
@@ -75,13 +79,21 @@ class MfuGuard:
 
     ``peak_per_device`` 0 means unknown: every MFU is ``None``. ``configured`` says whether the peak
     came from ``train.peak_flops`` (the warning then says to raise it) or was looked up/measured
-    (the warning says to set it). ``warn`` False keeps non-writer ranks quiet.
+    (the warning says to set it). ``source`` (``trainer.cpu_peak.Peak.source``: "stamp",
+    "start-up", "datasheet", ...) lets the warning name the measurement it distrusts. ``warn``
+    False keeps non-writer ranks quiet.
     """
 
-    def __init__(self, peak_per_device: float, devices: int = 1, *, configured: bool, warn: bool = True):
+    def __init__(self, peak_per_device: float, devices: int = 1, *, configured: bool, warn: bool = True,
+                 source: str = ""):
+        if devices < 1:
+            raise ValueError(f"devices must be >= 1, got {devices}")
+        if peak_per_device < 0:
+            raise ValueError(f"peak_per_device must be >= 0 FLOP/s, got {peak_per_device}")
         self.peak_per_device = float(peak_per_device)
         self.peak_flops = self.peak_per_device * devices  # FLOP/s, all devices together
         self.configured = configured
+        self.source = "config" if configured else source
         self.warn = warn
         self.unreliable = False
 
@@ -101,12 +113,14 @@ class MfuGuard:
         return None
 
     def _message(self, value: float) -> str:
-        source = ("the configured train.peak_flops" if self.configured
-                  else "the peak measured at start-up (too low on a busy machine, or in a dtype this CPU "
-                  "emulates)")
+        source = {"config": "the configured train.peak_flops",
+                  "stamp": "the peak stamped by `course doctor --measure-peak` (measured while the machine "
+                           "was busy?)",
+                  "datasheet": "the datasheet peak"}.get(
+            self.source, "the peak measured at start-up (too low on a busy machine)")
         fix = ("raise train.peak_flops to this device's real peak" if self.configured
-               else "set train.peak_flops (FLOP/s per device) to a peak measured on an idle machine, "
-                    "e.g. lab 02's figure")
+               else "run `course doctor --measure-peak` on a quiet machine, or set train.peak_flops (FLOP/s "
+                    "per device) to a peak measured on an idle machine, e.g. lab 02's figure")
         return (f"MFU would be {value:.0%}, above 100%: {source} of {self.peak_per_device:.3g} FLOP/s per "
                 f"device is unreliable, so MFU is logged as absent (null) from here on; {fix}.")
 

@@ -181,7 +181,9 @@ def render_markdown(summary: dict) -> str:
     lines += ["## Definitions", ""] + [f"* `{k}`: {v}" for k, v in DEFINITIONS.items()]
     files = [f"`{r['files']['trace']}`" for r in ranks if r.get("files")]
     lines += ["", "Chrome traces (open in https://ui.perfetto.dev or chrome://tracing): " + ", ".join(files),
-              f"TensorBoard: `tensorboard --logdir {first['files']['tensorboard']}`", ""]
+              f"`{first['files']['tensorboard']}` holds the same traces in the layout of TensorBoard's profiler "
+              "plugin (torch-tb-profiler), which the kit does not install: plain `tensorboard` shows no profile "
+              "for them. Use the Chrome traces.", ""]
     return "\n".join(lines)
 
 

@@ -107,6 +107,8 @@ def run_summary(result, stop_exit_code: int) -> list[str]:
     lines = [f"{what} {where}, final loss {loss} nats/token, {result.skipped_steps} skipped, "
              f"{result.rollbacks} rolled back; metrics in {result.out_dir / 'metrics.jsonl'}"
              + (f"; validation loss {result.val_loss:.4f} nats/token" if result.val_loss is not None else "")]
+    if getattr(result, "peak", None) is not None:
+        lines.append(result.peak.describe())
     if result.stopped_by:
         lines.append(f"stopped by {result.stopped_by} after step {result.steps}, checkpoint saved: continue with "
                      f"--resume auto (exit {stop_exit_code})")

@@ -66,11 +66,16 @@ def rank_seed(seed: int, rank: int) -> int:
     return (seed * 1_000_003 + 7919 * (rank + 1)) % (2**63 - 1)
 
 
-def peak_flops(cfg: dict, device: torch.device) -> float:
-    """FLOP/s per device for MFU: the config's, a datasheet's (CUDA), or this CPU's measured peak
-    (0.0: an unknown GPU, MFU then logs as absent)."""
+def peak_flops(cfg: dict, device: torch.device):
+    """The peak MFU divides by (a :class:`~course_lib.trainer.cpu_peak.Peak`: FLOP/s per device and
+    where it came from): the config's ``train.peak_flops``, a datasheet's (CUDA; 0.0 for an unknown
+    GPU, MFU then logs as absent), or on a CPU the peak ``course doctor --measure-peak`` stamped
+    into the venv; without a stamp, a measurement at start-up, labelled as the fallback it is (a
+    busy machine makes it low, and MFU high)."""
+    from course_lib.trainer.cpu_peak import MEASURE_HINT, Peak, stamped_peak
+
     if cfg["train"]["peak_flops"] > 0:
-        return cfg["train"]["peak_flops"]
+        return Peak(cfg["train"]["peak_flops"], "config", "train.peak_flops from the config")
     if device.type == "cuda":
         from course_lib.estimate import hardware
 
@@ -81,10 +86,23 @@ def peak_flops(cfg: dict, device: torch.device) -> float:
         dtype = {"fp32": fp32, "bf16": "bf16", "fp16": "fp16"}[cfg["train"]["precision"]]
         for key, acc in hardware.ACCELERATORS.items():  # first entry of the chip family (e.g. h100)
             if key.split("-")[0] in name:
-                return acc.peak_flops(dtype)
-        return 0.0  # unknown GPU: MFU is reported as n/a rather than guessed
+                return Peak(acc.peak_flops(dtype), "datasheet", f"{key} datasheet, dense {dtype}")
+        return Peak(0.0, "datasheet", f"no datasheet for {name!r}: set train.peak_flops")
+    # fp16 on a CPU is a loss-scaling demonstration whose matmuls run on the fp32 units: fp32's peak.
     dtype = torch.bfloat16 if cfg["train"]["precision"] == "bf16" else torch.float32
-    return _measured_cpu_peak(dtype, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    flops, detail = stamped_peak(dtype, threads)
+    if flops:
+        return Peak(flops, "stamp", detail)
+    rate, used = max((_measured_cpu_peak(dt, threads), dt) for dt in _peak_dtypes(dtype))
+    return Peak(rate, "start-up", f"{str(used).removeprefix('torch.')} on {threads} thread(s), measured at "
+                f"start-up: a fallback that a busy machine makes low (and MFU high); {detail}; {MEASURE_HINT}")
+
+
+def _peak_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    from course_lib.trainer.cpu_peak import cpu_peak_dtypes
+
+    return cpu_peak_dtypes(dtype)
 
 
 _CPU_PEAKS: dict[tuple, float] = {}  # (dtype, threads) -> FLOP/s: the chip does not change within a process

@@ -73,6 +73,13 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def describe(self) -> str:
+        """One line for a log: "rank 0 of 2 on gloo (cpu)", or, started without torchrun, "one
+        process, no process group (not started by torchrun) on cpu" rather than a backend of None."""
+        if self.backend is None:
+            return f"one process, no process group (not started by torchrun) on {self.device}"
+        return f"rank {self.rank} of {self.world_size} on {self.backend} ({self.device})"
+
 
 # --------------------------------------------------------------------------------------------
 # torchrun side
