@@ -28,6 +28,7 @@ KILL_AFTER = 17  # section 6: SIGKILL a worker once this many steps are logged
 SIGNAL_AFTER = 23  # section 7: SIGUSR1 to a worker once this many steps are logged
 
 # %%
+import json
 import signal
 import tempfile
 from pathlib import Path
@@ -39,6 +40,7 @@ from course_lib.trainer import config as train_config
 from course_lib.labs import lab14_capstone as capstone
 from course_lib.kit.checks import check
 from course_lib.trainer.metrics import read_rows
+from course_lib.trainer.profiling import load_summary
 from course_lib.parallel.mesh import mesh_layout
 from course_lib.watch import STOP_EXIT_CODE
 
@@ -150,15 +152,24 @@ summary = (RUNS / "reference" / "profile" / "summary.md").read_text()
 print("\n".join(summary.splitlines()[:22]))
 print(f"... traces for chrome://tracing or ui.perfetto.dev: "
       f"{sorted(p.name for p in (RUNS / 'reference' / 'profile').glob('trace_rank*.json'))}")
+peak = json.loads((RUNS / "reference" / "mfu_peak.json").read_text())
+print(f"MFU divides by {peak['flops'] / 1e9:.1f} GFLOP/s per rank: {peak['detail'] or peak['source']}")
+profiled = load_summary(RUNS / "reference")["ranks"]
+mfus = [s["mfu"] for r in profiled for s in r["steps"]]
+check(peak["source"] in ("stamp", "start-up"), f"on a CPU the peak comes from course doctor's stamp or, without one, "
+      f"from a measurement at start-up; this run used {peak['source']!r}")
+check(all(m is not None and 0 < m < 0.5 for m in mfus),
+      f"every rank's profiled steps should have an MFU, well below 100% at this size; got {mfus}")
 
 # %% [markdown]
 # **What you should see:** attention and the matmuls (`aten::mm`, `aten::addmm`) on top; a few to
 # a few tens of percent of each step in exposed communication (the gradient all-reduce over
-# loopback that backward could not hide). The MFU column divides the step's model FLOP/s by the
-# peak this CPU measured when the run started; it reads n/a when that measurement came out too
-# low (a busy machine) and an MFU would have exceeded 100%: the trainer logs no figure rather than
-# an impossible one (lab 02 shows how to measure a peak you can trust, and `train.peak_flops`
-# sets it).
+# loopback that backward could not hide). The MFU column, on every rank, divides the step's model
+# FLOP/s by this CPU's peak as `course doctor --measure-peak` (run by `./kit setup`) stamped it on a
+# quiet machine; the last line says which peak the run used (`RUNS/reference/mfu_peak.json`). Expect
+# a few percent at this size, far below 100% (the check holds it under 50%): a busy machine only
+# slows the steps, so it can lower this MFU but not raise it. Without a stamp the trainer
+# measures at start-up instead, says so, and a busy start-up can then make MFU look higher.
 #
 # ## Checkpoints, twice
 #
