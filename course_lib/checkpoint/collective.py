@@ -51,6 +51,25 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def agreed_choice(choose: Callable[[], tuple], what: str, root: Path, group: Any = None) -> tuple | None:
+    """The checkpoint every rank of ``group`` loads: the first rank runs ``choose()`` (a
+    ``(kind, name, manifest, source)`` tuple) and broadcasts it. None on every rank when there is
+    nothing to load; ``CheckpointLoadError`` on every rank when the choice failed, so no rank waits
+    for a choice that never comes."""
+    chosen = None
+    if dist.get_rank(group) == 0:
+        try:
+            chosen = choose()
+        except BaseException as e:  # the others wait for the choice: tell them, then fail
+            chosen = ("error", f"choosing a {what} checkpoint under {root} failed: {describe(e)}", [], None)
+    chosen = broadcast(chosen, group)
+    if chosen[0] == "none":
+        return None
+    if chosen[0] == "error":
+        raise CheckpointLoadError(chosen[1], chosen[2])
+    return chosen
+
+
 def newest_first(root: Path, format: str) -> tuple[list[tuple[int, str, dict]], dict[str, str]]:
     """``([(seq, name, manifest)] newest first (unverified), {name: why the manifest is unreadable})``
     of the checkpoints of ``format`` under ``root``."""

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from course_lib.validate import check_bool, check_int
 
 from . import io as cio
-from .collective import agree, broadcast, choose_newest, collective_save, describe, newest_first
+from .collective import agree, agreed_choice, broadcast, choose_newest, collective_save, describe, newest_first
 from .io import CheckpointCorruptError, CheckpointLoadError
 from .dcp_trust import RestrictedFileSystemReader, SafeLoadPlanner, read_metadata_file
 from .state import LoadResult, capture_rng, restore_rng_state
@@ -201,17 +201,10 @@ def load_sharded(root: str | Path, model: torch.nn.Module, optimizer: Any = None
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     root, rank = Path(root), dist.get_rank(process_group)
-    chosen = None
-    if rank == 0:
-        try:
-            chosen = _choose(root, mirror)
-        except BaseException as e:  # the others wait for the choice: tell them, then fail
-            chosen = ("error", f"choosing a sharded checkpoint under {root} failed: {_describe(e)}", [], None)
-    kind, name, manifest, source = _broadcast(chosen, process_group)
-    if kind == "none":
+    chosen = agreed_choice(lambda: _choose(root, mirror), "sharded", root, process_group)
+    if chosen is None:
         return None
-    if kind == "error":
-        raise CheckpointLoadError(name, manifest)
+    kind, name, manifest, source = chosen
     path = root / name
     model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
     problems = _model_mismatch(path, model_sd, strict)

@@ -178,7 +178,7 @@ def _ds_config_json(cfg_path: str, overrides: list[str], cluster: Cluster) -> st
     from course_lib.parallel.deepspeed.config import build_ds_config
 
     try:
-        cfg = train_config.load(cfg_path, overrides + ["train.strategy=deepspeed"])
+        cfg = train_config.load(cfg_path, overrides + ["train.strategy=deepspeed", "checkpoint.format=auto"])
         ds = build_ds_config(cfg, world_size=cluster.world_size, device="cuda" if cluster.on_gpus else "cpu")
     except Exception as exc:  # noqa: BLE001 - shown to the user, the scripts are still useful
         print(f"note: no ds_config.json: {exc}", file=sys.stderr)

@@ -91,13 +91,15 @@ def deepspeed_command(config: str, overrides: Sequence[str], cluster: Cluster,
                       deepspeed: str = "deepspeed") -> list[str]:
     """The ``deepspeed`` launcher over ``hostfile`` (ssh/pdsh to each host when there are several).
 
-    Sets ``--set train.strategy=deepspeed`` (replacing any other strategy override): the trainer
+    Sets ``--set train.strategy=deepspeed`` and ``checkpoint.format=auto`` (replacing any other
+    strategy or format override: the engine writes its own checkpoints, and a TOML planned for FSDP
+    says "sharded", which the deepspeed strategy refuses): the trainer
     builds its DeepSpeed config from the TOML (:func:`course_lib.parallel.deepspeed.config.build_ds_config`)
     and writes it to ``OUT/ds_config.json``, so the TOML stays the one source of truth.
     ``--num_gpus`` is given even on CPU: without it DeepSpeed counts NUMA nodes there (1 process)."""
     # Any other strategy would ignore the engine this launcher is for, so it is replaced.
-    overrides = [o for o in overrides if not o.replace(" ", "").startswith("train.strategy=")]
-    overrides.append("train.strategy=deepspeed")
+    overrides = [o for o in overrides if not o.replace(" ", "").startswith(("train.strategy=", "checkpoint.format="))]
+    overrides += ["train.strategy=deepspeed", "checkpoint.format=auto"]
     head = [deepspeed, "--hostfile", hostfile, "--num_nodes", str(cluster.nodes),
             "--num_gpus", str(cluster.nproc_per_node)]
     if cluster.nodes == 1:  # several nodes: DeepSpeed takes the hostfile's first host as master

@@ -89,7 +89,7 @@ def launch_files(spec: JobSpec, c: Candidate, config_path: str, plan_dir: str, t
                           f'--machine_rank "$NODE_RANK" --main_process_ip "$MASTER_ADDR" '
                           f'--main_process_port {cluster.master_port}')
         acc = ACCELERATE_JOB_ENV + acc
-        acc_yaml = acc_yaml.replace(f"machine_rank: 0\n", "machine_rank: 0  # launch_accelerate.sh passes --machine_rank "
+        acc_yaml = acc_yaml.replace("machine_rank: 0\n", "machine_rank: 0  # launch_accelerate.sh passes --machine_rank "
                                                           "from SLURM_NODEID / NODE_RANK\n")
         acc_yaml = acc_yaml.replace(f"main_process_ip: {cluster.master_addr}\n",
                                     f"main_process_ip: {cluster.master_addr}  # placeholder: launch_accelerate.sh passes "

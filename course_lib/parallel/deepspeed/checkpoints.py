@@ -42,8 +42,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.checkpoint import io as cio
-from course_lib.checkpoint.collective import broadcast as _broadcast
-from course_lib.checkpoint.collective import choose_newest, collective_save, newest_first
+from course_lib.checkpoint.collective import agreed_choice, choose_newest, collective_save, newest_first
 from course_lib.checkpoint.collective import describe as _describe
 from course_lib.checkpoint.io import CheckpointCorruptError, CheckpointLoadError
 from course_lib.checkpoint.state import LoadResult, capture_rng, restore_rng_state
@@ -170,17 +169,11 @@ def load_deepspeed(root: str | Path, engine: Any, *, shared: dict[str, Any] | No
     picks, every rank loads that one). None on every rank when there is none at all;
     CheckpointLoadError on every rank when checkpoints exist but none can be loaded."""
     root, rank = Path(root), dist.get_rank()
-    chosen = None
-    if rank == 0:
-        try:
-            chosen = _choose(root, dist.get_world_size(), int(engine.zero_optimization_stage()))
-        except BaseException as e:  # the others wait for the choice: tell them, then fail
-            chosen = ("error", f"choosing a deepspeed checkpoint under {root} failed: {_describe(e)}", [], None)
-    kind, name, manifest, _ = _broadcast(chosen, None)
-    if kind == "none":
+    chosen = agreed_choice(lambda: _choose(root, dist.get_world_size(), int(engine.zero_optimization_stage())),
+                           "deepspeed", root)
+    if chosen is None:
         return None
-    if kind == "error":
-        raise CheckpointLoadError(name, manifest)
+    kind, name, manifest, _ = chosen
     path = root / name
     try:
         loaded, _ = engine.load_checkpoint(str(root), tag=name, load_optimizer_states=True,
