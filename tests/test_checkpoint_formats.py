@@ -1,7 +1,8 @@
 """Every ``train.strategy`` x ``checkpoint.format`` either works or is a config error naming both
 keys, raised by config validation (so ``--check-config`` catches it) before anything is written.
 ``single`` with ``checkpoint.format = "sharded"`` used to pass validation, train every step and
-then die at the first save ("AsyncShardedSaver needs an initialised process group")."""
+then die at the first save ("AsyncShardedSaver needs an initialised process group"): it now needs
+a process group of one, and is refused at start-up (and by ``--check-config``) without one."""
 from __future__ import annotations
 
 import importlib
@@ -50,8 +51,10 @@ def test_every_pair_is_accepted_or_refused_by_validation_naming_both_keys(strate
 
 
 def test_single_with_sharded_checkpoints_is_refused_before_training_and_by_check_config(tmp_path, capsys):
-    with pytest.raises(train_config.ConfigError, match="checkpoint.format = 'sharded' does not fit "
-                                                       "train.strategy = 'single'"):
+    """Without a process group (one loads an fsdp run's DCP checkpoint into one process under
+    torchrun --nproc-per-node 1: test_train_fsdp_tp does)."""
+    with pytest.raises(train_config.ConfigError, match="checkpoint.format = 'sharded' with "
+                                                       "train.strategy = 'single' needs a process group"):
         train(cfg("single", "sharded"), tmp_path / "run")
     assert not (tmp_path / "run").exists()
     argv = ["--config", str(TINY), "--set", "train.strategy=single", "--set", "checkpoint.format=sharded",

@@ -31,8 +31,9 @@ STRATEGIES: dict[str, tuple[str, str, str]] = {  # name -> (module, class, one-l
 #: before anything is written (the strategies' ``checkpoint_formats`` say the same; a test holds
 #: them together). Under tp/pp/cp > 1 trainer.config decides (full, or sharded for fsdp x tp).
 CHECKPOINT_FORMATS: dict[str, tuple[tuple[str, ...], str]] = {
-    "single": (("full",), "sharded (DCP) checkpoints are written by every rank of a process group, and "
-                          "'single' runs one process without one"),
+    # "sharded" needs a process group of one (torchrun --nproc-per-node 1): trainer.check_config
+    # refuses it at start-up without one, before anything is written
+    "single": (("full", "sharded"), ""),
     "ddp": (("full", "sharded"), ""),
     "ddp-scratch": (("full", "sharded"), ""),
     "zero1": (("full",), "its optimizer shards are flat tensors, not DTensors: they are consolidated into a "

@@ -247,7 +247,8 @@ class Single(Strategy):
     """One process on one device: the reference the parallel strategies are tested against."""
 
     name = "single"
-    checkpoint_formats = ("full",)  # DCP's sharded save is a collective: it needs a process group
+    # "sharded" loads an fsdp run's DCP checkpoint into one process; DCP is a collective, so it needs
+    # a process group of one (torchrun --nproc-per-node 1, run_ranks): check_world refuses it without.
 
     def __init__(self, info: DistInfo, device: torch.device, cfg: dict | None = None):
         if info.world_size > 1:

@@ -40,6 +40,11 @@ def check_world(cfg: dict, world_size: int, *, has_group: bool) -> None:
     if world_size == 1 and strategy != "single" and not has_group:
         raise ConfigError(f"train.strategy = {strategy!r} needs a process group: start with "
                           f"torchrun --nproc-per-node N (or course_lib.parallel.run_ranks)")
+    if strategy == "single" and cfg["checkpoint"]["format"] == "sharded" and not has_group:
+        # DCP saves collectively: without a group the run would train every step, then fail at its first save
+        raise ConfigError("checkpoint.format = 'sharded' with train.strategy = 'single' needs a process group "
+                          "(DCP saves collectively): start it with torchrun --nproc-per-node 1, or use "
+                          "checkpoint.format = 'full' or 'auto'")
     mp = train_config.model_parallel_size(cfg)
     if mp > 1:  # tensor/pipeline parallel: the ranks must tile the mesh exactly, known only now
         par = cfg["parallel"]
