@@ -156,7 +156,8 @@ plt.show()
 # their size: latency-bound) bending into a slope of 1 on the right (large messages cost
 # bytes / bandwidth: bandwidth-bound). Where the two meet, `n = alpha x bandwidth`, is the message
 # size below which sending more, smaller messages is a bad idea; it is why DDP packs gradients
-# into ~25 MB buckets instead of all-reducing each tensor on its own.
+# into ~25 MB buckets instead of all-reducing each tensor on its own. On a shared machine single
+# points can jump well off the line: read the trend, as the fit's R^2 says.
 #
 # On CPU over loopback, bandwidth is a few GB/s at best. NVLink moves hundreds of GB/s and
 # InfiniBand tens of GB/s per link, so the same formulas give very different answers on a

@@ -237,7 +237,7 @@ plt.show()
 # **What you should see:** a falling loss, and an MFU well below 100% even on a CPU: the model's
 # matrices are small (each matmul is far from the friendly square case that set the peak), and
 # softmax, norms, the optimizer step and Python overhead do work that is not counted as model
-# FLOPs at all. The three FLOP counts differ by a few percent here; we used the exact matmul count.
+# FLOPs at all. The three FLOP counts differ by several percent here (6N leaves out the attention term); we used the exact matmul count.
 # On a quiet machine the rounds agree; a round that shared the machine shows a lower peak of its
 # own and a lower MFU, which is why the headline is the median round, not the best one.
 #

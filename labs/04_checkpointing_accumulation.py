@@ -695,7 +695,7 @@ check(abs(math.log(time_change)) < abs(math.log(memory_change)) / 2,
 # %% [markdown]
 # **What you should see:** activation memory falls in proportion to the micro-batch; the time per
 # optimizer step changes far less: the same FLOPs in smaller pieces (on a CPU smaller pieces can
-# even run a little faster, their activations staying in cache). On a GPU a micro-batch too small
+# even run faster, their activations staying in cache). On a GPU a micro-batch too small
 # to fill the device costs nearly as much time as a bigger one, so accumulating many tiny
 # micro-batches is slow there. Accumulation and checkpointing are the two knobs that fit a batch
 # into memory; accumulation keeps the math identical, checkpointing keeps the micro-batch large.

@@ -127,7 +127,8 @@ plt.show()
 # %% [markdown]
 # **What you should see:** at N = 8, ZeRO-1 already brings the 112 GB to 38.5 GB (the 84 GB of
 # optimizer state is split eight ways), ZeRO-2 to 26.25 GB, ZeRO-3 to 14 GB. At N = 64, ZeRO-1
-# and -2 stop improving much (the replicated 2-byte weights and, for stage 1, gradients remain),
+# and -2 level off towards the replicated state they cannot shard (the 2-byte weights and, for
+# stage 1, gradients),
 # while ZeRO-3 reaches 1.75 GB. So the answer to "does a 7B model fit?" is "with ZeRO-1 on 8
 # GPUs, yes, if the activations fit in the rest".
 #
@@ -448,7 +449,8 @@ check(ok["fsdp"]["held_fwd"] == 4 * NUM_PARAMS // 2 and
 # matmuls round to 8 mantissa bits) and still trains. In the table, "pass" is one ring pass over
 # Ψ fp32 elements. Resharding after forward costs 2 gather passes + 1 reduce-scatter pass
 # (3Ψ, ZeRO-3's number) and holds only the shards between forward and backward; keeping the
-# weights saves one gather pass (2Ψ) and holds all 4Ψ bytes of full weights in that window (in
+# weights saves one gather pass (2Ψ) and holds the full weights (4Ψ bytes) on top of its own shard
+# in that window, three times the resharded run's bytes (in
 # a real model with many blocks, that is the whole model on every GPU again, the memory that
 # ZeRO-3 exists to avoid). bf16 gathers twice at 2 bytes/element: the bytes of one fp32 pass.
 # Gradients are reduce-scattered in fp32 either way (`reduce_dtype`). "other" is the trainer's

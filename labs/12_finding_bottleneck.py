@@ -229,8 +229,8 @@ check(hidden[names3[1]] > hidden[names3[0]], "with several buckets some all-redu
       "(hidden communication) and more of it than with a single bucket")
 
 # %% [markdown]
-# **What you should see:** with buckets, tens of milliseconds of all-reduce are hidden behind
-# backward; with one bucket almost nothing is. **On this 2-core CPU read the step times with
+# **What you should see:** with buckets, most of the all-reduce time is hidden behind backward
+# (the hidden column grows by an order of magnitude); with one bucket almost nothing is. **On this 2-core CPU read the step times with
 # care:** the gloo thread that runs the hidden all-reduces needs a core too, and the two ranks
 # already use both, so hiding communication also slows backward down, and load from other
 # programs can hit one run and not the other. Compare the compute columns first: when they differ

@@ -422,7 +422,10 @@ print(shell_join(argv))
 argv = [sys.executable, "-m", "torch.distributed.run"] + argv[1:]  # `torchrun` of this interpreter
 second = subprocess.run(argv, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                         text=True, timeout=300)
-print(second.stdout.strip().splitlines()[-1] if second.stdout.strip() else second.stderr[-1500:])
+print(next((line for line in second.stdout.splitlines() if line.startswith("trained")), second.stderr[-1500:]))
+schedule_warning = [line.strip() for line in second.stderr.splitlines() if "schedule" in line.lower()]
+print(*schedule_warning[:1])
+check(schedule_warning, "the resumed run should warn that the schedule's length changed")
 check(second.returncode == 0, f"the resumed run failed (exit {second.returncode}): {second.stderr[-1500:]}")
 rows = [json.loads(line) for line in (train_out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 steps = [r["step"] for r in rows]
@@ -481,7 +484,7 @@ print(shell_join(argv))
 argv = [sys.executable, "-m", "torch.distributed.run"] + argv[1:]  # `torchrun` of this interpreter
 ran = subprocess.run(argv, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                      timeout=600)
-print(ran.stdout.strip().splitlines()[-1] if ran.stdout.strip() else ran.stderr[-1500:])
+print(next((line for line in ran.stdout.splitlines() if line.startswith("trained")), ran.stderr[-1500:]))
 check(ran.returncode == 0, f"the plan's run failed (exit {ran.returncode}): {ran.stderr[-1500:]}")
 tiny_rows = [json.loads(line) for line in (tiny_out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 check([r["step"] for r in tiny_rows] == list(range(1, TRAIN_STEPS + 1)),

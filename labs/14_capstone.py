@@ -214,7 +214,8 @@ print(f"steps {restarted.resumed_from + 1}..{KILL_AFTER} ({lost} steps, maybe on
 
 # %% [markdown]
 # **What you should see:** the first job fails: torchrun exits non-zero and lists the failed ranks
-# with their exit codes (-9 is a SIGKILL; a rank that died of its peer's absence exits 1), the
+# with their exit codes (-9 is the SIGKILL; the surviving rank shows how it ended: -15 when
+# torchrun's SIGTERM stopped it first, 1 when it failed on its peer's absence), the
 # newest checkpoint is the last multiple of `SAVE_EVERY` before the kill, and the second job resumes
 # there: the steps after that checkpoint were computed again. What a crash costs is bounded by the
 # checkpoint interval.
@@ -250,7 +251,7 @@ check(resumed.returncode == 0 and resumed.resumed_from == stop_steps[-1],
 # %% [markdown]
 # **What you should see:** rank 1 prints that it got SIGUSR1; rank 0, which got nothing, stops at
 # the same step ("stopped by a peer rank's signal"); the checkpoint is at that step, within a step
-# or two of the signal, and the job ends seconds after the signal (the step in flight, one
+# or two of the signal, and the job ends within a few seconds of the signal (the step in flight, one
 # checkpoint, torchrun's shutdown), long before any time limit. The resumed job starts exactly
 # there.
 #
