@@ -86,7 +86,7 @@ def backward_actions(pp, stage, i):
 
 def one_f_one_b(pp, micro_batches, stage):
     """The 1F1B order of `stage` (0-based) in a pipeline of `pp` stages and `micro_batches` micro-batches."""
-    ### BEGIN SOLUTION warm-up forwards (as many as fit before the first gradient can come back to this stage), then forward/backward pairs, then the remaining backwards
+    ### BEGIN SOLUTION How many forwards can this stage run before the first gradient can come back to it? After that, what alternates, and what is left at the end?
     m = micro_batches
     warmup = min(pp - stage - 1, m)
     actions = []
