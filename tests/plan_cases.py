@@ -13,7 +13,7 @@ import dataclasses
 import functools
 
 from course_lib.estimate import ModelShape
-from course_lib.planner import Layout, evaluate, make_spec, plan
+from course_lib.planner import Layout, evaluate, make_spec, plan, write_plan
 from course_lib.planner.exercise import SCENARIOS
 from course_lib.planner.stages import balanced_counts
 
@@ -53,3 +53,15 @@ def engine_cases() -> tuple:
     }
     out += [(name, spec, evaluate(spec, lay)) for name, (spec, lay) in chosen.items()]
     return tuple(out)
+
+
+def write_plans(root, jobs: dict) -> dict:
+    """name -> (Plan, folder) for each of ``jobs`` ({name: make_spec keywords}), planned and written
+    under ``root`` as `course plan --out` writes them (DeepSpeed's parser over ds_config.json is
+    tests/test_planner.py's)."""
+    out = {}
+    for name, kw in jobs.items():
+        p = plan(**kw)
+        write_plan(p, root / name, validate_ds=False)
+        out[name] = (p, root / name)
+    return out

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.planner import plan, write_plan
+from plan_cases import write_plans
 from course_lib.planner.exercise import SCENARIOS
 from fake_cluster import VENV_BIN
 from test_plan_scripts import check_env, run_script, slurm
@@ -43,12 +43,7 @@ def plans(tmp_path_factory):
     root = tmp_path_factory.mktemp("plans")
     kws = {"7b-one-node": SCENARIOS["7b-one-node"], "70b-8-nodes": SCENARIOS["70b-8-nodes"],
            "gpt2-xl-2-nodes": dict(model="gpt2-xl", gpu="a100-80gb", gpus=16, gpus_per_node=8, tokens="30B")}
-    out = {}
-    for name, kw in kws.items():
-        p = plan(**kw)
-        write_plan(p, root / name, validate_ds=False)
-        out[name] = (p, root / name)
-    return out
+    return write_plans(root, kws)
 
 
 def torchrun_words(script: str) -> list[str]:

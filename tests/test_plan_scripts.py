@@ -43,6 +43,7 @@ import pytest
 from course_lib.planner import plan, write_plan
 from course_lib.planner.configs import deepspeed_supports
 from course_lib.planner.exercise import SCENARIOS
+from plan_cases import write_plans
 from fake_cluster import FAKE_TOOLS, ROOT, VENV_BIN, fake_slurm_env, metrics_rows, run_env
 
 sys.path.insert(0, str(FAKE_TOOLS))
@@ -167,13 +168,7 @@ def problems(p, calls: dict[str, list[dict]], folder: Path) -> list[str]:
 def written(tmp_path_factory):
     """scenario -> (Plan, folder): each planned and written as `course plan --out` writes it
     (DeepSpeed's parser over ds_config.json: tests/test_planner.py)."""
-    root = tmp_path_factory.mktemp("plans")
-    out = {}
-    for name, kw in SCENARIOS.items():
-        p = plan(**kw)
-        write_plan(p, root / name, validate_ds=False)
-        out[name] = (p, root / name)
-    return out
+    return write_plans(tmp_path_factory.mktemp("plans"), SCENARIOS)
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
