@@ -29,13 +29,11 @@ from typing import Any
 import torch
 
 from course_lib.trainer import config as train_config
+from course_lib.trainer import profiling, utilization
 from course_lib.trainer import startup as train_setup
 from course_lib.trainer.args import build_parser, cli_overrides  # noqa: F401 - build_parser re-exported
 from course_lib.trainer.check_config import check_cli
 from course_lib.trainer.config import ConfigError
-from course_lib.watch import control as watch_control
-from course_lib.trainer import profiling
-from course_lib.trainer import utilization
 from course_lib.trainer.cpu_peak import Peak
 from course_lib.trainer.mfu import MfuGuard, model_flops_per_token
 from course_lib.trainer.progress import StepBar, Throughput, append_event, run_summary, step_row
@@ -46,6 +44,7 @@ from course_lib.trainer.startup import choose_device, rank_seed  # noqa: F401 - 
 from course_lib.trainer.startup import distributed as _distributed
 from course_lib.trainer.startup import peak_flops as _peak_flops
 from course_lib.trainer.startup import stabilizer as _stabilizer
+from course_lib.watch import control as watch_control
 
 
 @dataclass

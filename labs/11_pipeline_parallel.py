@@ -258,6 +258,9 @@ if 2 in MICRO:
 excess = {s: bubble[s, MICRO[-1]]["measured"] - bubble[s, MICRO[-1]]["estimated"] for s in ("gpipe", "1f1b")}
 print("above the formula at m = %d: " % MICRO[-1] + ", ".join(f"{s} +{e:.3f} ({e / bubble[s, MICRO[-1]]['estimated']:+.0%})"
                                                          for s, e in excess.items()))
+check(all(e > 0 for e in excess.values()),
+      f"at m = {MICRO[-1]} the measured bubble should sit above the formula: the fixed cost per op does not "
+      f"shrink with the micro-batch; measured {excess}")
 
 # %% [markdown]
 # **What you should see:** the measured points on the line at small m, GPipe and 1F1B alike: 3.0 at
