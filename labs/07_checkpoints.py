@@ -12,7 +12,9 @@
 # 4. **bit-exact resume**: a run killed mid-way and resumed gives the *same* losses as one that
 #    never stopped;
 # 5. **corruption**: a flipped byte is detected and the previous checkpoint is used;
-# 6. **`torchrun --max-restarts`**: a worker killed mid-run is restarted and resumes by itself.
+# 6. **`torchrun --max-restarts`**: a worker killed mid-run is restarted and resumes by itself;
+# 7. **leaving the kit**: a sharded run's checkpoint turned into one file, and into a folder
+#    Hugging Face `transformers` loads, with what each format costs on disk and to load.
 #
 # The library: `course_lib.checkpoint.CheckpointManager` (atomic, verified, async checkpoints with
 # retention) and the trainer `course_lib.train` (`--save-every N --resume auto`), which uses it.
@@ -23,6 +25,7 @@ SEED = 0
 KILL_CYCLES, KILL_NUMEL = 20, 2_000_000  # section 1: kills per saving method; floats per checkpoint (8 MB)
 ASYNC_D_MODEL, ASYNC_REPEATS = 256, 3  # section 3: model width for the stall measurement
 RESUME_STEPS, SAVE_EVERY, KILL_AFTER = 60, 10, 35  # sections 4-6: steps, checkpoint interval, kill point
+EXPORT_STEPS, LOAD_REPEATS = 6, 5  # section 7: steps of the sharded run; timed loads per format
 
 # %%
 import os
@@ -54,6 +57,7 @@ SMOKE = course_lib.smoke(SMOKE)
 if SMOKE:
     KILL_CYCLES, ASYNC_D_MODEL, ASYNC_REPEATS = 4, 128, 2
     RESUME_STEPS, SAVE_EVERY, KILL_AFTER = 30, 5, 17
+    EXPORT_STEPS, LOAD_REPEATS = 2, 2
 torch.set_num_threads(1)
 CONFIG = Path(course_lib.__file__).resolve().parent.parent / "labs" / "configs" / "tiny-cpu.toml"
 RUNS = Path(tempfile.mkdtemp(prefix="lab07-"))  # scratch: every file this lab writes
@@ -440,6 +444,134 @@ print(f"the worker was killed after step {rows_at_kill}, restarted by torchrun, 
 # ends with exit code 0, every step logged once, and the same losses as the run that was never
 # killed. On a cluster, `--max-restarts` (with an elastic rendezvous across nodes) plus
 # `--resume auto` is the whole recovery procedure: nobody has to wake up.
+#
+# ## 7. Leaving the kit: from a sharded run to a file a server loads
+#
+# A run trained with FSDP ends as a folder of DCP shards: every rank wrote its own slice of every
+# weight and of AdamW's two moments. A server wants one file of full weights in names it knows.
+# `course ckpt` turns one into the other with the libraries that define these formats (torch DCP
+# stitches the shards, `safetensors` writes the file, `transformers`' own config class writes
+# `config.json`):
+#
+# ```
+# course ckpt list RUN                                   # every checkpoint, and what --resume auto takes
+# course ckpt consolidate RUN --out model.safetensors    # full weights, any world size, any layout
+# course ckpt export-hf RUN --out hf/                    # a folder from_pretrained loads
+# ```
+#
+# First the sharded run: FSDP on 2 ranks under torchrun, saving at its last step (the tiny config,
+# made 4 layers of width 256 so that the files are megabytes, not kilobytes).
+
+# %%
+from course_lib import cli
+
+run7 = RUNS / "fsdp"
+cmd7 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "course_lib.train", "--config", str(CONFIG), "--max-steps", str(EXPORT_STEPS),
+        "--save-every", str(EXPORT_STEPS), "--no-progress", "--set", "train.peak_flops=1e12",
+        "--set", "schedule.warmup_steps=1", "--set", "train.strategy=fsdp", "--out", str(run7),
+        "--set", "model.d_model=256", "--set", "model.n_layers=4"]  # 3.2 M parameters: files big enough to time
+fsdp_run = subprocess.run(cmd7, capture_output=True, text=True, env=ENV, timeout=600)
+check(fsdp_run.returncode == 0, f"the 2-rank FSDP run failed:\n{fsdp_run.stdout[-1500:]}{fsdp_run.stderr[-1500:]}")
+print("$ course ckpt list", run7.name)
+check(cli.main(["ckpt", "list", str(run7)]) == 0, "every checkpoint of the run should verify")
+
+# %% [markdown]
+# One checkpoint, written by 2 ranks in the sharded format. Now the two exports, and a check that
+# they hold the same weights as the shards: the same model, three containers.
+
+# %%
+from safetensors.torch import load_file as load_safetensors
+from course_lib.checkpoint.dcp import consolidate_sharded
+import transformers
+
+single_file, hf_dir = RUNS / "model.safetensors", RUNS / "hf"
+print("$ course ckpt consolidate fsdp --out model.safetensors")
+check(cli.main(["ckpt", "consolidate", str(run7), "--out", str(single_file)]) == 0, "consolidate failed")
+print("$ course ckpt export-hf fsdp --out hf")
+check(cli.main(["ckpt", "export-hf", str(run7), "--out", str(hf_dir)]) == 0, "export-hf failed")
+sharded_dir = next((run7 / "checkpoints").glob("step_*"))
+from_shards = consolidate_sharded(sharded_dir)
+from_file = load_safetensors(single_file)
+check(all(torch.equal(from_shards[k], v) for k, v in from_file.items()),
+      "the consolidated file should hold exactly the weights stitched from the shards")
+hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+import json
+ours = TinyGPT(train_config.build_model_config(json.loads((run7 / "config.json").read_text()))).eval()
+ours.load_state_dict({**from_file, "lm_head.weight": from_file["tok_emb.weight"]} if "lm_head.weight" not in from_file
+                     else from_file)
+tokens = torch.randint(0, ours.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(SEED))
+with torch.no_grad():
+    logit_gap = (ours(tokens)[0] - hf_model(input_ids=tokens).logits).abs().max().item()
+check(logit_gap < 1e-4, f"transformers' {type(hf_model).__name__} should give our model's logits; "
+                        f"they differ by {logit_gap:.2e}: a weight went to the wrong name")
+print(f"transformers loaded a {type(hf_model).__name__}; its logits equal ours within {logit_gap:.1e}")
+
+# %% [markdown]
+# What each format costs: bytes on disk, and the time for one process to get full weights out of
+# it (the median of `LOAD_REPEATS` loads; the first one also warms the page cache).
+
+# %%
+def folder_bytes(path):
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def median_load_s(load):
+    times = []
+    for _ in range(LOAD_REPEATS + 1):
+        t0 = time.perf_counter()
+        load()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+formats = [
+    ("sharded (DCP), as trained", sharded_dir, lambda: consolidate_sharded(sharded_dir)),
+    ("one safetensors file", single_file, lambda: load_safetensors(single_file)),
+    ("Hugging Face folder", hf_dir, lambda: transformers.AutoModelForCausalLM.from_pretrained(hf_dir)),
+]
+costs = {name: (folder_bytes(path) if Path(path).is_dir() else Path(path).stat().st_size, median_load_s(load))
+         for name, path, load in formats}
+weight_bytes = sum(v.numel() * v.element_size() for v in from_file.values())
+print(f"{'format':28} {'on disk':>10} {'x weights':>10} {'load (ms)':>10}")
+for name, (size, secs) in costs.items():
+    print(f"{name:28} {size / 1e6:>8.2f} MB {size / weight_bytes:>10.2f} {secs * 1e3:>10.1f}")
+shard_bytes = sum(f.stat().st_size for f in sharded_dir.glob("*.distcp"))
+other_bytes = costs["sharded (DCP), as trained"][0] - shard_bytes
+print(f"inside the sharded checkpoint: {shard_bytes / 1e6:.2f} MB of shards ({shard_bytes / weight_bytes:.2f}x the "
+      f"weights), {other_bytes / 1e3:.0f} kB of index, per-rank state (RNG, data position) and manifest")
+shards_x = shard_bytes / weight_bytes
+file_x = costs["one safetensors file"][0] / weight_bytes
+check(2.8 <= shards_x <= 3.3,
+      f"the shards should be about 3x the weights (weights + AdamW's two fp32 moments), got {shards_x:.2f}x")
+check(file_x < 1.05, f"the consolidated file should be the weights and little else, got {file_x:.2f}x")
+check(other_bytes < 1e6, f"the index and per-rank files should be small next to the shards, got {other_bytes / 1e6:.1f} MB")
+check(all(secs < 2.0 for _, secs in costs.values()), "each load should take well under a second at this size")
+one_file_s = costs["one safetensors file"][1]
+check(all(secs > one_file_s for name, (_, secs) in costs.items() if name != "one safetensors file"),
+      "stitching the shards and building the HF model should both take longer than reading the one file")
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3), layout="constrained")
+ax1.barh(list(costs), [v[0] / 1e6 for v in costs.values()], color="tab:blue")
+ax1.set(xlabel="MB on disk", title="size")
+ax2.barh(list(costs), [v[1] * 1e3 for v in costs.values()], color="tab:orange")
+ax2.set(xlabel="ms to full weights in one process", title="load time (median)")
+for ax in (ax1, ax2):
+    ax.grid(alpha=0.3, axis="x")
+ax2.set_yticklabels([])
+plt.show()
+
+# %% [markdown]
+# **What you should see:** the shards alone are about three times the weights: they carry AdamW's
+# two moments (fp32, one each per weight) so that training can resume exactly. On top come small
+# files that do not grow with the model (DCP's index, each rank's RNG and data position: the kB in
+# the line above). A server needs none of it: the consolidated file is the weights alone. Every load here takes milliseconds (under a second); stitching shards
+# reads DCP's index and every rank's files, and `from_pretrained` also builds the model and checks
+# its config, so on this machine both take longer than reading the one file. At 7B parameters the
+# byte counts scale with the model, and a server that reads one file (safetensors can memory-map
+# it) skips the stitching. To keep training somewhere else on one process,
+# `course ckpt consolidate RUN --with-optimizer` also writes `FILE.optim.pt`: AdamW's state by
+# parameter name, which torch's `set_optimizer_state_dict` loads. In the other direction,
+# `model.init_from = "hf/"` starts a run from a Hugging Face folder (fine-tuning).
 #
 # ## Where next
 #

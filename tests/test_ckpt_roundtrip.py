@@ -35,8 +35,10 @@ from test_hf_parity import LOGIT_ATOL  # noqa: E402
 
 STEPS = 3
 LAYOUTS = {  # name -> (HF class, --set overrides); 4 ranks each
-    "fsdp-tp": ("LlamaForCausalLM", dict(train__strategy="fsdp", parallel__tp=2, model__preset="llama-tiny")),
-    "zero2-pp": ("GPT2LMHeadModel", dict(train__strategy="zero2", parallel__pp=2, train__grad_accum=2)),
+    "fsdp-tp": ("LlamaForCausalLM", dict(train__strategy="fsdp", parallel__tp=2, model__preset="llama-tiny",
+                                         checkpoint__save_every=1)),  # every step: --with-optimizer continues one
+    "zero2-pp": ("GPT2LMHeadModel", dict(train__strategy="zero2", parallel__pp=2, train__grad_accum=2,
+                                         checkpoint__save_every=1)),
     "deepspeed-z3": ("GPT2LMHeadModel", dict(train__strategy="deepspeed", parallel__zero_stage=3)),
 }
 
@@ -98,6 +100,59 @@ def test_trained_on_ranks_consolidated_exported_and_loaded_by_transformers(layou
     assert ckpt("export-hf", tmp_path / "w.safetensors", "--out", tmp_path / "hf2") == 0
     a, b = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "hf2" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # --with-optimizer: step STEPS - 1's weights and AdamW state, continued on one process, give step STEPS
+    if name == "deepspeed-z3":  # ZeRO's flat partitions: refused, naming DeepSpeed's own converter
+        assert ckpt("consolidate", run, "--with-optimizer", "--out", tmp_path / "o.safetensors") == 2
+        assert "ds_to_universal" in capsys.readouterr().err and not (tmp_path / "o.safetensors").exists()
+        return
+    _continue_on_one_process(run, STEPS - 1, tmp_path, dp=2)
+
+
+def _continue_on_one_process(run: Path, step: int, tmp_path: Path, dp: int) -> None:
+    """``consolidate --with-optimizer`` at ``step``, loaded into a plain one-process TinyGPT + AdamW
+    (torch's ``set_optimizer_state_dict``), one trainer step taken by hand on the run's global batch
+    (every data-parallel rank's micro-batches, clipping as configured): the weights equal those the
+    run saved at ``step + 1``. Wrong moments or a wrong step count would change every updated weight."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    from course_lib.ckpt.runs import checkpoint_root, full_weights, model_config, pick, run_config
+    from course_lib.schedules import make_scheduler, schedule_from_config
+    from course_lib.trainer.startup import adamw
+
+    out = tmp_path / "resume.safetensors"
+    assert ckpt("consolidate", run, "--step", step, "--with-optimizer", "--out", out) == 0
+    root = checkpoint_root(run)
+    cfg = run_config(root)
+    mcfg = model_config(cfg)
+    model = TinyGPT(mcfg)
+    weights = load_file(str(out))
+    if mcfg.tie_embeddings:
+        weights["lm_head.weight"] = weights["tok_emb.weight"]
+    model.load_state_dict(weights)
+    optimizer = adamw(cfg["optim"])(model)
+    scheduler = make_scheduler(optimizer, schedule_from_config(cfg))  # adds initial_lr, as in the run
+    saved = torch.load(out.with_suffix(".optim.pt"), weights_only=True)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=saved, options=StateDictOptions(full_state_dict=True))
+    for _ in range(step):
+        scheduler.step()
+    ga = cfg["train"]["grad_accum"]
+    streams = [data_lib.stream_from_config(cfg, dp_rank=r, dp_size=dp, device="cpu") for r in range(dp)]
+    for s in streams:  # the batches the first `step` steps consumed
+        for _ in range(step * ga):
+            next(s)
+    micro = [next(s) for s in streams for _ in range(ga)]
+    for x, y in micro:  # every micro-batch has the same token count: the global mean is the mean of means
+        (model(x, y)[1] / len(micro)).backward()
+    if cfg["stability"]["max_grad_norm"]:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["stability"]["max_grad_norm"])
+    optimizer.step()
+    next_step = full_weights(pick(root, step + 1), mcfg)
+    for k, v in model.state_dict().items():
+        assert torch.allclose(v, next_step[k], rtol=1e-4, atol=1e-6), (k, (v - next_step[k]).abs().max().item())
+    moved = full_weights(pick(root, step), mcfg)
+    assert any(not torch.equal(moved[k], next_step[k]) for k in next_step), "the step changed no weight"
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +248,15 @@ def test_export_without_transformers_says_how_to_install(single_run, tmp_path, c
     assert ckpt("export-hf", single_run, "--out", tmp_path / "hf") == 2
     assert "pip install 'transformers==5.24.0'" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
+
+
+def test_with_optimizer_continues_on_one_process_to_the_runs_next_checkpoint(single_run, tmp_path, capsys):
+    _continue_on_one_process(single_run, 2, tmp_path, dp=1)
+    assert ckpt("consolidate", tmp_path / "resume.safetensors", "--with-optimizer",
+                "--out", tmp_path / "again.safetensors") == 2
+    assert "weights file; give the run folder" in capsys.readouterr().err
+    assert ckpt("consolidate", single_run, "--with-optimizer", "--out", tmp_path / "resume.safetensors") == 2
+    assert "resume.safetensors exists" in capsys.readouterr().err
 
 
 def test_a_consolidated_file_starts_a_run_with_its_weights(single_run, tmp_path):

@@ -1,7 +1,7 @@
 """``course ckpt``: a run's checkpoints out of the kit.
 
     course ckpt list RUN                                   every checkpoint, and what --resume auto takes
-    course ckpt consolidate RUN [--step N] --out FILE.safetensors
+    course ckpt consolidate RUN [--step N] [--with-optimizer] --out FILE.safetensors
     course ckpt export-hf RUN|FILE.safetensors [--step N] --out DIR
 
 Exit codes: 0 done, 1 (``list``) some checkpoint does not verify, 2 bad input (no checkpoint, a
@@ -28,6 +28,9 @@ def add_ckpt_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("run", help="the run folder")
     c.add_argument("--step", type=int, help="the step to take (default: the newest checkpoint that verifies)")
     c.add_argument("--out", required=True, help="FILE.safetensors (FILE.json is written beside it)")
+    c.add_argument("--with-optimizer", action="store_true",
+                   help="also FILE.optim.pt: the AdamW state by parameter name, full tensors (torch's "
+                        "set_optimizer_state_dict loads it into one process); full and sharded checkpoints")
     c.set_defaults(func=run_consolidate)
     e = sub.add_parser("export-hf", help="a folder transformers loads with from_pretrained (LlamaForCausalLM "
                                          "or GPT2LMHeadModel)")
@@ -61,12 +64,13 @@ def run_consolidate(args: argparse.Namespace) -> int:
     from course_lib.ckpt.write import consolidate
 
     try:
-        out, side, info = consolidate(args.run, args.out, args.step)
+        out, side, info = consolidate(args.run, args.out, args.step, with_optimizer=args.with_optimizer)
     except CkptError as exc:
         return _fail("consolidate", exc)
     ranks = f", saved by {info['world_size']} ranks" if info.get("world_size") else ""
     where = f"{info['checkpoint']} step {info['step']} ({info['format']}{ranks})" if "checkpoint" in info else info["source"]
-    print(f"wrote {out} and {side}: {where}")
+    extra = f" and {info['optimizer']}" if info.get("optimizer") else ""
+    print(f"wrote {out}, {side}{extra}: {where}")
     return 0
 
 

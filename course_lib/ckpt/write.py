@@ -3,7 +3,8 @@
 * :func:`consolidate` writes ``FILE.safetensors`` (TinyGPT's names, full tensors, the tied head once
   as ``tok_emb.weight``; the ModelConfig in the file's metadata, key ``course_lib.model_config``)
   and ``FILE.json`` beside it (model config and provenance, for people). ``model.init_from = FILE``
-  starts a run from it.
+  starts a run from it. With ``with_optimizer`` also ``FILE.optim.pt``: the AdamW state by name
+  (:mod:`course_lib.ckpt.optimizer`), for resuming on one process outside the kit.
 * :func:`export_hf` writes a folder ``transformers`` loads with ``from_pretrained``: ``config.json``
   from ``transformers``' own config class (``save_pretrained``) and ``model.safetensors`` in HF's
   names (:mod:`course_lib.model.hf_map`). Before anything is written the HF model is built on the
@@ -23,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from course_lib.checkpoint.io import fsync_dir
-from course_lib.ckpt.runs import (CkptError, Found, checkpoint_root, format_name, full_weights, model_config, pick,
-                                  run_config)
+from course_lib.ckpt.runs import (CkptError, Found, checkpoint_root, find_all, format_name, full_weights, model_config,
+                                  pick, run_config)
 from course_lib.model.init_source import CONFIG_KEY
 
 
@@ -63,39 +64,72 @@ def _temp(final: Path) -> Path:
     return final.with_name(f".tmp-{final.name}-{uuid.uuid4().hex[:8]}")
 
 
-def consolidate(source: str | Path, out: str | Path, step: int | None = None) -> tuple[Path, Path, dict]:
-    """Write ``out`` (a ``.safetensors`` file) and ``out`` with suffix ``.json``; returns both paths
-    and the provenance. CkptError for bad input; nothing is left behind on any error."""
+def consolidate(source: str | Path, out: str | Path, step: int | None = None, *,
+                with_optimizer: bool = False) -> tuple[Path, Path, dict]:
+    """Write ``out`` (a ``.safetensors`` file) and ``out`` with suffix ``.json`` (and, with
+    ``with_optimizer``, ``FILE.optim.pt``); returns the weights and config paths and the provenance
+    (``info["optimizer"]``: the optimizer file's path). CkptError for bad input; nothing is left
+    behind on any error."""
     from safetensors.torch import save_file
 
     out = Path(out)
     if out.suffix != ".safetensors":
         raise CkptError(f"--out {out}: name the file FILE.safetensors")
     side = out.with_suffix(".json")
-    _refuse_existing(out, side)
+    optim_path = out.with_suffix(".optim.pt")
+    _refuse_existing(out, side, *([optim_path] if with_optimizer else []))
+    if with_optimizer and Path(source).is_file():
+        raise CkptError(f"--with-optimizer: {source} is a weights file; give the run folder, whose checkpoints "
+                        f"hold the optimizer state")
     state, mcfg, info = load_source(source, step)
+    optim = _optimizer_of(source, info, mcfg) if with_optimizer else None
     tensors = {k: v.detach().contiguous() for k, v in state.items()
                if not (mcfg.tie_embeddings and k == "lm_head.weight")}  # safetensors stores a tensor once
     meta = {"format": "pt", CONFIG_KEY: json.dumps(mcfg.to_dict()), "course_lib.source": json.dumps(info)}
-    tmp_w, tmp_j = _temp(out), _temp(side)
+    tmp_w, tmp_j, tmp_o = _temp(out), _temp(side), _temp(optim_path)
+    described = {"model": mcfg.to_dict(), "source": info, "tensors": len(tensors),
+                 "tied_embeddings": mcfg.tie_embeddings}
+    if optim is not None:
+        described["optimizer"] = {"file": optim_path.name, "parameters": len(optim["state"]),
+                                  "load_with": "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict"}
     try:
         save_file(tensors, str(tmp_w), metadata=meta)
-        tmp_j.write_text(json.dumps({"model": mcfg.to_dict(), "source": info,
-                                     "tensors": len(tensors), "tied_embeddings": mcfg.tie_embeddings}, indent=2) + "\n")
-        for t in (tmp_w, tmp_j):
+        tmp_j.write_text(json.dumps(described, indent=2) + "\n")
+        temps = [tmp_w, tmp_j]
+        if optim is not None:
+            import torch
+
+            torch.save(optim, tmp_o)
+            temps.append(tmp_o)
+        for t in temps:
             os.chmod(t, 0o644)  # a file to hand on: readable like any other output
             with open(t, "rb") as fh:
                 os.fsync(fh.fileno())
         os.replace(tmp_j, side)  # the config first: a weights file never appears without it
-        os.replace(tmp_w, out)
+        if optim is not None:
+            os.replace(tmp_o, optim_path)
+        os.replace(tmp_w, out)  # the weights last: their presence says the set is complete
         fsync_dir(out.parent)
     except BaseException:
-        for t in (tmp_w, tmp_j):
+        for t in (tmp_w, tmp_j, tmp_o):
             t.unlink(missing_ok=True)
-        if not out.exists():  # the config went in, the weights did not: take it back
+        if not out.exists():  # the config (and optimizer) went in, the weights did not: take them back
             side.unlink(missing_ok=True)
+            if optim is not None:
+                optim_path.unlink(missing_ok=True)
         raise
+    if optim is not None:
+        info = {**info, "optimizer": str(optim_path)}
     return out, side, info
+
+
+def _optimizer_of(source: str | Path, info: dict, mcfg: Any) -> dict:
+    """The name-keyed AdamW state of the checkpoint :func:`load_source` chose (``info``)."""
+    from course_lib.ckpt.optimizer import optimizer_state
+
+    root = checkpoint_root(source)
+    found = next(f for f in find_all(root) if f.name == info["checkpoint"])
+    return optimizer_state(found, mcfg, run_config(root))
 
 
 def export_hf(source: str | Path, out: str | Path, step: int | None = None) -> tuple[Path, str, dict]:
