@@ -1,5 +1,5 @@
 # %% [markdown]
-# # Lab 11 — Pipeline parallelism, 3D and context parallelism
+# # Lab 11 — Pipeline parallelism and 3D parallelism
 #
 # Pipeline parallelism (PP) cuts the model by depth: stage s holds a contiguous run of blocks on
 # rank s, the activations of each micro-batch travel forward from stage to stage, their
@@ -15,8 +15,10 @@
 # 5. **stage imbalance**: the output layer makes the last stage slow; a balanced split fixes it;
 # 6. **3D parallelism** (tp x pp x dp) in the trainer, the device mesh drawn;
 # 7. **sharded data parallelism** under TP and CP (FSDP and ZeRO from the trainer), memory per
-#    rank next to the estimator;
-# 8. **context parallelism**: ring attention for long sequences, and the 7B / 8K-context numbers.
+#    rank next to the estimator.
+#
+# Context parallelism (splitting each sequence: ring attention) has a lab of its own, lab 15:
+# take it next.
 #
 # Ranks are processes on this machine talking over loopback with **gloo** (on GPUs the same code
 # uses NCCL). A tiny model computes in well under a millisecond, so timed steps add a
@@ -36,7 +38,6 @@ TORCH_FWD_S = 0.48  # section 4: the same for torch's schedules (their per-op ov
 REPEATS = 2  # timed steps per configuration; the least disturbed one is kept
 TRAIN_STEPS = 5  # AdamW steps whose losses are compared with one process
 TRAINER_STEPS = 20  # sections 6-7: trainer steps per layout
-CP_SEQ = 512  # section 8: tokens of the ring-attention test sequence
 
 # %%
 import json
@@ -45,17 +46,14 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
-import torch.nn.functional as F
 
 import course_lib
 from course_lib import measure
 from course_lib.trainer import config as train_config
 from course_lib.kit.checks import check
-from course_lib.estimate import (accelerator, activation_bytes_first_stage, activation_bytes_per_layer,
-                                 bubble_fraction, cp_comm_bytes_per_layer)
+from course_lib.estimate import activation_bytes_first_stage, bubble_fraction
 from course_lib.model import ModelConfig
 from course_lib.parallel import run_ranks
-from course_lib.parallel.context_parallel import causal_score_elements, merge_sequence
 from course_lib.parallel.mesh import mesh_layout
 from course_lib.labs import lab11_pipeline_parallel as lab_runs
 from course_lib.parallel.pipeline import balanced_split, compute_order, measure_bubble, stage_costs
@@ -63,7 +61,7 @@ from course_lib.train import train
 
 SMOKE = course_lib.smoke(SMOKE)
 if SMOKE:
-    MICRO, FWD_S, TORCH_FWD_S, REPEATS, TRAIN_STEPS, TRAINER_STEPS, CP_SEQ = (1, 2, 4, 8), 0.06, 0.24, 1, 2, 4, 128
+    MICRO, FWD_S, TORCH_FWD_S, REPEATS, TRAIN_STEPS, TRAINER_STEPS = (1, 2, 4, 8), 0.06, 0.24, 1, 2, 4
 torch.set_num_threads(1)  # the single-process references run in this kernel: one thread, like each rank
 CFG = lab_runs.model_config()  # 8 blocks, d_model 32, vocabulary 64, 32-token context, tied embeddings
 SEQ = CFG.block_size
@@ -625,8 +623,9 @@ check([c["tp"] for c in first] == [0, 1, 0, 1] and [c["pp"] for c in first] == [
 # dimension too: **FSDP2** (`train.strategy = "fsdp"`, ZeRO-3: weights, gradients and Adam state)
 # over dp on a DTensor tensor-parallel model, the way torchtitan composes them, or **ZeRO-1/2**
 # (`"zero1"`, `"zero2"`: Adam state, and with ZeRO-2 the gradients) on the from-scratch TP model.
-# Context parallelism (`parallel.cp`, section 8) adds ranks that hold the *same* weights and read
-# other tokens of the same sequences, so the sharding spans dp x cp: the mesh's `dp_cp` group.
+# Context parallelism (`parallel.cp`: each sequence split over cp ranks, ring attention between
+# them; lab 15 builds it step by step) adds ranks that hold the *same* weights and read other
+# tokens of the same sequences, so the sharding spans dp x cp: the mesh's `dp_cp` group.
 # Two layouts on our 4 ranks, each against one process on the same global batch:
 #
 # * **2-D**: fsdp x tp, dp 2 x tp 2: every weight cut twice, by TP into column/row halves, then by
@@ -687,152 +686,11 @@ check(all(got < dense_bytes / 2 for got, _ in mem_sh.values()),
 # gradients and Adam state and keeps the TP half of the weights whole. The same arithmetic, on
 # a 70B model over 1,024 GPUs, is what makes the model fit at all (`course plan`, lab 13).
 #
-# ## 8. Context parallelism: long sequences
-#
-# At 8K tokens and beyond the activations of *one sequence* may not fit one GPU: they grow with
-# the sequence length (and an attention that stores its scores, with its square). **Context
-# parallelism** (CP) splits the sequence: each of N ranks holds S/N tokens of every layer's
-# activations. Attention is the one place where tokens meet: with **ring attention** (Liu et al.
-# 2023) each rank keeps its queries and passes its key/value block around the ring; in N steps
-# every query has seen every key, merged with the online softmax (FlashAttention's running max and
-# sum), and nobody ever holds the S x S scores. The backward sends K/V around again, plus their
-# gradient accumulators. Two layouts: **contiguous** chunks (rank 0 the first S/N tokens), and
-# **zig-zag** (rank r holds piece r and piece 2N-1-r of 2N), which evens out the causal work.
-#
-# One launch of 4 ranks runs both layouts on a `CP_SEQ`-token sequence (batch 1, 4 heads, head
-# size 16, fp32, causal), forward and backward; this kernel runs full attention
-# (`scaled_dot_product_attention`) on the whole sequence.
-
-# %%
-CP = 4
-HEADS, HEAD_DIM = 4, 16
-cases = [(1, HEADS, CP_SEQ, HEAD_DIM, layout) for layout in ("contiguous", "zigzag")]
-ring = run_ranks(lab_runs.ring_runs, CP, cases, threads_per_rank=1, show_output=False, timeout=300)
-q, k, v, dout = (t.clone().requires_grad_(i < 3)
-                 for i, t in enumerate(lab_runs.attention_inputs(1, HEADS, CP_SEQ, HEAD_DIM)))
-full_saved = lab_runs.LiveSavedBytes([])
-with full_saved:
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    o.backward(dout)
-full = {"out": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
-est = cp_comm_bytes_per_layer(seq_len=CP_SEQ, micro_batch=1, n_kv_heads=HEADS, head_dim=HEAD_DIM, cp=CP,
-                              bytes_per_element=4)
-print(f"{'layout':<11} {'max |out - full|':>16} {'max |grad - full|':>17} {'sent/rank B':>12} {'estimate B':>11} "
-      f"{'saved/rank B':>13} {'full/N B':>9} {'score block':>12}")
-cp_rows = {}
-for j, (_, _, _, _, layout) in enumerate(cases):
-    merged = {key: merge_sequence([ring[r][j][key] for r in range(CP)], layout=layout) for key in full}
-    err_out = (merged["out"] - full["out"]).abs().max().item()
-    err_grad = max((merged[key] - full[key]).abs().max().item() for key in ("dq", "dk", "dv"))
-    sent = [float(ring[r][j]["wire_bytes"]) for r in range(CP)]
-    saved = [ring[r][j]["saved_bytes"] for r in range(CP)]
-    block = ring[0][j]["stats"]["peak_score_elements"]
-    cp_rows[layout] = (err_out, err_grad, sent, saved, block)
-    print(f"{layout:<11} {err_out:>16.1e} {err_grad:>17.1e} {max(sent):>12,.0f} {est.bytes_per_rank:>11,.0f} "
-          f"{max(saved):>13,} {full_saved.peak // CP:>9,} {block:>12,}")
-print(f"\nfull attention on one process: scores {HEADS * CP_SEQ**2:,} elements if stored (SDPA's fused kernel "
-      f"does not), {full_saved.peak:,} B saved for backward")
-
-# %%
-fig, ax = plt.subplots(figsize=(7, 3.4))
-for off, layout in ((-0.2, "contiguous"), (0.2, "zigzag")):
-    work = [ring[r][cases.index((1, HEADS, CP_SEQ, HEAD_DIM, layout))]["stats"]["score_elements"] for r in range(CP)]
-    ax.bar([r + off for r in range(CP)], work, width=0.38, label=f"{layout} (measured)")
-    ax.plot([r + off for r in range(CP)], [2 * HEADS * causal_score_elements(CP_SEQ // CP, CP, r, layout)
-                                            for r in range(CP)], "k_", ms=18)
-ax.plot([], [], "k_", ms=12, label="causal_score_elements (closed form)")
-ax.set(xticks=range(CP), xlabel="rank", ylabel="score elements computed (fwd + bwd)",
-       title="causal work per rank: contiguous grows with the rank, zig-zag is even")
-ax.legend(fontsize=8)
-ax.grid(alpha=0.3, axis="y")
-plt.show()
-
-# %%
-for layout, (err_out, err_grad, sent, saved, block) in cp_rows.items():
-    check(err_out < 1e-5 and err_grad < 1e-4, f"{layout}: ring attention should equal full attention (fp32 "
-          f"rounding only), got {err_out:.1e} in the output and {err_grad:.1e} in the gradients; forgetting to "
-          "rescale the running sum when the running max grows does this")
-    check(all(s == est.bytes_per_rank for s in sent), f"{layout}: every rank should send exactly the estimator's "
-          f"{est.bytes_per_rank:,.0f} B (K/V N-1 times forward; K/V and dK/dV N-1 times backward), got {sent}")
-    check(all(s == full_saved.peak // CP for s in saved), f"{layout}: each rank should save 1/N of full "
-          f"attention's bytes for backward, got {saved}")
-zz = [ring[r][1]["stats"]["score_elements"] for r in range(CP)]
-check(len(set(zz)) == 1, "zig-zag should give every rank the same causal work")
-
-# %% [markdown]
-# **What you should see:** ring attention equals full attention to fp32 rounding in the output and
-# in every gradient, in both layouts. Every rank sends exactly the estimator's bytes
-# (`cp_comm_bytes_per_layer`: (N-1)(K+V) forward, (N-1)(K+V)(1 + 4/4) backward, because the
-# gradient accumulators travel too), and saves a quarter of what one process saves for backward.
-# The largest score block a rank ever builds is (S/N)^2 per head (zig-zag: (S/2N)^2), against S^2
-# for an attention that stores its scores. The causal mask does not reduce the traffic (rank 3
-# needs rank 0's keys, which pass every rank), but it does the work: with contiguous chunks rank 3
-# scores 4 blocks and rank 0 one, so rank 0 idles; zig-zag gives every rank a piece near the
-# start and one near the end, and the work is even.
-#
-# ### The 8K-context scenario: a 7B model
-#
-# Now the numbers that matter, from the estimators: a Llama-2-7B shape (32 layers, d_model 4096,
-# 32 heads of 128, SwiGLU 11008) trained on 8,192-token sequences, micro-batch 1, bf16, fused
-# (flash) attention, no dropout. Per GPU, as the context-parallel size N grows: the activations
-# of all 32 layers (without and with full recomputation), the scores an attention that stored them
-# would need per layer, and the ring's traffic per layer.
-
-# %% tags=["nbval-check-output"]
-S7, L7, H7, A7, DH7, FF7 = 8192, 32, 4096, 32, 128, 11008
-GB = 1e9
-print(f"7B, {S7:,}-token context, micro-batch 1, bf16; per GPU:")
-print(f"{'CP N':>4} {'tokens':>7} {'activations':>12} {'full recompute':>15} {'eager scores/layer':>19} "
-      f"{'ring sends/layer':>17} {'per step (32 layers)':>21}")
-scenario = {}
-for n in (1, 2, 4, 8):
-    kw = dict(seq_len=S7 // n, micro_batch=1, d_model=H7, n_heads=A7, mlp="swiglu", d_ff=FF7, dropout=False,
-              attention="flash", bytes_per_element=2)
-    acts = L7 * activation_bytes_per_layer(**kw)
-    recompute = L7 * activation_bytes_per_layer(**kw, recompute="full")
-    comm = cp_comm_bytes_per_layer(seq_len=S7, micro_batch=1, n_kv_heads=A7, head_dim=DH7, cp=n, n_heads=A7)
-    scores = comm.peak_score_elements * 2  # bf16 scores of one layer, if they were stored
-    scenario[n] = (acts, comm)
-    print(f"{n:>4} {S7 // n:>7,} {acts / GB:>9.1f} GB {recompute / GB:>12.2f} GB {scores / GB:>16.2f} GB "
-          f"{comm.bytes_per_rank / GB:>14.3f} GB {L7 * comm.bytes_per_rank / GB:>18.1f} GB")
-
-# %% [markdown]
-# At N = 1 the activations of one 8K sequence are about 40 GB: with 14 GB of bf16 weights and the
-# optimizer state (112 GB for mixed-precision Adam before ZeRO, lab 09) that does not fit an 80 GB
-# GPU. CP divides them by N (and an eager attention's 4 GB of scores *per layer* by N^2); full
-# recomputation would too, at the price of a third forward pass. The ring's traffic per rank per
-# layer does not shrink with N: each rank forwards all the other ranks' K/V. What decides whether
-# it is free is **overlap**: the ring posts each hop, then computes on the block it holds. A hop
-# moves one K/V block (bytes ~ C = S/N), the block's attention costs ~C^2 FLOPs, so the ratio
-# shifts against CP as N grows. With the estimator's H100 peak (bf16) at 50% efficiency, and an
-# NVLink-class 400 GB/s or an InfiniBand 50 GB/s link per direction (assumptions, not
-# measurements):
-
-# %% tags=["nbval-check-output"]
-h100 = accelerator("h100-sxm5-80gb")
-FLOP_S = 0.5 * h100.peak_flops("bf16")
-print(f"{'CP N':>4} {'K/V block':>10} {'block attention fwd':>20} {'hop @ 400 GB/s':>15} {'hop @ 50 GB/s':>14}")
-for n in (2, 4, 8, 16):
-    c = S7 // n
-    kv_bytes = 2 * A7 * c * DH7 * 2  # K and V of one block, bf16
-    flops = 4 * A7 * c * c * DH7  # q k^T and p v of a full (off-diagonal) block
-    t_comp, t_nv, t_ib = flops / FLOP_S, kv_bytes / 400e9, kv_bytes / 50e9
-    print(f"{n:>4} {kv_bytes / 1e6:>7.1f} MB {t_comp * 1e6:>17.0f} us {t_nv * 1e6:>12.0f} us {t_ib * 1e6:>11.0f} us"
-          f"   {'hidden' if t_nv <= t_comp else 'exposed'} / {'hidden' if t_ib <= t_comp else 'exposed'}")
-
-# %% [markdown]
-# **What you should see:** inside a node (NVLink) a hop hides behind the block's attention up to
-# N = 4; at N = 8 the two are about equal, beyond it the transfer is exposed. Across nodes
-# (InfiniBand) a hop costs more than the block's attention at every N here. (The diagonal block
-# of a causal mask is half the work; zig-zag keeps the work even, not smaller.) That is why the CP
-# dimension sits right after tp in the mesh (section 6: `pp, dp, cp, tp` from the outside in),
-# and why long-context runs use CP 2-8 within a node and data parallelism across nodes. The
-# backward is a little less favourable: about 2.5 times the forward's FLOPs (scores recomputed,
-# then four gradient matmuls) against 3 times its bytes (K/V again, plus their fp32 gradient
-# accumulators).
-#
 # ## Where next
 #
+# * **Lab 15** (next in the teaching order): context parallelism. When one sequence's activations
+#   no longer fit, split the sequence itself: ring attention, zig-zag chunks, `parallel.cp` in the
+#   trainer, and the 7B / 8K-context numbers.
 # * **Exercise 11** asks you to write the 1F1B action list of one stage (and proves it deadlock-free
 #   before any rank starts).
 # * `benchmarks/bench_pipeline.py` times torch's schedules against ours without simulated compute

@@ -314,3 +314,5 @@ print(f"all {STEPS} losses of both interrupted runs equal the reference's exactl
 #   real cluster.
 # * Hangs: `--set train.watchdog_s=600` names a stalled rank and dumps every rank's stacks to
 #   `OUT/hang/` instead of waiting out the collective timeout (lab 12 runs one).
+# * Long sequences: lab 15 splits each sequence over ranks (`parallel.cp`, ring attention). It
+#   belongs right after lab 11; take it now if you skipped it.

@@ -126,6 +126,9 @@ FORBIDDEN = {
                      "f = identity / all-reduce", "every row `0 1 1 0`"],
     "11_one_f_one_b": ["stage_actions", "pp - stage - 1", "pp - s - 1", "warmup + k"],
     "12_parallelism_selection": ["tp=4, pp=2, dp=16", "cp=4, zero_stage=3", "tp=2, pp=1, dp=4"],
+    "13_online_softmax": ["torch.maximum(lse_a, lse_b)", "lse_a - safe", "safe + torch.log", "w_a + w_b",
+                          "logaddexp", "torch.sigmoid", "exp(lse_a) + exp(lse_b)", "exp(lse_a - lse)",
+                          "lse_a - lse", "online_softmax_update", "subtract the max"],
 }
 EXERCISES = sorted(p.stem for p in (ROOT / "solutions").glob("[0-9][0-9]_*.py"))
 
@@ -177,6 +180,8 @@ def test_every_hint_says_something(name):
     ("exercise10_tp_linear", ["view_as(", "must all-reduce (sum)", "must return the sum",
                               "is the identity", "Add it once, after g", "rows [r*out/N",
                               "columns [r*in/N", "f's in backward"]),
+    ("exercise13_online_softmax", ["maximum(lse", "logaddexp", "exp(lse_a", "lse_a - ", "subtract the max",
+                                   "the larger lse", "largest lse", "online_softmax_update"]),
 ])
 def test_check_messages_say_what_is_wrong_not_the_code(module, fragments):
     """The checkers' sentences (CheckFailed and problem texts) name no code and no fix."""
@@ -203,3 +208,48 @@ def test_exercise_11_draws_gpipe_without_importing_the_schedules():
 
     assert ex.gpipe_lists(3, 4) == [stage_actions("gpipe", 3, 4, s) for s in range(3)]
     assert "gpipe_lists" in _exercise_text("11_one_f_one_b")
+
+
+def _averaged(out_a, lse_a, out_b, lse_b):
+    """Every block weighted the same: the lse is right, the out is not."""
+    import torch
+
+    m = torch.maximum(lse_a, lse_b)
+    return (out_a + out_b) / 2, m + torch.log(torch.exp(lse_a - m) + torch.exp(lse_b - m))
+
+
+def _exponentiated(out_a, lse_a, out_b, lse_b):
+    """Right for small scores; exp overflows for large ones."""
+    import torch
+
+    w_a, w_b = torch.exp(lse_a), torch.exp(lse_b)
+    return (out_a * w_a.unsqueeze(-1) + out_b * w_b.unsqueeze(-1)) / (w_a + w_b).unsqueeze(-1), torch.log(w_a + w_b)
+
+
+def _unguarded(out_a, lse_a, out_b, lse_b):
+    """Stable for large scores, NaN where neither block has a key."""
+    import torch
+
+    m = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    return (out_a * w_a.unsqueeze(-1) + out_b * w_b.unsqueeze(-1)) / (w_a + w_b).unsqueeze(-1), m + torch.log(w_a + w_b)
+
+
+def test_exercise_13_checks_say_what_went_wrong_not_the_formula():
+    from course_lib.labs import exercise13_online_softmax as ex
+
+    messages = []
+    for merge, check_fn, said in ((_averaged, ex.check_two_blocks, ["off by up to", "how much of the row's total"]),
+                                  (_exponentiated, ex.check_large_scores, ["NaN", "88", "Which number"]),
+                                  (_unguarded, ex.check_masked_rows, ["NaN", "-inf", "count for nothing"])):
+        with pytest.raises(CheckFailed) as caught:
+            check_fn(merge)
+        text = str(caught.value)
+        messages.append(text)
+        assert all(s in text for s in said), text
+    for text in messages:
+        assert "maximum" not in text and "logaddexp" not in text and "exp(lse" not in text, text
+    # each of the three passes the checks the others fail: every mistake is caught by its own check
+    ex.check_two_blocks(_exponentiated)
+    ex.check_large_scores(_unguarded)
+    ex.check_two_blocks(_unguarded)

@@ -125,6 +125,9 @@ PARTIALS = {
     "07": ({0: ("    atomic_save(state, path)\n    try:",
                 "    atomic_save(state, path)\n    for old in list_checkpoints(folder)[:-keep_last]:\n"
                 "        old.unlink()\n    try:")}, 9),
+    # 13: the merge forgets rows that see no key in either block (NaN there): the masked-rows test
+    # (2 points) and the hidden test (3, a row with no key at all) fail; the ring never meets such a row
+    "13": ({0: ("safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))", "safe = m")}, 7),
 }
 
 

@@ -44,7 +44,7 @@ LABS: dict[str, LabInfo] = {info.name: info for info in [
             "gloo over loopback stands in for NCCL; CPU tensor bytes stand in for CUDA memory"),
     LabInfo("10_tensor_parallel", "Tensor and sequence parallelism", "cpu-standins",
             "gloo over loopback stands in for NCCL/NVLink; CPU tensor bytes stand in for CUDA memory"),
-    LabInfo("11_pipeline_parallel", "Pipeline parallelism, 3D and context parallelism", "cpu-standins",
+    LabInfo("11_pipeline_parallel", "Pipeline parallelism and 3D parallelism", "cpu-standins",
             "gloo over loopback stands in for NCCL; CPU timings stand in for GPU kernels"),
     LabInfo("12_finding_bottleneck", "Finding the bottleneck: profiling, utilization, MFU and hangs", "cpu-standins",
             "gloo over loopback stands in for NCCL; CPU operator timelines stand in for GPU kernels; psutil for NVML"),
@@ -52,6 +52,10 @@ LABS: dict[str, LabInfo] = {info.name: info for info in [
             "the plans are closed-form (no GPU needed); the launched job is TinyGPT on 2 CPU ranks (gloo)"),
     LabInfo("14_capstone", "Capstone: one distributed training run, end to end", "cpu-standins",
             "2 CPU ranks over gloo stand in for GPUs with NCCL; the GPU and SLURM commands are shown, not run"),
+    # taught right after lab 11 (numbered last because it was added last)
+    LabInfo("15_context_parallel", "Context parallelism: ring attention for long sequences (after lab 11)",
+            "cpu-standins", "gloo over loopback stands in for NCCL; CPU tensor bytes stand in for CUDA memory; "
+            "the ring's overlap on GPUs is estimated, not measured"),
 ]}
 
 

@@ -13,7 +13,8 @@ from course_lib.kit import catalog, notebooks
 from course_lib.kit.doctor import _split_stamps
 
 #: lab stem -> (exercise stem in exercises/, what the exercise asks). Exercise numbers follow the
-#: exercises' own order, so lab 13's exercise is 12 and labs 03, 06, 12 and 14 have none.
+#: exercises' own order, so lab 13's exercise is 12, lab 15's is 13, and labs 03, 06, 12 and 14
+#: have none.
 EXERCISES: dict[str, tuple[str, str]] = {
     "00_orientation": ("00_ring_allreduce", "ring all-reduce from send/recv"),
     "01_memory": ("01_memory_budget", "memory budget of a 7B model with AdamW"),
@@ -27,6 +28,8 @@ EXERCISES: dict[str, tuple[str, str]] = {
     "11_pipeline_parallel": ("11_one_f_one_b", "the 1F1B schedule (simulated, then on gloo ranks)"),
     "13_planning_launching": ("12_parallelism_selection", "parallelism selection (a layout for three jobs, "
                                                           "then `choose_layout` for any job)"),
+    "15_context_parallel": ("13_online_softmax", "the online-softmax merge of two partial attention results, "
+                                                 "then inside a simulated ring"),
 }
 
 

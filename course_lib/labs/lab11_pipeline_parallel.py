@@ -1,4 +1,4 @@
-"""Rank functions for lab 11 (pipeline parallelism, 3D and context parallelism).
+"""Rank functions for lab 11 (pipeline parallelism and 3D parallelism).
 
 They live here, not in the notebook, because spawned ranks can only run importable code. Each has
 the ``fn(rank, world_size, ...)`` signature :func:`course_lib.parallel.run_ranks` calls and returns
@@ -18,7 +18,7 @@ waiting are real.
 * :func:`torch_runs` - torch's ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``: losses, a timeline
   recorded by an identity autograd function at each stage's output, live saved bytes (section 4).
 * :func:`train_layouts` - the trainer on a tp x pp x dp mesh (section 6).
-* :func:`ring_runs` - ring attention against full attention, bytes and memory (section 7).
+* :func:`sharded_layouts` - the trainer with a sharded data-parallel dimension under tp / cp (section 7).
 """
 from __future__ import annotations
 
@@ -281,35 +281,6 @@ def train_layouts(rank: int, world_size: int, runs: list[tuple]) -> list[dict]:
         mesh = getattr(result.strategy, "mesh", None)
         out.append({"steps": result.steps, "coords": None if mesh is None else dict(mesh.coords),
                     "groups": None if mesh is None else {d: list(r) for d, r in mesh.ranks.items()}})
-    return out
-
-
-# ------------------------------------------------------------------------------ context parallel
-def attention_inputs(batch: int, heads: int, seq_len: int, head_dim: int, seed: int = 0):
-    """q, k, v, dout [batch, heads, seq_len, head_dim], fp32, the same in every process."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, seq_len, head_dim, generator=g) for _ in range(4)]
-
-
-def ring_runs(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
-    """Ring attention on every case ``(batch, heads, seq_len, head_dim, layout)`` (causal): this
-    rank's chunk of the output and of dq, dk, dv, the bytes it sent (``stats`` and the wire
-    counter), its largest score block, its score elements (work), and the bytes autograd saved."""
-    from course_lib.parallel.context_parallel import ring_attention, split_sequence
-    from course_lib.parallel.wire import count_collectives
-
-    out = []
-    for b, h, s, d, layout in cases:
-        q, k, v, dout = (split_sequence(t, world_size, rank, layout=layout) for t in attention_inputs(b, h, s, d))
-        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        stats = {}
-        counter = LiveSavedBytes([])
-        with count_collectives() as wire, counter:
-            o = ring_attention(q, k, v, causal=True, layout=layout, stats=stats)
-            o.backward(dout)
-        out.append({"out": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "stats": stats,
-                    "wire_bytes": wire.exact_bytes_per_rank(), "saved_bytes": counter.peak})
-    dist.barrier()
     return out
 
 
