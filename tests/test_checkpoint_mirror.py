@@ -97,6 +97,24 @@ def test_after_a_recovery_from_the_mirror_it_still_keeps_keep_last(tmp_path):
     assert [n for n, _ in mgr.checkpoints()] == ["step_000000003", "step_000000004"]  # what the disk had
 
 
+def test_the_mirror_prune_leaves_checkpoints_of_another_format(tmp_path):
+    """A mirror that also holds a sharded (DCP) checkpoint (an earlier fsdp run's, beside which a
+    resume only warns): the full tier's retention counts and deletes its own format only, as the
+    local prune and the sharded tier's (``dcp_mirror.mirror_keep``) do; it used to delete it."""
+    mirror = mirror_for("file", tmp_path, skip_superseded=False)
+    foreign = tmp_path / "remote" / "step_000000001"
+    foreign.mkdir()
+    (foreign / ".metadata").write_bytes(b"x")
+    (foreign / "manifest.json").write_text(json.dumps({
+        "format": "course_lib.checkpoint.dcp/1", "step": 1, "seq": 1, "created_unix": 0.0,
+        "files": {".metadata": {"bytes": 1, "sha256": cio.sha256_hex(b"x")}}}))
+    mgr = CheckpointManager(tmp_path / "local", keep_last=1, mirror=mirror)
+    for step in (2, 3):
+        mgr.save(step, model=model_at(step))
+    mgr.close()
+    assert sorted(mirror.list()) == ["step_000000001", "step_000000003"]
+
+
 def test_a_slow_mirror_skips_superseded_uploads_and_blocks_no_pruning(tmp_path):
     delays = []
 
