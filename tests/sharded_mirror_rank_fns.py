@@ -154,8 +154,8 @@ def layout_tiers(rank, world_size, cfgs, root):
     """The two tier rules that depend on how a layout's shards are saved and loaded, for a composed
     layout (fsdp x tp, fsdp x cp), one launch: the mirror's copy of a corrupt newest (quarantined,
     not counted by keep_last), and a refusal when the local folder is lost and the mirror is down
-    or its file:// root missing. ``cfgs``: ``{"4"|"6"|"8": cfg with the file:// mirror root/m,
-    "missing": cfg of 8 steps whose mirror root does not exist}``."""
+    or its file:// root missing. ``cfgs``: ``{"2"|"3"|"4": cfg of that many steps, a save every
+    step, with the file:// mirror root/m, "missing": cfg of 4 steps whose mirror root does not exist}``."""
     import shutil
     from pathlib import Path
 
@@ -165,12 +165,12 @@ def layout_tiers(rank, world_size, cfgs, root):
     from course_lib.train import train
 
     run, ckpts = Path(root) / "run", Path(root) / "run" / "checkpoints"
-    out = {"first": train(cfgs["4"], run).steps}
+    out = {"first": train(cfgs["2"], run).steps}
     dist.barrier()
     if rank == 0:
-        _flip_newest_shard(ckpts, "step_000000004")
+        _flip_newest_shard(ckpts, "step_000000002")
     dist.barrier()
-    out["corrupt_newest"] = _outcome(train, cfgs["6"], run, resume=True)
+    out["corrupt_newest"] = _outcome(train, cfgs["3"], run, resume=True)
     out["local_after_corrupt"] = _ckpts(ckpts)
     dist.barrier()
     if rank == 0:  # the local disk is lost...
@@ -183,7 +183,7 @@ def layout_tiers(rank, world_size, cfgs, root):
 
     CheckpointMirror.list = outage
     try:
-        out["outage"] = _outcome(train, cfgs["8"], run, resume=True)
+        out["outage"] = _outcome(train, cfgs["4"], run, resume=True)
     finally:
         CheckpointMirror.list = real_list
     out["missing_root"] = _outcome(train, cfgs["missing"], run, resume=True)

@@ -36,11 +36,12 @@ LAYOUTS = {"fsdp-tp": ["parallel.tp=2"], "fsdp-cp": ["parallel.cp=2"]}
 
 
 def layout_cfgs(root, sets):
-    """``sharded_mirror_rank_fns.layout_tiers``'s configs: mirror ``root/m``, one with a missing root."""
+    """``sharded_mirror_rank_fns.layout_tiers``'s configs (a save every step, the fewest steps that
+    show the rules): mirror ``root/m``, one whose mirror root is missing."""
     m = f"file://{root / 'm'}"
-    return {"4": cfg(4, 6, mirror=m, sets=sets), "6": cfg(6, 6, mirror=m, sets=sets),
-            "8": cfg(8, 6, mirror=m, sets=sets),
-            "missing": cfg(8, 6, mirror=f"file://{root / 'unmounted' / 'm'}", sets=sets)}
+    return {"2": cfg(2, 6, mirror=m, save_every=1, sets=sets), "3": cfg(3, 6, mirror=m, save_every=1, sets=sets),
+            "4": cfg(4, 6, mirror=m, save_every=1, sets=sets),
+            "missing": cfg(4, 6, mirror=f"file://{root / 'unmounted' / 'm'}", save_every=1, sets=sets)}
 
 
 def losses(out):
@@ -111,8 +112,8 @@ def test_a_fresh_run_never_uploads_over_a_mirror_that_holds_checkpoints(tier_run
 @pytest.mark.parametrize("index, layout", [(2, "fsdp-tp"), (3, "fsdp-cp")])
 def test_composed_layouts_keep_the_tier_rules(tier_runs, index, layout):
     """fsdp x tp and fsdp x cp (dp 1 x 2 on 2 ranks; dp 2 x 2 on 4 in the slow tier): a byte flipped
-    in the newest local shard (step 4) resumes from the mirror's intact step 4, not the local step
-    2, the corrupt folder is quarantined and keep_last = 2 keeps the good steps 4 and 6; the local
+    in the newest local shard (step 2) resumes from the mirror's intact step 2, not the local step
+    1, the corrupt folder is quarantined and keep_last = 2 keeps the good steps 2 and 3; the local
     folder lost and the mirror down or its root missing: CheckpointLoadError on every rank,
     metrics.jsonl untouched."""
     _, per_rank = tier_runs
@@ -121,14 +122,27 @@ def test_composed_layouts_keep_the_tier_rules(tier_runs, index, layout):
 
 
 def check_layout(got, layout):
-    assert got["first"] == 4 and got["corrupt_newest"] == ("ok", (4, 6)), (layout, got["corrupt_newest"])
-    assert got["local_after_corrupt"] == [".corrupt-step_000000004", "step_000000004", "step_000000006"], \
+    assert got["first"] == 2 and got["corrupt_newest"] == ("ok", (2, 3)), (layout, got["corrupt_newest"])
+    assert got["local_after_corrupt"] == [".corrupt-step_000000002", "step_000000002", "step_000000003"], \
         (layout, got["local_after_corrupt"])
     kind, msg = got["outage"]
     assert kind == "CheckpointLoadError" and "cannot tell whether this is a fresh start" in msg, (layout, msg)
     kind, msg = got["missing_root"]
     assert kind == "CheckpointLoadError" and "does not exist" in msg and "unmounted" in msg, (layout, msg)
-    assert got["rows_after_refusals"] == list(range(1, 7)), (layout, got["rows_after_refusals"])
+    assert got["rows_after_refusals"] == [1, 2, 3], (layout, got["rows_after_refusals"])
+
+
+@pytest.mark.slow
+def test_composed_layouts_on_four_ranks_keep_the_tier_rules(tmp_path):
+    """The same rules for fsdp x tp and fsdp x cp with dp 2 x 2 on 4 ranks (one launch): FSDP2
+    shards every TP (or CP) group's weights once more over the dp ranks."""
+    calls = []
+    for name, sets in LAYOUTS.items():
+        (tmp_path / name).mkdir()
+        calls.append((fns.layout_tiers, (layout_cfgs(tmp_path / name, sets), str(tmp_path / name))))
+    for results in run_ranks(rank_fns.several, 4, calls, timeout=600):
+        for got, layout in zip(results, LAYOUTS):
+            check_layout(got, layout)
 
 
 def test_a_lost_disk_never_starts_fresh_beside_the_mirrors_checkpoints_of_another_format(tier_runs, tmp_path):
