@@ -124,6 +124,7 @@ def test_a_slow_mirror_skips_superseded_uploads_and_blocks_no_pruning(tmp_path):
             time.sleep(0.3)
             super()._upload_once(local_dir)
 
+    (tmp_path / "remote").mkdir()
     mirror = SlowMirror(f"file://{tmp_path}/remote", backoff_s=0.01)
     mgr = CheckpointManager(tmp_path / "local", keep_last=1, mirror=mirror)
     for step in range(1, 6):
@@ -237,8 +238,9 @@ def test_upload_retries_until_the_target_recovers(tmp_path):
 
     def repair(attempt, exc):
         attempts.append((attempt, type(exc).__name__))
-        if attempt == 1:
-            blocker.unlink()  # the storage comes back before the third attempt
+        if attempt == 1:  # the storage comes back (its folder is there again) before the third attempt
+            blocker.unlink()
+            blocker.mkdir()
 
     mirror = CheckpointMirror(f"file://{blocker}", retries=3, backoff_s=0.01, on_failure=repair)
     mgr = CheckpointManager(tmp_path / "local", mirror=mirror)
@@ -246,6 +248,26 @@ def test_upload_retries_until_the_target_recovers(tmp_path):
     mgr.close()
     assert [a for a, _ in attempts] == [0, 1] and mirror.failures == []
     assert list(mirror.list()) == ["step_000000001"]
+
+
+def test_an_upload_never_creates_a_missing_file_mirror_root(tmp_path):
+    """The share unmounted mid-run (the root renamed away): the next upload fails and warns, the
+    local copy stays; it used to create the root afresh (makedirs), so a later resume with the
+    local disk lost took that new, partial folder for the mirror. The share back: uploads resume."""
+    mirror = mirror_for("file", tmp_path, retries=0, skip_superseded=False)
+    mgr = CheckpointManager(tmp_path / "local", keep_last=3, mirror=mirror)
+    mgr.save(1, model=model_at(1))
+    mgr.wait()
+    (tmp_path / "remote").rename(tmp_path / "away")
+    with pytest.warns(RuntimeWarning, match="mirror upload of step_000000002 .* failed.*does not exist"):
+        mgr.save(2, model=model_at(2))
+        mgr.wait()
+    assert not (tmp_path / "remote").exists()
+    (tmp_path / "away").rename(tmp_path / "remote")
+    mgr.save(3, model=model_at(3))
+    mgr.close()
+    assert sorted(mirror.list()) == ["step_000000001", "step_000000003"]
+    assert [n for n, _ in mgr.checkpoints()] == ["step_000000001", "step_000000002", "step_000000003"]
 
 
 def test_upload_that_keeps_failing_warns_and_training_goes_on(tmp_path):

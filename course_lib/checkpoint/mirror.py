@@ -130,6 +130,11 @@ class CheckpointMirror:
         manifest_bytes = (local_dir / MANIFEST).read_bytes()
         manifest = read_manifest(local_dir, expected_format=None)
         remote = self._p(local_dir.name)
+        if self._local() and not self.fs.isdir(self.root):
+            # An unmounted share: never build the root afresh (a resume would take that new,
+            # partial folder for the mirror). A new run creates it once (create_root).
+            raise MirrorRootMissing(f"mirror root {self.url} does not exist or is not a folder (an unmounted "
+                                    f"share?); not uploading {local_dir.name} into a new folder there")
         if self.fs.exists(self._p(local_dir.name, MANIFEST)):
             self.fs.rm_file(self._p(local_dir.name, MANIFEST))  # a mixed old/new dir must not look complete
         self.fs.makedirs(remote, exist_ok=True)
