@@ -331,3 +331,21 @@ def test_a_missing_file_mirror_root_is_an_error_not_an_empty_mirror(tmp_path):
     mgr.close()
     with pytest.raises(CheckpointError, match="already holds 1 checkpoint.*--resume auto"):
         check_fresh_mirror(gone)
+
+
+def test_a_file_mirror_root_that_is_a_file_is_not_an_empty_mirror(tmp_path):
+    """A file where the mirror's folder should be (a mount point gone wrong) lists as an error,
+    not as an empty mirror (fsspec lists a file as itself: it used to read as "no checkpoints");
+    a resume with nothing local refuses, a fresh run refuses to start on it."""
+    from course_lib.checkpoint.mirror import MirrorRootMissing
+    from course_lib.checkpoint.tiers import check_fresh_mirror
+
+    (tmp_path / "share").write_text("not a folder")
+    mirror = CheckpointMirror(f"file://{tmp_path}/share")
+    with pytest.raises(MirrorRootMissing, match="not a folder"):
+        mirror.list()
+    with pytest.warns(RuntimeWarning, match="cannot list mirror"):
+        with pytest.raises(CheckpointLoadError, match="cannot tell whether this is a fresh start"):
+            CheckpointManager(tmp_path / "local", mirror=mirror).load(nn.Linear(16, 16))
+    with pytest.raises(MirrorRootMissing, match="not a folder"):
+        check_fresh_mirror(mirror)

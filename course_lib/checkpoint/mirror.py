@@ -154,6 +154,9 @@ class CheckpointMirror:
 
     def _names(self) -> list[str]:
         self.fs.invalidate_cache()
+        if self._local() and self.fs.isfile(self.root):  # fsspec lists a file as itself: never "empty"
+            raise MirrorRootMissing(f"mirror root {self.url} is a file, not a folder (a mount point gone wrong?); "
+                                    f"refusing to take it for an empty mirror")
         try:
             entries = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
@@ -176,7 +179,9 @@ class CheckpointMirror:
                 raise MirrorRootMissing(f"mirror root {self.url}: its parent folder does not exist (an unmounted "
                                         f"share?); create it, or fix checkpoint.mirror") from None
             except FileExistsError:
-                pass
+                if not self.fs.isdir(self.root):
+                    raise MirrorRootMissing(f"mirror root {self.url} is a file, not a folder; fix "
+                                            f"checkpoint.mirror") from None
 
     def list(self) -> dict[str, dict]:
         """``{name: manifest}`` of remote checkpoints that have a parseable manifest (complete
