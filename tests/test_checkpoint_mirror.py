@@ -253,7 +253,8 @@ def test_upload_retries_until_the_target_recovers(tmp_path):
 def test_an_upload_never_creates_a_missing_file_mirror_root(tmp_path):
     """The share unmounted mid-run (the root renamed away): the next upload fails and warns, the
     local copy stays; it used to create the root afresh (makedirs), so a later resume with the
-    local disk lost took that new, partial folder for the mirror. The share back: uploads resume."""
+    local disk lost took that new, partial folder for the mirror. A resume meanwhile warns and
+    takes the newest local checkpoint. The share back: uploads resume."""
     mirror = mirror_for("file", tmp_path, retries=0, skip_superseded=False)
     mgr = CheckpointManager(tmp_path / "local", keep_last=3, mirror=mirror)
     mgr.save(1, model=model_at(1))
@@ -263,6 +264,8 @@ def test_an_upload_never_creates_a_missing_file_mirror_root(tmp_path):
         mgr.save(2, model=model_at(2))
         mgr.wait()
     assert not (tmp_path / "remote").exists()
+    with pytest.warns(RuntimeWarning, match="cannot list mirror"):  # a resume meanwhile: the local newest
+        assert CheckpointManager(tmp_path / "local", mirror=mirror, writer=False).load(nn.Linear(16, 16)).step == 2
     (tmp_path / "away").rename(tmp_path / "remote")
     mgr.save(3, model=model_at(3))
     mgr.close()

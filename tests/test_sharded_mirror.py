@@ -4,7 +4,10 @@ a second tier; after the local folder is wiped, ``--resume auto`` continues from
 on 2 ranks and on 3, with the losses of one process on the same global batch. And the rules of
 docs/CHECKPOINTS.md that full checkpoints keep hold for sharded ones (issue 36): the mirror's copy
 of a corrupt newest, a refusal when the mirror cannot be listed (an outage, a missing root) and
-nothing is local, no prune of a folder still uploading, no fresh run over a mirror's checkpoints."""
+nothing is local, no prune of a folder still uploading, no fresh run over a mirror's checkpoints;
+on fsdp and on the composed layouts (fsdp x tp, fsdp x cp: dp 1 x 2 here, dp 2 x 2 on 4 ranks in
+the slow tier). A lost disk never starts fresh beside the mirror's checkpoints of another format
+(either way round), and the full tier refuses through the trainer as the sharded one does."""
 from __future__ import annotations
 
 import json
@@ -207,6 +210,17 @@ def test_the_sharded_prune_leaves_a_folder_the_mirror_is_still_uploading(tier_ru
     assert slow["mirror"] and all(slow["mirror"].values()), slow["mirror"]
     assert "step_000000006" in slow["mirror"] and len(slow["mirror"]) <= 2, slow["mirror"]
     assert slow["local"] == ["step_000000005", "step_000000006"], slow["local"]
+
+
+def test_the_sharded_mirror_prune_counts_and_deletes_its_own_format_only():
+    """``dcp_mirror.mirror_keep``: keep_last newest sharded copies by save order, every copy of
+    another format kept (the full tier's ``CheckpointManager._mirror_keep`` does the same:
+    test_the_mirror_prune_leaves_checkpoints_of_another_format)."""
+    from course_lib.checkpoint.dcp_mirror import mirror_keep
+
+    listing = {"step_000000004": {"format": DCP_FORMAT, "seq": 3}, "step_000000002": {"format": DCP_FORMAT, "seq": 4},
+               "step_000000006": {"format": DCP_FORMAT, "seq": 2}, "step_000000001": {"format": "course_lib.checkpoint/1"}}
+    assert mirror_keep(2)(listing) == {"step_000000004", "step_000000002", "step_000000001"}
 
 
 def test_sharded_checkpoints_resume_from_the_mirror_alone_on_the_same_and_another_world_size(tmp_path):

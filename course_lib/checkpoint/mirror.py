@@ -9,6 +9,10 @@ Object stores have no atomic directory rename, so the commit point is the manife
 uploaded first, read back and compared with the local sha256s, and only then ``manifest.json`` is
 written. A remote directory without a manifest (an interrupted upload) is never used and is deleted
 by the next prune. Deleting goes the other way round: manifest first.
+
+A ``file://`` root that does not exist (or is a file) is an error everywhere - listing, upload -
+never an empty mirror: only a new run creates it (:meth:`CheckpointMirror.create_root`, under an
+existing parent), so an unmounted share is never silently replaced by a fresh folder.
 """
 from __future__ import annotations
 
