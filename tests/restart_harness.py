@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from course_lib.watch.demo import kill_tree
 
@@ -70,15 +71,17 @@ def worker_pid(agent_pid: int, rank: int) -> int | None:
 
 
 def run(out: Path, args: list[str], *, nproc: int = 2, max_restarts: int = 3, kill_rank: int | None = None,
-        kill_at_rows: int = 0, deadline_s: float = 120.0, env: dict | None = None) -> Job:
-    """One ``torchrun --standalone`` job of ``python -m course_lib.train``. With ``kill_rank``, that
-    worker gets SIGKILL once ``kill_at_rows`` metrics rows exist (a crash: no handler runs). The job
-    is killed whole after ``deadline_s`` seconds (then ``returncode`` is None)."""
+        kill_at_rows: int = 0, deadline_s: float = 120.0, env: dict | None = None,
+        module: str = "course_lib.train") -> Job:
+    """One ``torchrun --standalone`` job of ``python -m course_lib.train`` (or ``module``, a
+    wrapper of its command line importable from tests/). With ``kill_rank``, that worker gets
+    SIGKILL once ``kill_at_rows`` metrics rows exist (a crash: no handler runs). The job is killed
+    whole after ``deadline_s`` seconds (then ``returncode`` is None)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "-m", "course_lib.train",
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "-m", module,
            *args, "--out", str(out)]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**_env(module), **(env or {})}
     log_path = out.parent / f"{out.name}.log"
     start = time.monotonic()
     with open(log_path, "w") as sink:  # a file, not a pipe: a full pipe would block the ranks
@@ -129,17 +132,28 @@ def _saving(out: Path) -> bool:
     return folder.exists() and any(p.name.startswith(".tmp-") for p in folder.iterdir())
 
 
+def _env(module: str) -> dict:
+    """A job's environment: one thread per rank, unbuffered output, and tests/ importable when
+    ``module`` is a test wrapper of the trainer's command line."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if module != "course_lib.train":
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "tests"), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def run_killed_whole(out: Path, args: list[str], *, nproc: int, delay_s: float, during_save: bool,
-                     deadline_s: float = 180.0) -> Job:
+                     deadline_s: float = 180.0, when: Callable[[], bool] | None = None,
+                     module: str = "course_lib.train", env: dict | None = None) -> Job:
     """One ``torchrun --max-restarts 0`` job whose whole process tree (agent and workers) gets
     SIGKILL (a lost node: nothing runs a handler) once training has logged a new row and then
     ``delay_s`` more seconds have passed, or, with ``during_save``, at the first moment after
-    that when a background sharded save is being written. A job that ends first is returned as
-    it ended (``killed`` None)."""
+    that when a background sharded save is being written, or, with ``when``, at the first moment
+    after that when ``when()`` holds. A job that ends first is returned as it ended (``killed``
+    None). ``module`` and ``env`` as for :func:`run`."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--max-restarts=0", "--monitor-interval=0.2", "-m", "course_lib.train", *args, "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+           "--max-restarts=0", "--monitor-interval=0.2", "-m", module, *args, "--out", str(out)]
+    env = {**_env(module), **(env or {})}
     log_path = out.parent / f"{out.name}.log"
     start, rows0 = time.monotonic(), _rows(out)
     with open(log_path, "a") as sink:
@@ -149,7 +163,8 @@ def run_killed_whole(out: Path, args: list[str], *, nproc: int, delay_s: float, 
         while proc.poll() is None and time.monotonic() - start < deadline_s:
             if armed_at is None and _rows(out) > rows0:
                 armed_at = time.monotonic()
-            if armed_at is not None and time.monotonic() - armed_at >= delay_s and (not during_save or _saving(out)):
+            if (armed_at is not None and time.monotonic() - armed_at >= delay_s and (not during_save or _saving(out))
+                    and (when is None or when())):
                 saving = _saving(out)
                 kill_tree(proc.pid)  # a lost node: the agent and every worker at once
                 killed = (-1, _rows(out))

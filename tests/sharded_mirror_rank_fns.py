@@ -78,10 +78,7 @@ def tier_rules(rank, world_size, cfgs, root):
     out["other_exists"] = (Path(root) / "other").exists()
     dist.barrier()
     if rank == 0:  # one byte of the newest local shard flips; the mirror's copy is intact
-        shard = sorted((ckpts / "step_000000006").glob("*.distcp"))[0]
-        blob = bytearray(shard.read_bytes())
-        blob[len(blob) // 2] ^= 0xFF
-        shard.write_bytes(bytes(blob))
+        _flip_newest_shard(ckpts, "step_000000006")
     dist.barrier()
     out["corrupt_newest"] = _outcome(train, cfgs["8"], run, resume=True)
     out["local_after_corrupt"] = _ckpts(ckpts)
@@ -143,3 +140,77 @@ def slow_mirror(rank, world_size, cfg, out_dir, mirror_dir, seconds):
     return {"failed": [str(w.message) for w in caught if "mirror upload" in str(w.message)],
             "mirror": {p.name: (p / "manifest.json").exists() for p in mirror_dir.iterdir()},
             "local": _ckpts(Path(out_dir) / "checkpoints")}
+
+
+def _flip_newest_shard(ckpts, name):
+    """One byte of ``name``'s first ``.distcp`` shard flipped (rank 0; the mirror's copy stays intact)."""
+    shard = sorted((ckpts / name).glob("*.distcp"))[0]
+    blob = bytearray(shard.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    shard.write_bytes(bytes(blob))
+
+
+def layout_tiers(rank, world_size, cfgs, root):
+    """The two tier rules that depend on how a layout's shards are saved and loaded, for a composed
+    layout (fsdp x tp, fsdp x cp), one launch: the mirror's copy of a corrupt newest (quarantined,
+    not counted by keep_last), and a refusal when the local folder is lost and the mirror is down
+    or its file:// root missing. ``cfgs``: ``{"2"|"3"|"4": cfg of that many steps, a save every
+    step, with the file:// mirror root/m, "missing": cfg of 4 steps whose mirror root does not exist}``."""
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from course_lib.checkpoint.mirror import CheckpointMirror
+    from course_lib.train import train
+
+    run, ckpts = Path(root) / "run", Path(root) / "run" / "checkpoints"
+    out = {"first": train(cfgs["2"], run).steps}
+    dist.barrier()
+    if rank == 0:
+        _flip_newest_shard(ckpts, "step_000000002")
+    dist.barrier()
+    out["corrupt_newest"] = _outcome(train, cfgs["3"], run, resume=True)
+    out["local_after_corrupt"] = _ckpts(ckpts)
+    dist.barrier()
+    if rank == 0:  # the local disk is lost...
+        shutil.rmtree(ckpts)
+    dist.barrier()
+    real_list = CheckpointMirror.list
+
+    def outage(self):  # ...and the mirror cannot be listed
+        raise OSError("network is unreachable")
+
+    CheckpointMirror.list = outage
+    try:
+        out["outage"] = _outcome(train, cfgs["4"], run, resume=True)
+    finally:
+        CheckpointMirror.list = real_list
+    out["missing_root"] = _outcome(train, cfgs["missing"], run, resume=True)
+    out["rows_after_refusals"] = _rows(run)
+    return out
+
+
+def foreign_on_mirror(rank, world_size, full_cfg, sharded_cfg, root):
+    """A ddp run saving full checkpoints with a mirror loses its local disk; ``--resume auto`` with
+    fsdp (sharded checkpoints) and the same mirror must not take "nothing of my format" for a fresh
+    start. Returns the outcome, the metrics rows after it and the mirror's ``{name: format}``."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from course_lib.train import train
+
+    run, mirror = Path(root) / "run", Path(root) / "m"
+    train(full_cfg, run)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(run / "checkpoints")
+    dist.barrier()
+    before = {p.name: json.loads((p / "manifest.json").read_text())["format"] for p in sorted(mirror.iterdir())}
+    got = _outcome(train, sharded_cfg, run, resume=True)
+    dist.barrier()
+    after = {p.name: json.loads((p / "manifest.json").read_text())["format"] for p in sorted(mirror.iterdir())}
+    return {"resume": got, "rows": _rows(run), "mirror_before": before, "mirror_after": after}

@@ -97,6 +97,24 @@ def test_after_a_recovery_from_the_mirror_it_still_keeps_keep_last(tmp_path):
     assert [n for n, _ in mgr.checkpoints()] == ["step_000000003", "step_000000004"]  # what the disk had
 
 
+def test_the_mirror_prune_leaves_checkpoints_of_another_format(tmp_path):
+    """A mirror that also holds a sharded (DCP) checkpoint (an earlier fsdp run's, beside which a
+    resume only warns): the full tier's retention counts and deletes its own format only, as the
+    local prune and the sharded tier's (``dcp_mirror.mirror_keep``) do; it used to delete it."""
+    mirror = mirror_for("file", tmp_path, skip_superseded=False)
+    foreign = tmp_path / "remote" / "step_000000001"
+    foreign.mkdir()
+    (foreign / ".metadata").write_bytes(b"x")
+    (foreign / "manifest.json").write_text(json.dumps({
+        "format": "course_lib.checkpoint.dcp/1", "step": 1, "seq": 1, "created_unix": 0.0,
+        "files": {".metadata": {"bytes": 1, "sha256": cio.sha256_hex(b"x")}}}))
+    mgr = CheckpointManager(tmp_path / "local", keep_last=1, mirror=mirror)
+    for step in (2, 3):
+        mgr.save(step, model=model_at(step))
+    mgr.close()
+    assert sorted(mirror.list()) == ["step_000000001", "step_000000003"]
+
+
 def test_a_slow_mirror_skips_superseded_uploads_and_blocks_no_pruning(tmp_path):
     delays = []
 
@@ -106,6 +124,7 @@ def test_a_slow_mirror_skips_superseded_uploads_and_blocks_no_pruning(tmp_path):
             time.sleep(0.3)
             super()._upload_once(local_dir)
 
+    (tmp_path / "remote").mkdir()
     mirror = SlowMirror(f"file://{tmp_path}/remote", backoff_s=0.01)
     mgr = CheckpointManager(tmp_path / "local", keep_last=1, mirror=mirror)
     for step in range(1, 6):
@@ -219,8 +238,9 @@ def test_upload_retries_until_the_target_recovers(tmp_path):
 
     def repair(attempt, exc):
         attempts.append((attempt, type(exc).__name__))
-        if attempt == 1:
-            blocker.unlink()  # the storage comes back before the third attempt
+        if attempt == 1:  # the storage comes back (its folder is there again) before the third attempt
+            blocker.unlink()
+            blocker.mkdir()
 
     mirror = CheckpointMirror(f"file://{blocker}", retries=3, backoff_s=0.01, on_failure=repair)
     mgr = CheckpointManager(tmp_path / "local", mirror=mirror)
@@ -228,6 +248,29 @@ def test_upload_retries_until_the_target_recovers(tmp_path):
     mgr.close()
     assert [a for a, _ in attempts] == [0, 1] and mirror.failures == []
     assert list(mirror.list()) == ["step_000000001"]
+
+
+def test_an_upload_never_creates_a_missing_file_mirror_root(tmp_path):
+    """The share unmounted mid-run (the root renamed away): the next upload fails and warns, the
+    local copy stays; it used to create the root afresh (makedirs), so a later resume with the
+    local disk lost took that new, partial folder for the mirror. A resume meanwhile warns and
+    takes the newest local checkpoint. The share back: uploads resume."""
+    mirror = mirror_for("file", tmp_path, retries=0, skip_superseded=False)
+    mgr = CheckpointManager(tmp_path / "local", keep_last=3, mirror=mirror)
+    mgr.save(1, model=model_at(1))
+    mgr.wait()
+    (tmp_path / "remote").rename(tmp_path / "away")
+    with pytest.warns(RuntimeWarning, match="mirror upload of step_000000002 .* failed.*does not exist"):
+        mgr.save(2, model=model_at(2))
+        mgr.wait()
+    assert not (tmp_path / "remote").exists()
+    with pytest.warns(RuntimeWarning, match="cannot list mirror"):  # a resume meanwhile: the local newest
+        assert CheckpointManager(tmp_path / "local", mirror=mirror, writer=False).load(nn.Linear(16, 16)).step == 2
+    (tmp_path / "away").rename(tmp_path / "remote")
+    mgr.save(3, model=model_at(3))
+    mgr.close()
+    assert sorted(mirror.list()) == ["step_000000001", "step_000000003"]
+    assert [n for n, _ in mgr.checkpoints()] == ["step_000000001", "step_000000002", "step_000000003"]
 
 
 def test_upload_that_keeps_failing_warns_and_training_goes_on(tmp_path):
@@ -291,3 +334,21 @@ def test_a_missing_file_mirror_root_is_an_error_not_an_empty_mirror(tmp_path):
     mgr.close()
     with pytest.raises(CheckpointError, match="already holds 1 checkpoint.*--resume auto"):
         check_fresh_mirror(gone)
+
+
+def test_a_file_mirror_root_that_is_a_file_is_not_an_empty_mirror(tmp_path):
+    """A file where the mirror's folder should be (a mount point gone wrong) lists as an error,
+    not as an empty mirror (fsspec lists a file as itself: it used to read as "no checkpoints");
+    a resume with nothing local refuses, a fresh run refuses to start on it."""
+    from course_lib.checkpoint.mirror import MirrorRootMissing
+    from course_lib.checkpoint.tiers import check_fresh_mirror
+
+    (tmp_path / "share").write_text("not a folder")
+    mirror = CheckpointMirror(f"file://{tmp_path}/share")
+    with pytest.raises(MirrorRootMissing, match="not a folder"):
+        mirror.list()
+    with pytest.warns(RuntimeWarning, match="cannot list mirror"):
+        with pytest.raises(CheckpointLoadError, match="cannot tell whether this is a fresh start"):
+            CheckpointManager(tmp_path / "local", mirror=mirror).load(nn.Linear(16, 16))
+    with pytest.raises(MirrorRootMissing, match="not a folder"):
+        check_fresh_mirror(mirror)

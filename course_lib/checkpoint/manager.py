@@ -239,8 +239,12 @@ class CheckpointManager:
 
     def _mirror_keep(self, remote: dict[str, dict]) -> set[str]:
         """The retention rule applied to the mirror's own ``{name: manifest}`` listing (called by
-        the mirror after each upload): its ``keep_last`` newest by save order, plus ``keep_best``."""
-        return self._retention(sorted(remote.items(), key=lambda nm: nm[1].get("seq", 0)))
+        the mirror after each upload): its ``keep_last`` newest full checkpoints by save order,
+        plus ``keep_best``, and every checkpoint of another format (not this manager's to count or
+        prune, as in the local folder)."""
+        mine = sorted(((n, m) for n, m in remote.items() if m.get("format") == cio.FORMAT),
+                      key=lambda nm: nm[1].get("seq", 0))
+        return self._retention(mine) | {n for n, m in remote.items() if m.get("format") != cio.FORMAT}
 
     def _prune(self) -> list[str]:
         """Delete verified checkpoints outside the retention set; called only right after a new

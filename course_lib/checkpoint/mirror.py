@@ -9,6 +9,10 @@ Object stores have no atomic directory rename, so the commit point is the manife
 uploaded first, read back and compared with the local sha256s, and only then ``manifest.json`` is
 written. A remote directory without a manifest (an interrupted upload) is never used and is deleted
 by the next prune. Deleting goes the other way round: manifest first.
+
+A ``file://`` root that does not exist (or is a file) is an error everywhere - listing, upload -
+never an empty mirror: only a new run creates it (:meth:`CheckpointMirror.create_root`, under an
+existing parent), so an unmounted share is never silently replaced by a fresh folder.
 """
 from __future__ import annotations
 
@@ -130,6 +134,11 @@ class CheckpointMirror:
         manifest_bytes = (local_dir / MANIFEST).read_bytes()
         manifest = read_manifest(local_dir, expected_format=None)
         remote = self._p(local_dir.name)
+        if self._local() and not self.fs.isdir(self.root):
+            # An unmounted share: never build the root afresh (a resume would take that new,
+            # partial folder for the mirror). A new run creates it once (create_root).
+            raise MirrorRootMissing(f"mirror root {self.url} does not exist or is not a folder (an unmounted "
+                                    f"share?); not uploading {local_dir.name} into a new folder there")
         if self.fs.exists(self._p(local_dir.name, MANIFEST)):
             self.fs.rm_file(self._p(local_dir.name, MANIFEST))  # a mixed old/new dir must not look complete
         self.fs.makedirs(remote, exist_ok=True)
@@ -149,6 +158,9 @@ class CheckpointMirror:
 
     def _names(self) -> list[str]:
         self.fs.invalidate_cache()
+        if self._local() and self.fs.isfile(self.root):  # fsspec lists a file as itself: never "empty"
+            raise MirrorRootMissing(f"mirror root {self.url} is a file, not a folder (a mount point gone wrong?); "
+                                    f"refusing to take it for an empty mirror")
         try:
             entries = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
@@ -171,7 +183,9 @@ class CheckpointMirror:
                 raise MirrorRootMissing(f"mirror root {self.url}: its parent folder does not exist (an unmounted "
                                         f"share?); create it, or fix checkpoint.mirror") from None
             except FileExistsError:
-                pass
+                if not self.fs.isdir(self.root):
+                    raise MirrorRootMissing(f"mirror root {self.url} is a file, not a folder; fix "
+                                            f"checkpoint.mirror") from None
 
     def list(self) -> dict[str, dict]:
         """``{name: manifest}`` of remote checkpoints that have a parseable manifest (complete

@@ -18,6 +18,11 @@ format, so on its own it finds "nothing" and the run would start from step 0, re
 * older checkpoints of another format beside the loaded one (leftovers of an earlier run) are
   only warned about.
 
+The run's ``checkpoint.mirror`` counts as much as its folder: after a lost disk the folder is empty
+and the mirror holds the run, so its checkpoints of another format (listed by their manifests) are
+judged by the same rules. A mirror that cannot be listed is left to the loaders (which refuse when
+nothing local is left, and warn otherwise).
+
 The verdict is broadcast, so every rank raises together (no rank left waiting in a collective).
 """
 from __future__ import annotations
@@ -62,10 +67,27 @@ def _listing(root: Path) -> list[dict]:
     return sorted(found, key=lambda c: c["name"])
 
 
+def _mirror_listing(mirror: Any) -> list[dict]:
+    """:func:`_listing` of a :class:`~course_lib.checkpoint.mirror.CheckpointMirror` (its complete
+    uploads, by their manifests), each marked ``where`` = its URL; [] without a mirror or when it
+    cannot be listed (the loader has already refused or warned)."""
+    if mirror is None:
+        return []
+    try:
+        held = mirror.list()
+    except Exception:  # noqa: BLE001 - choose() already judged an unlistable mirror
+        return []
+    return sorted(({"name": n, "format": m.get("format"), "step": m.get("step"),
+                    "world_size": m.get("world_size"), "zero_stage": m.get("zero_stage"),
+                    "created_unix": m.get("created_unix", 0.0), "where": mirror.url}
+                   for n, m in held.items()), key=lambda c: c["name"])
+
+
 def _describe(c: dict) -> str:
     name, _ = FORMATS.get(c["format"], (f"unknown format {c['format']!r}", ""))
     extra = "".join([f", {c['world_size']} ranks" if c["world_size"] else "",
-                     f", ZeRO-{c['zero_stage']}" if c["zero_stage"] is not None else ""])
+                     f", ZeRO-{c['zero_stage']}" if c["zero_stage"] is not None else "",
+                     f", on the mirror {c['where']}" if c.get("where") else ""])
     return f"{c['name']}: {name}, step {c['step']}{extra}"
 
 
@@ -77,14 +99,20 @@ def _previous_strategy(root: Path) -> str | None:
         return None
 
 
-def verdict(root: str | Path, own_format: str, strategy: str, loaded: Any) -> tuple[str, str] | None:
-    """Rank 0's judgement of ``root`` after a resume attempt: None (fine), ``("warn", text)`` or
-    ``("refuse", text)``. ``own_format``: the checkpointer's format ("full", "sharded",
-    "deepspeed"); ``strategy``: ``train.strategy``; ``loaded``: the LoadResult, or None."""
+def verdict(root: str | Path, own_format: str, strategy: str, loaded: Any,
+            mirror: Any = None) -> tuple[str, str] | None:
+    """Rank 0's judgement of ``root`` (and of ``mirror``, the run's CheckpointMirror or None)
+    after a resume attempt: None (fine), ``("warn", text)`` or ``("refuse", text)``.
+    ``own_format``: the checkpointer's format ("full", "sharded", "deepspeed"); ``strategy``:
+    ``train.strategy``; ``loaded``: the LoadResult, or None."""
     mine = MANIFEST_FORMAT.get(own_format, own_format)
-    foreign = [c for c in _listing(Path(root)) if c["format"] != mine]
+    local = _listing(Path(root))
+    here = {(c["name"], c["format"]) for c in local}  # a checkpoint on both tiers is listed once
+    found = local + [c for c in _mirror_listing(mirror) if (c["name"], c["format"]) not in here]
+    foreign = [c for c in found if c["format"] != mine]
     if not foreign:
         return None
+    where = f"{root}" + (f" and the mirror {mirror.url}" if mirror is not None else "")
     own_name = FORMATS.get(mine, (own_format, ""))[0]
     kinds = sorted({c["format"] for c in foreign})
     lines = "\n".join(f"  - {_describe(c)}" for c in foreign)
@@ -96,37 +124,43 @@ def verdict(root: str | Path, own_format: str, strategy: str, loaded: Any) -> tu
            + f". train.strategy = {strategy!r} saves and loads {own_name} checkpoints only, and the kit has no "
              f"conversion into them that keeps the optimizer state and data position"
            + (f" (the weights alone convert, for a new run: {', '.join(weights)})" if weights else "")
-           + ". To start over, use a fresh --out folder or move the checkpoints away.")
+           + ". To start over, use a fresh --out folder or move the checkpoints away"
+           + (" (and point checkpoint.mirror at an empty location)." if mirror is not None else "."))
     if loaded is None:
-        return "refuse", (f"--resume auto: {root} holds no {own_name} checkpoint that train.strategy = "
+        return "refuse", (f"--resume auto: {where} hold{'' if mirror is not None else 's'} no {own_name} "
+                          f"checkpoint that train.strategy = "
                           f"{strategy!r} can resume from, only checkpoints of another format:\n{lines}\n"
-                          f"Refusing to start from step 0 beside them (metrics.jsonl and the step folders "
-                          f"would be overwritten); nothing was written. {how}")
+                          f"Refusing to start from step 0 beside them (metrics.jsonl and the step folders"
+                          f"{', on the mirror too,' if mirror is not None else ''} would be overwritten); nothing "
+                          f"was written. {how}")
     newest = max(c["created_unix"] or 0.0 for c in foreign)
     mine_time = (loaded.manifest or {}).get("created_unix") or 0.0
     if newest > mine_time:
-        return "refuse", (f"--resume auto: {root} holds checkpoints of another format saved after the "
+        return "refuse", (f"--resume auto: {where} hold{'' if mirror is not None else 's'} checkpoints of "
+                          f"another format saved after the "
                           f"{own_name} checkpoint {loaded.path.name} (step {loaded.step}) this run would resume "
                           f"from:\n{lines}\nResuming the older one would silently drop their progress; nothing "
                           f"was written. {how}")
-    return "warn", (f"{root}: resumed from {loaded.path.name}; older checkpoints of another format lie beside "
+    return "warn", (f"{where}: resumed from {loaded.path.name}; older checkpoints of another format lie beside "
                     f"it and are ignored:\n{lines}")
 
 
 def resume(checkpoints: Any, state: Any, strategy_name: str) -> Any:
     """Collective: ``checkpoints.load(state)`` (the newest checkpoint of this run's format, or None),
-    then rank 0's :func:`verdict` on the folder, broadcast: ConfigError on every rank when the
-    folder holds checkpoints this run cannot use in place of a resume. Returns the LoadResult."""
+    then rank 0's :func:`verdict` on the folder and the mirror, broadcast: ConfigError on every rank
+    when they hold checkpoints this run cannot use in place of a resume. Returns the LoadResult."""
     from course_lib.checkpoint import CheckpointLoadError
     from course_lib.validate import ConfigError
 
     loaded = checkpoints.load(state)
     strategy = checkpoints.strategy
     root = getattr(checkpoints, "root", None) or checkpoints.manager.root
+    # rank 0's mirror (ShardedCheckpoints.mirror, or the full tier's CheckpointManager.mirror)
+    mirror = getattr(checkpoints, "mirror", None) or getattr(getattr(checkpoints, "manager", None), "mirror", None)
     judged = None
     if strategy.info.rank == 0:
         try:
-            judged = verdict(root, checkpoints.format, strategy_name, loaded)
+            judged = verdict(root, checkpoints.format, strategy_name, loaded, mirror=mirror)
         except Exception as exc:  # noqa: BLE001 - the others wait for the verdict: tell them
             judged = ("error", f"cannot list the checkpoints under {root}: {type(exc).__name__}: {exc}")
     judged = strategy.broadcast_object(judged)
