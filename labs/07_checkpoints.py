@@ -485,6 +485,7 @@ from safetensors.torch import load_file as load_safetensors
 from course_lib.checkpoint.dcp import consolidate_sharded
 import transformers
 
+transformers.utils.logging.disable_progress_bar()  # one bar per load would bury the table
 single_file, hf_dir = RUNS / "model.safetensors", RUNS / "hf"
 print("$ course ckpt consolidate fsdp --out model.safetensors")
 check(cli.main(["ckpt", "consolidate", str(run7), "--out", str(single_file)]) == 0, "consolidate failed")
