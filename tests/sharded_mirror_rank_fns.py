@@ -107,29 +107,15 @@ def slow_mirror(rank, world_size, cfg, out_dir, mirror_dir, seconds):
     """fsdp saving every step to a mirror that needs ``seconds`` per file (a slow link, rank 0's
     uploads): the prune must leave folders still uploading. Returns the upload failures warned
     about (rank 0), the mirror's folders and whether each is complete, and the local folder."""
-    import time
     import warnings
     from pathlib import Path
 
     from course_lib.checkpoint.mirror import CheckpointMirror
     from course_lib.train import train
+    from slow_mirror_train import slow_uploads
 
     upload = CheckpointMirror._upload_once
-
-    def slow(self, local_dir):  # every file crosses the slow link
-        put = self.fs.put_file
-
-        def slow_put(*args, **kwargs):
-            time.sleep(seconds)
-            return put(*args, **kwargs)
-
-        self.fs.put_file = slow_put
-        try:
-            return upload(self, local_dir)
-        finally:
-            self.fs.put_file = put
-
-    CheckpointMirror._upload_once = slow
+    slow_uploads(seconds)  # every file crosses the slow link
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -10,7 +10,8 @@ import time
 
 
 def slow_uploads(seconds: float) -> None:
-    """Delay every file :class:`~course_lib.checkpoint.mirror.CheckpointMirror` puts on the mirror."""
+    """Delay every file :class:`~course_lib.checkpoint.mirror.CheckpointMirror` puts on the mirror
+    (also used in-process by sharded_mirror_rank_fns.slow_mirror, which restores the original)."""
     from course_lib.checkpoint.mirror import CheckpointMirror
 
     upload = CheckpointMirror._upload_once
