@@ -406,8 +406,8 @@ check(tp2.tp < tp4.tp and scored[25][winners.index(tp2)].time["tp"] < scored[25]
 
 # %% [markdown]
 # **What you should see:** the no-pipeline ZeRO-1 layout over the memory, and ZeRO-3 sending
-# thousands of GB per GPU and step: at 25 GB/s more than half the compute can hide, and the exposed part
-# costs far more than the bubble it would save. Once the network carries it in the shadow of the
+# thousands of GB per GPU and step: at 25 GB/s more than half the compute can hide, and the exposed
+# part costs far more than the bubble it would save. Once the network carries it in the shadow of the
 # compute, sharding the weights is free: the pipeline goes, with its bubble and its stage
 # imbalance; with more bandwidth still, tp2's ZeRO-3 traffic hides too, and it beats tp4 on TP
 # traffic.
@@ -432,7 +432,8 @@ except ImportError:
 # ## 4. The files of a plan
 #
 # `write_plan` (what `course plan --out DIR` does) writes the layout as configuration for several
-# engines, the launch scripts and the budget. Listed, not printed: open them in the file browser.
+# engines, the launch scripts and the budget. Listed, not printed: `print((plan_dir / name).read_text())`
+# shows one whole.
 
 # %%
 plan_dir = RUNS / "plan-70b"
