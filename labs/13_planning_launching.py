@@ -1,35 +1,28 @@
 # %% [markdown]
 # # Lab 13 — Planning and launching a real job
 #
-# "70B, 64 A100-80GB in 8 nodes, 2T tokens — what do I run?" Every earlier lab measured one
-# idea. This one puts them together the way an engineer must before a big job starts:
+# "Llama 2 70B, 64 A100-80GB in 8 nodes, 2T tokens: what do I run?" The planner (`course plan`)
+# answers in a fraction of a second. This lab makes you able to check that answer, not just read it:
 #
-# 1. **three jobs through the planner** (`course plan`): the layout it picks;
-# 2. **the runners-up**, and why each lost;
-# 3. **what moves the choice**: the attention kernel, the network, the GPU;
-# 4. **when nothing fits**: how many GPUs would;
-# 5. **the files** a plan writes: DeepSpeed JSON, FSDP settings, the trainer's TOML;
-# 6. **the launch scripts** (torchrun, SLURM) line by line;
-# 7. **the checkpoint plan** (Young/Daly) and the resource budget;
-# 8. **the single-node command, run here for real** on 2 CPU ranks, then resumed;
-# 9. **a plan that uses tensor parallelism and FSDP**, for a model small enough to run here, on 4
-#    CPU ranks exactly as the plan wrote it.
+# 1. **the plan** for that job, and how to read a layout's name (`tp4 pp2v8 dp8 ...`);
+# 2. **its numbers by hand**: a memory line, the tensor-parallel and data-parallel traffic, the
+#    compute and the pipeline bubble, each from the model's shape and the hardware's datasheet,
+#    each compared with the planner's own number;
+# 3. **one input moved**: a faster network between nodes changes the layout, and your formulas say why;
+# 4. **the files** a plan writes, listed, and the checkpoint interval in one of them derived;
+# 5. **a plan run for real**: a tiny model planned onto 4 CPU ranks (tensor parallelism and FSDP),
+#    started with the same single-node command a GPU node would get.
 #
-# The planner is closed-form: memory per GPU from `course_lib.estimate` (ZeRO paper bytes,
-# Korthikanti et al. activations) and a step time whose every term is printed (compute at an
-# assumed 50% of peak, traffic over NVLink or InfiniBand, the pipeline bubble, the part of the
-# data-parallel traffic that compute does not hide). Nothing in this lab needs a GPU: sections
-# 1-7 are arithmetic, and 8-9 run on CPU ranks.
+# Nothing here needs a GPU: sections 1-4 are arithmetic, section 5 runs on CPU ranks.
 
 # %% tags=["parameters"]
 SMOKE = False  # True: fewer training steps, so the automated tests finish quickly
-TRAIN_STEPS = 20  # sections 8-9: steps of the first real run (section 8's resumed run adds as many again)
-SAVE_EVERY = 5  # section 8: checkpoint interval of the real run, in steps
-TOP = 5  # rows of each comparison table
+TRAIN_STEPS = 20  # section 5: optimizer steps of the real run
 
 # %%
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -38,449 +31,513 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 import course_lib
-from course_lib.trainer import config as train_config
 from course_lib.kit.checks import check
-from course_lib.estimate import format_bytes
 from course_lib.launchers.cluster import Cluster
 from course_lib.launchers.commands import shell_join, torchrun_single_node
-from course_lib.planner import checkpoint_plan, plan, write_plan
+from course_lib.planner import checkpoint_plan, evaluate, make_spec, plan, write_plan
 from course_lib.planner.exercise import SCENARIOS
+from course_lib.planner.hardware import INTERCONNECTS
 from course_lib.planner.report import table
+from course_lib.trainer import config as train_config
 
 SMOKE = course_lib.smoke(SMOKE)
 if SMOKE:
-    TRAIN_STEPS, SAVE_EVERY = 4, 2
-ROOT = Path(course_lib.__file__).resolve().parent.parent  # the kit's root (configs, package)
+    TRAIN_STEPS = 4
+ROOT = Path(course_lib.__file__).resolve().parent.parent  # the kit's root (the trainer runs from here)
 RUNS = Path(tempfile.mkdtemp(prefix="lab13-"))  # scratch: every file this lab writes
-print(f"scratch folder: {RUNS}")
+GiB = 2**30
+
+
+def rel(mine: float, theirs: float) -> float:
+    """Relative difference of your number from the planner's."""
+    return abs(mine / theirs - 1)
+
 
 # %% [markdown]
-# ## 1. Three jobs through the planner
+# ## 1. The plan, and how to read it
 #
-# The jobs (all on A100-80GB, sequence 4096 unless said, a global batch of 4Mi = 4,194,304
-# tokens per step as Llama 2 used):
-#
-# * **7b-one-node**: Llama 2 7B on one node of 8 GPUs, 1T tokens;
-# * **70b-8-nodes**: Llama 2 70B on 64 GPUs in 8 nodes, 2T tokens;
-# * **7b-8k-context**: Llama 2 7B on one node with an 8K context, 1T tokens.
-#
-# `plan(...)` is `course plan` as a function: it tries every legal layout (tp x pp x dp x cp,
-# ZeRO 0-3, recompute none/selective/full, micro-batch 1-16), keeps those that fit in 90% of the
-# device memory and ranks them by modelled step time.
+# The job: Llama 2 70B on 64 A100-80GB (8 nodes of 8 GPUs), sequences of 4,096 tokens, a global
+# batch of 4Mi = 4,194,304 tokens per step (Llama 2's), 2T tokens. `plan(...)` is `course plan` as
+# a function: it tries every legal layout, keeps those that fit in 90% of the GPU's memory, and
+# ranks them by a modelled step time. The table shows the best three ideas, then the three layouts
+# that *just* miss the memory.
 
 # %% tags=["nbval-check-output"]
-plans = {name: plan(**kw) for name, kw in SCENARIOS.items()}
-print(f"{'job':<14} {'best layout':<40} {'mem/GPU':>10} {'tokens/s':>9} {'days':>7} {'GPU-hours':>11}")
-for name, p in plans.items():
-    b, spec = p.best, p.spec
-    days = spec.tokens / b.tokens_per_s / 86400
-    print(f"{name:<14} {b.layout.label():<40} {format_bytes(b.memory_total):>10} {b.tokens_per_s:>9,.0f} "
-          f"{days:>7.1f} {days * 24 * spec.gpus:>11,.0f}")
+JOB = SCENARIOS["70b-8-nodes"]
+p = plan(**JOB)
+best, spec = p.best, p.spec
+print(table(p, 3))
+check(spec.usable_bytes == 0.9 * spec.gpu_memory_bytes, "a layout may use 90% of the GPU's memory")
 
 # %% [markdown]
-# Read a layout as: `tp` tensor-parallel ranks per layer, `pp` pipeline stages, `dp` data-parallel
-# replicas, `cp` context-parallel ranks per sequence, `Z` the ZeRO stage (3 = FSDP full shard),
-# `rc` recomputation, `mb1x128` micro-batch 1 accumulated 128 times per step.
+# **Reading a layout's name** (`Layout.label()` in `course_lib/planner/costs.py`), left to right:
 #
-# **What you should see:** the 7B job shards everything (ZeRO-3 over 8 GPUs on NVLink) and needs
-# no model parallelism; the 70B job needs model parallelism and keeps `tp` inside a node; the 8K
-# job splits each sequence (`cp`), because the attention scores grow with its square. (The planner
-# tries `cp` only from 8K tokens, or when nothing else fits: cutting attention into per-rank chunks
-# has costs its step-time model does not count.) The 70B job takes about 1,100 days on 64 GPUs:
-# about 1.7 million GPU-hours, the order Meta reported for Llama 2 70B (1.7 million A100-hours). The honest answer to "what do I run?" includes "on how
-# many GPUs".
+# * `tp4`: **tensor parallelism**, every layer's matrices split over 4 GPUs (always inside a node);
+# * `pp2`: **pipeline parallelism**, the layers cut into 2 stages held by 2 groups of GPUs.
+#   `pp2v8`: the interleaved 1F1B schedule, each pipeline rank holding `v` = 8 chunks of layers
+#   (virtual stages), so 16 stages in all. A bracket after it, `pp2v7[5*3,6*10,5]`, lists the
+#   blocks of each stage, first to last, when they are not all equal; `5*3` means three stages of 5
+#   blocks (the end stages get fewer: they also hold the embedding and the output layer);
+# * `dp8`: **data parallelism**, 8 replicas, each on its own share of the batch;
+# * `cp1`: **context parallelism**, each sequence split over that many GPUs (1: not split);
+# * `Z1`: the **ZeRO stage** over the dp x cp ranks: 0 replicates everything (DDP), 1 shards the
+#   optimizer state, 2 also the gradients, 3 also the weights (FSDP);
+# * `rc=selective`: **recomputation** in the backward: `none`, `selective` (the attention scores)
+#   or `full` (whole layers);
+# * `mb1x128`: **micro-batch** of 1 sequence, 128 micro-batches per step on each replica.
 #
-# ## 2. The runners-up, and why they lost
-#
-# One row per distinct layout idea. Layouts within 0.5% of the best count as a tie and lose on
-# simplicity (fewer model-parallel ranks), then micro-batch size, ZeRO stage, memory. The last
-# rows are the layouts that *just* miss the memory, with what fills it.
+# Two identities must hold: tp x pp x dp x cp = the 64 GPUs, and micro-batch x micro-batches x dp =
+# the global batch in sequences. The next cell reads every name in the table that way, checks both,
+# and says one of them in words.
 
 # %%
-for name, p in plans.items():
-    print(f"--- {name}")
-    print(table(p, TOP))
-    print()
+LABEL = re.compile(r"tp(\d+) pp(\d+)(?:v(\d+))?(?:\[([\d*,]+)\])? dp(\d+) cp(\d+) Z(\d) rc=(\w+) mb(\d+)x(\d+)")
+
+
+def read_label(text: str) -> dict:
+    """The fields of a layout name, as numbers (the bracket expanded: '5*3' -> 5, 5, 5)."""
+    tp, pp, v, split, dp, cp, zero, rc, mb, acc = LABEL.fullmatch(text).groups()
+    blocks = []
+    for part in split.split(",") if split else []:
+        count, _, times = part.partition("*")  # "6*10": ten stages of 6 blocks
+        blocks += [int(count)] * int(times or 1)
+    return dict(tp=int(tp), pp=int(pp), v=int(v or 1), blocks=blocks, dp=int(dp), cp=int(cp), zero=int(zero),
+                rc=rc, mb=int(mb), acc=int(acc))
+
+
+def in_words(f: dict) -> str:
+    stages = f"{f['pp']} pipeline ranks"
+    if f["v"] > 1:
+        stages += f" x {f['v']} virtual stages = {f['pp'] * f['v']} stages"
+    stages += f", blocks per stage {f['blocks']}" if f["blocks"] else ", equal stages"
+    return (f"{f['tp']}-way tensor parallel; {stages}; {f['dp']} replicas; {f['cp']} GPU(s) per sequence; "
+            f"ZeRO-{f['zero']}; recompute {f['rc']}; {f['acc']} micro-batches of {f['mb']} sequence(s) per replica")
+
+
+rows = p.runners_up(3) + list(p.closest_misses)
+for c in rows:
+    f, lay = read_label(c.layout.label()), c.layout
+    check((f["tp"], f["pp"], f["v"], f["dp"], f["cp"], f["zero"], f["rc"], f["mb"], f["acc"])
+          == (lay.tp, lay.pp, lay.virtual_stages, lay.dp, lay.cp, lay.zero_stage, lay.recompute, lay.micro_batch,
+              lay.grad_accum), f"reading {lay.label()} should give the layout's own fields")
+    check(f["tp"] * f["pp"] * f["dp"] * f["cp"] == spec.gpus, f"{lay.label()}: tp x pp x dp x cp should be the GPUs")
+    check(f["mb"] * f["acc"] * f["dp"] == spec.global_batch,
+          f"{lay.label()}: micro-batch x micro-batches x dp should be the global batch in sequences")
+    check(not f["blocks"] or (len(f["blocks"]) == f["pp"] * f["v"] and sum(f["blocks"]) == spec.shape.n_layers),
+          f"{lay.label()}: the bracket should list one count per stage, adding up to the model's layers")
+split_row = next(c for c in rows if "[" in c.layout.label())
+for c in (best, split_row):
+    print(f"{c.layout.label()}\n  = {in_words(read_label(c.layout.label()))}")
+print(f"{len(rows)} names read; every one: tp x pp x dp x cp = {spec.gpus} GPUs, "
+      f"mb x micro-batches x dp = {spec.global_batch} sequences")
+second = p.runners_up(3)[1]
+ends = read_label(split_row.layout.label())["blocks"]
+check(second.layout.pp * second.layout.virtual_stages == 16 and max(ends[0], ends[-1]) < max(ends),
+      "pp2v8 should have 16 stages, and an uneven split should give its end stages fewer blocks")
+check(best.layout.label().startswith("tp4 pp2 dp8 cp1 Z1") and best.links["tp"] == "NVLink",
+      "the 70B plan should be tp4 (inside a node) x pp2 x dp8 with ZeRO-1")
+check(second.layout.virtual_stages > 1 and rel(second.step_s, best.step_s) < 0.005,
+      "the runner-up should interleave and be within 0.5% of the best: a tie the simpler layout wins")
 
 # %% [markdown]
-# **What you should see:** for the 70B job, ZeRO-3 over all 64 GPUs (no model parallelism) is not
-# among the leaders: it gathers every weight twice per micro-batch across InfiniBand, and hiding
-# that needs few, large micro-batches, which fit only with full recomputation. The reasons
-# are terms of the model: TP all-reduces, pipeline bubble, exposed data-parallel traffic,
-# recomputation.
+# **What you should see:** the best layout, `tp4 pp2 dp8 cp1 Z1 rc=selective mb1x128`, keeps tensor
+# parallelism inside a node, cuts the model into two pipeline stages and shards only the optimizer
+# state over 8 replicas. The interleaved runner-up is within 0.5% of it: the planner calls that a tie
+# and picks the simpler layout. The misses show the bracket notation: uneven stages.
 #
-# Every step time is a sum. The plot shows the terms for the best layouts of the 70B job, and
-# the memory per GPU next to the usable limit.
+# The same planner on the kit's two other jobs (exercise 12 plans cousins of all three): Llama 2 7B
+# on one node of 8 A100s, with sequences of 4,096 and of 8,192 tokens.
 
 # %%
-TERMS = [("compute", "compute"), ("recompute", "of which recompute"), ("tp", "TP"), ("cp", "CP"),
-         ("pp", "PP sends"), ("bubble", "bubble"), ("dp_exposed", "DP/ZeRO exposed")]
-# What is alive at the step's peak (the start of a backward): weights, optimizer state, the gradients
-# summed over the earlier micro-batches, the saved activations and the output layer's transients.
-MEM = [("params", "params"), ("optimizer", "optimizer"), ("accumulated_grads", "gradients summed so far"),
-       ("activations", "activations"), ("transient", "transient")]
-p70 = plans["70b-8-nodes"]
-z3 = min((c for c in p70.ranked if c.layout.tp == c.layout.pp == c.layout.cp == 1), key=lambda c: c.step_s)
-shown = p70.runners_up(TOP) + [z3]
-labels = [c.layout.label().replace(" rc=", "\nrc=") for c in shown]
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
-bottom = [0.0] * len(shown)
-for key, name in TERMS:
-    vals = [c.time[key] if key != "compute" else c.time["compute"] - c.time["recompute"] for c in shown]
-    ax1.bar(range(len(shown)), vals, bottom=bottom, label=name if key != "compute" else "compute (model FLOPs)")
-    bottom = [b + v for b, v in zip(bottom, vals)]
-ax1.set_xticks(range(len(shown)), labels, rotation=60, ha="right", fontsize=7)
-ax1.set_ylabel("seconds per optimizer step")
-ax1.set_title("70B on 64 A100s: modelled step time by term")
-ax1.legend(fontsize=7)
-bottom = [0.0] * len(shown)
-for key, name in MEM:
-    vals = [c.memory[key] / 2**30 for c in shown]
-    ax2.bar(range(len(shown)), vals, bottom=bottom, label=name)
-    bottom = [b + v for b, v in zip(bottom, vals)]
-ax2.axhline(p70.spec.usable_bytes / 2**30, color="k", ls="--", label="usable (90% of 80 GiB)")
-ax2.set_xticks(range(len(shown)), labels, rotation=60, ha="right", fontsize=7)
-ax2.set_ylabel("GiB per GPU")
-ax2.set_title("memory per GPU by component")
-ax2.legend(fontsize=7)
-plt.tight_layout()
+others = {name: plan(**kw) for name, kw in SCENARIOS.items() if name != "70b-8-nodes"}
+for name, other in others.items():
+    print(f"{name:<14} {other.best.layout.label():<36} {other.best.step_s:6.1f} s per step")
+p7, p8 = others["7b-one-node"].best.layout, others["7b-8k-context"].best.layout
+whole = [c for c in others["7b-8k-context"].ranked if c.layout.cp == 1]
+with_tp = min((c for c in whole if c.layout.tp > 1), key=lambda c: c.step_s)
+without_tp = min((c for c in whole if c.layout.tp == 1), key=lambda c: c.step_s)
+for c in (with_tp, without_tp):
+    print(f"7b-8k, sequences whole: {c.layout.label():<36} {c.step_s:6.1f} s per step")
+check(p7.tp == p7.pp == p7.cp == 1 and p7.zero_stage == 3, "the 7B job should fit with FSDP (Z3) alone")
+check(p8.cp == 2 and all(c.layout.recompute != "none" for c in whole if c.layout.tp == 1)
+      and min(with_tp.step_s, without_tp.step_s) > others["7b-8k-context"].best.step_s,
+      "at 8K the plan should split sequences (cp2); keeping them whole needs tp or recomputation, and is slower")
+
+# %% [markdown]
+# **What you should see:** the 7B model needs no model parallelism: FSDP (`Z3`) over the 8 GPUs
+# fits it. At 8K tokens the plan splits every sequence over 2 GPUs (`cp2`, a ring passing keys and
+# values). Keeping sequences whole costs either tensor-parallel traffic or recomputing the
+# attention scores, and both are slower.
+#
+# ## 2. The planner's numbers, by hand
+#
+# The planner adds closed forms (`course_lib/planner/costs.py`, built on `course_lib/estimate`). You
+# can compute every one of them yourself. First the inputs, all from published numbers; the cell
+# checks they are the ones the planner used.
+
+# %%
+sh = spec.shape
+L, h, V, f_mlp = 80, 8192, 32000, 28672  # Llama 2 70B: layers, width, vocabulary, MLP width (HF config.json)
+heads, kv_heads = 64, 8  # grouped-query attention: 8 key/value heads of 128 channels
+s, B = 4096, 1024  # tokens per sequence; sequences per step (4Mi tokens / 4096)
+GPUS, PEAK = 64, 312e12  # A100 dense bf16: 312 TFLOP/s
+MFU, OVERLAP = 0.5, 0.5  # the planner's assumptions: matmuls at 50% of peak; DP traffic hides behind 50% of compute
+NVLINK = 600e9 / 2  # A100 NVLink: 600 GB/s per GPU, both directions together -> 300 GB/s each way
+IB = 8 * 200e9 / 8 / 8  # 8 x 200 Gb/s HDR InfiniBand per node, bits -> bytes, shared by 8 GPUs: 25 GB/s each
+lay = best.layout
+tp, pp, dp, v, mb, m = lay.tp, lay.pp, lay.dp, lay.virtual_stages, lay.micro_batch, lay.grad_accum
+head_dim = h // heads
+print(f"layout {lay.label()}: tp {tp}, pp {pp}, dp {dp}, v {v}, micro-batch {mb}, {m} micro-batches per step")
+print(f"NVLink {NVLINK / 1e9:.0f} GB/s, InfiniBand {IB / 1e9:.0f} GB/s per GPU per direction")
+check((sh.n_layers, sh.d_model, sh.vocab_size, sh.ffn_dim, sh.n_heads, sh.kv_heads)
+      == (L, h, V, f_mlp, heads, kv_heads), "your model inputs should be the planner's Llama 2 70B shape")
+check((spec.seq, spec.global_batch, spec.gpus, spec.gpu_peak_flops, spec.mfu, spec.overlap)
+      == (s, B, GPUS, PEAK, MFU, OVERLAP), "your job and GPU inputs should be the planner's")
+check((spec.intra_node_bytes_per_s, spec.inter_node_bytes_per_s) == (NVLINK, IB),
+      "your link bandwidths should be the planner's (datasheet numbers, bytes per second per direction)")
+
+# %% [markdown]
+# **A memory line: model state per GPU.** The busiest GPU is on the last pipeline stage: 40 blocks
+# with their matrices split over tp (the two norm vectors of each block are kept whole), plus the
+# output layer (V x h, split over tp) and the final norm. The first stage holds the embedding table,
+# the same size, but no final norm. Bytes per parameter, mixed precision with Adam (the ZeRO paper):
+# bf16 weights 2 + bf16 gradients 2 + fp32 master copy 4 + Adam's two moments 8. ZeRO-1 shards only
+# the last 12 over the dp replicas.
+
+# %%
+attn = 2 * h * h + 2 * h * (kv_heads * head_dim)  # q and o: h x h; k and v: h x (8 heads x 128)
+mlp = 3 * h * f_mlp  # SwiGLU: gate, up and down
+block = (attn + mlp) / tp + 2 * h  # matrices split over tp, the two RMSNorm weights replicated
+n_gpu = L // pp * block + V * h / tp + h  # 40 blocks, the output layer, the final norm
+state = n_gpu * (2 + 2 + (4 + 8) / dp)  # ZeRO-1: master weights and moments sharded over dp
+planner_state = best.memory["params"] + best.memory["grads"] + best.memory["optimizer"]
+print(f"parameters on the busiest GPU: {n_gpu:,.0f}")
+check([sh.params_on_rank(tp=tp, pp=pp, stage=r) for r in range(pp)] == [n_gpu - h, n_gpu],
+      "your count should be the last stage's, the first stage's the same less the final norm")
+print(f"model state by hand: {n_gpu:,.0f} x (2 + 2 + 12/{dp}) B = {state / GiB:.3f} GiB; "
+      f"planner: {planner_state / GiB:.3f} GiB (difference {rel(state, planner_state):.1e})")
+mem = {k: v / GiB for k, v in best.memory.items() if k != "peak_at"}
+print(f"the rest of the planner's peak: activations {mem['activations']:.2f} GiB, gradients summed over "
+      f"micro-batches {mem['accumulated_grads']:.2f} GiB, transients {mem['transient']:.2f} GiB; "
+      f"peak {mem['peak']:.2f} of {spec.usable_bytes / GiB:.0f} GiB usable")
+check(rel(state, planner_state) < 1e-6,
+      "your model state should equal the planner's: same formula, so only floating-point rounding (< 1e-6) may differ")
+
+# %% [markdown]
+# **A communication time: tensor parallelism.** With sequence parallelism (on whenever tp > 1) each
+# layer does 2 all-gathers and 2 reduce-scatters of the activation (s x micro-batch x h, bf16) in the
+# forward and as many in the backward. In a ring of tp ranks each rank sends (tp - 1)/tp of the
+# buffer per collective. Selective recomputation re-runs only the attention scores, which need no
+# traffic. Over NVLink, every layer on the GPU, every micro-batch:
+
+# %%
+message = s * mb * h * 2  # one micro-batch's activation, bf16 bytes
+per_layer = 8 * (tp - 1) / tp * message  # 4 all-gathers + 4 reduce-scatters, ring factor (tp-1)/tp
+tp_s = per_layer * (L // pp) * m / NVLINK
+print(f"per layer and micro-batch: 8 x {tp - 1}/{tp} x {message / 2**20:.0f} MiB = {per_layer / 2**20:.0f} MiB")
+print(f"TP time by hand: {per_layer / 2**20:.0f} MiB x {L // pp} layers x {m} micro-batches / {NVLINK / 1e9:.0f} GB/s "
+      f"= {tp_s:.3f} s; planner: {best.time['tp']:.3f} s")
+check(rel(tp_s, best.time["tp"]) < 1e-6, "your TP time should equal the planner's (same formula; rounding only)")
+
+# %% [markdown]
+# **The compute.** Matmul FLOPs of one step, as Narayanan et al. count them: 2 per multiply-add for
+# the projections and the MLP, 4 B s² h per layer for the attention scores, the logits; the backward
+# costs twice the forward, and selective recomputation runs the scores once more. Divided by the
+# GPUs at 50% of peak. The planner also lets the pipeline wait for its busiest stage: the last one
+# also computes the logits. That factor is the only difference allowed (under 1%).
+
+# %%
+proj = 2 * B * s * (h * (h + 2 * kv_heads * head_dim) + h * h + 3 * h * f_mlp)  # q, k, v, o and the MLP
+scores = 4 * B * s * s * h  # QK^T and scores x V
+logits = 2 * B * s * h * V
+flops = 3 * (L * (proj + scores) + logits) + L * scores  # forward + backward (2x), + selective recompute
+compute_s = flops / (GPUS * PEAK * MFU)
+imbalance = best.time["stage_imbalance"]  # busiest stage's FLOPs / the mean stage's
+print(f"FLOPs per step {flops:.4e}; compute by hand {compute_s:.2f} s; planner {best.time['compute']:.2f} s "
+      f"(difference {rel(compute_s, best.time['compute']):.2%}; busiest stage / mean stage = {imbalance:.4f})")
+check(compute_s < best.time["compute"] and rel(compute_s, best.time["compute"]) < 0.01,
+      "your compute should be below the planner's, by less than 1%")
+check(rel(compute_s * imbalance, best.time["compute"]) < 1e-6,
+      "times the busiest stage's share, your compute should equal the planner's exactly")
+
+# %% [markdown]
+# **Another communication time: the data-parallel traffic.** ZeRO-1 synchronises once per step:
+# reduce-scatter the bf16 gradients, all-gather the updated bf16 weights, each (dp - 1)/dp of the
+# GPU's parameters. Ranks are numbered tp first, then dp, so the 8 replicas of a GPU sit 4 ranks
+# apart, on 4 different nodes: the traffic crosses InfiniBand. The planner assumes half the compute
+# time can hide it; only the rest is exposed.
+
+# %%
+dp_bytes = 2 * (dp - 1) / dp * n_gpu * 2
+dp_s = dp_bytes / IB
+exposed = max(0.0, dp_s - OVERLAP * compute_s * imbalance)
+nodes = {(0 + tp * k) // 8 for k in range(dp)}  # GPU 0's replicas: ranks 0, 4, 8, ... 28, 8 GPUs per node
+print(f"DP traffic by hand: 2 x {dp - 1}/{dp} x {n_gpu / 1e9:.2f}e9 params x 2 B / {IB / 1e9:.0f} GB/s = {dp_s:.3f} s; "
+      f"planner: {best.time['dp_total']:.3f} s ({best.links['dp']})")
+print(f"exposed: max(0, {dp_s:.2f} - {OVERLAP} x {compute_s * imbalance:.1f}) = {exposed:.2f} s; "
+      f"planner: {best.time['dp_exposed']:.2f} s")
+check(len(nodes) == 4 and best.links["dp"] == "inter-node" and rel(dp_s, best.time["dp_total"]) < 1e-6,
+      "your DP time over InfiniBand should equal the planner's (same formula; rounding only)")
+check(exposed == best.time["dp_exposed"] == 0, "all of ZeRO-1's traffic should hide behind the compute")
+
+# %% [markdown]
+# **The pipeline bubble, and the whole step.** In 1F1B each of the pp ranks idles for pp - 1
+# micro-batch slots while the pipeline fills and drains, against v x m slots of work: the planner
+# takes bubble = (pp - 1)/(v m) of the busy time (Narayanan et al. 2021). Busy time is compute plus
+# the TP traffic plus the stage-to-stage sends (one activation forward and one gradient backward per
+# micro-batch, 1/tp of it per GPU under sequence parallelism, across nodes here). Then
+# step = busy x (1 + bubble) + exposed DP traffic.
+
+# %%
+bubble = (pp - 1) / (v * m)
+pp_s = 2 * (message / tp) * m * v / IB
+busy = compute_s * imbalance + tp_s + pp_s
+step = busy * (1 + bubble) + exposed
+share = busy * bubble / (busy * (1 + bubble))  # the bubble as a share of the step's pipeline time
+print(f"bubble (pp-1)/(v m) = {pp - 1}/({v} x {m}) = {bubble:.4%}; planner {best.time['bubble_fraction']:.4%}")
+print(f"as a share of the step: (pp-1)/(v m + pp-1) = {(pp - 1) / (v * m + pp - 1):.4%} (the GPipe paper's form)")
+print(f"stage-to-stage sends {pp_s:.3f} s (planner {best.time['pp']:.3f}); bubble {busy * bubble:.3f} s "
+      f"(planner {best.time['bubble']:.3f}); step {step:.2f} s (planner {best.step_s:.2f})")
+check(bubble == best.time["bubble_fraction"] and rel(pp_s, best.time["pp"]) < 1e-6,
+      "your bubble fraction and stage-to-stage sends should equal the planner's")
+check(abs(share - (pp - 1) / (v * m + pp - 1)) < 1e-12,
+      "(pp-1)/(v m) of the busy time is (pp-1)/(v m + pp-1) of busy + bubble: the two forms say the same")
+check(rel(step, best.step_s) < 1e-6, "your step time should equal the planner's")
+
+# %% [markdown]
+# All of it in one table:
+
+# %%
+by_hand = {"model state per GPU (GiB)": (state / GiB, planner_state / GiB),
+           "compute (s)": (compute_s, best.time["compute"]),
+           "TP traffic (s)": (tp_s, best.time["tp"]), "DP traffic (s)": (dp_s, best.time["dp_total"]),
+           "stage-to-stage sends (s)": (pp_s, best.time["pp"]), "bubble (s)": (busy * bubble, best.time["bubble"]),
+           "step (s)": (step, best.step_s)}
+print(f"{'term':<27} {'by hand':>9} {'planner':>9} {'difference':>10}")
+for name, (mine, theirs) in by_hand.items():
+    print(f"{name:<27} {mine:>9.3f} {theirs:>9.3f} {rel(mine, theirs):>10.2%}")
+overheads = {"TP": tp_s, "bubble": busy * bubble, "sends": pp_s, "exposed DP": exposed}
+check(all(rel(a, b) < 1e-6 for k, (a, b) in by_hand.items() if k != "compute (s)"),
+      "every row but compute should agree to rounding")
+check(compute_s * imbalance / step > 0.9 and max(overheads, key=overheads.get) == "TP" and bubble < 0.01,
+      "compute should be over 90% of the step, TP traffic the largest overhead, the bubble under 1%")
+
+# %% [markdown]
+# **What you should see:** every row agrees to rounding except compute, where your number is a
+# fraction of a percent below the planner's: the pipeline waits for its busiest stage. Compute is
+# over 90% of the step; TP traffic is the largest overhead; the bubble is under 1% because 128
+# micro-batches keep the two stages busy; and all the DP traffic hides behind compute. A planner you
+# can recompute is one you can argue with.
+#
+# ## 3. Move one input: the network between nodes
+#
+# 25 GB/s per GPU is 8 x 200 Gb/s HDR InfiniBand per node of 8 GPUs; NDR (the planner's H100
+# preset) doubles it. Plan the same job over a range of inter-node bandwidths (`inter_node_gbps`, GB/s
+# per GPU), and score the winning layouts at every one of them.
+
+# %%
+BANDWIDTHS = [6.25, 12.5, 25, 50, 100, 200]
+bests = {g: plan(**dict(JOB, inter_node_gbps=g)).best for g in BANDWIDTHS}
+winners = list(dict.fromkeys(c.layout for c in bests.values()))  # each distinct winner once, in order
+scored = {g: [evaluate(make_spec(**dict(JOB, inter_node_gbps=g)), w) for w in winners] for g in BANDWIDTHS}
+# From which bandwidth a layout's DP traffic hides behind OVERLAP x its compute: its bytes / (OVERLAP x compute)
+hides_from = {w: c.time["dp_total"] * 25e9 / (OVERLAP * c.time["compute"]) / 1e9 for w, c in zip(winners, scored[25])}
+print(f"{'GB/s':>6}  {'best layout':<40} {'step s':>7} {'DP traffic s':>12} {'exposed s':>9} {'bubble s':>8}")
+for g, c in bests.items():
+    print(f"{g:>6}  {c.layout.label():<40} {c.step_s:>7.1f} {c.time['dp_total']:>12.1f} {c.time['dp_exposed']:>9.1f} "
+          f"{c.time['bubble']:>8.2f}")
+fig, ax = plt.subplots(figsize=(8, 4))
+for i, w in enumerate(winners):
+    ax.plot(BANDWIDTHS, [scored[g][i].step_s for g in BANDWIDTHS], "o-", label=w.label())
+    if hides_from[w] >= BANDWIDTHS[0]:  # ZeRO-1's once-a-step traffic hides far below the sweep
+        ax.axvline(hides_from[w], color=ax.get_lines()[-1].get_color(), ls=":", lw=1)
+ax.set_xscale("log", base=2)
+ax.set_xticks(BANDWIDTHS, [f"{g:g}" for g in BANDWIDTHS])
+ax.set_ylim(0.97 * min(c.step_s for c in bests.values()), 1.3 * max(c.step_s for c in bests.values()))
+ax.set_xlabel("inter-node bandwidth, GB/s per GPU (dotted: where each layout's DP traffic hides)")
+ax.set_ylabel("modelled seconds per step")
+ax.set_title("70B on 64 A100s: each winning layout scored at every bandwidth")
+ax.legend(fontsize=8)
 plt.show()
-check(z3.step_s > p70.best.step_s, "ZeRO-3 over InfiniBand should be slower than the best for 70B")
-model_compute = [c.time["compute"] - c.time["recompute"] for c in shown]
-check(max(model_compute) < 1.02 * min(model_compute),
-      "the model FLOPs are the same whatever the layout: their bars should differ only by the pipeline's "
-      "stage imbalance, a percent or so")
-stacks = [sum(c.memory[key] for key, _ in MEM) for c in shown]
-check(all(abs(t - c.memory_total) <= 1e-6 * c.memory_total or c.memory["peak_at"] != "backward start"
-          for t, c in zip(stacks, shown)), "each bar should stack exactly the planner's peak per GPU")
-check(all(c.memory_total <= p70.spec.usable_bytes for c in shown),
-      "every layout the planner ranks must fit under the usable memory (the dashed line)")
+z3 = [w for w in winners if w.zero_stage == 3]
+check(bests[25].layout == best.layout and len(winners) >= 3, "the plan should change at least twice across the sweep")
+check(all(bests[g].layout.pp > 1 and bests[g].layout.zero_stage == 1 for g in BANDWIDTHS if g <= 25)
+      and all(bests[g].layout.pp == 1 and bests[g].layout.zero_stage == 3 for g in BANDWIDTHS if g >= 50),
+      "up to 25 GB/s the plan should keep ZeRO-1 with a pipeline; from 50 GB/s it should be ZeRO-3 without one")
+# The rule behind the table: the least-tp ZeRO-3 layout whose traffic hides, else ZeRO-1 with a pipeline.
+for g in BANDWIDTHS:
+    hidden = [w for w in z3 if hides_from[w] <= g]
+    expect = min(hidden, key=lambda w: w.tp) if hidden else winners[0]
+    check(bests[g].layout == expect, f"at {g} GB/s the best should be the rule's {expect.label()}")
+check(INTERCONNECTS["h100-nvlink-ndr"].inter_node_bytes_per_s == 2 * IB, "NDR should give twice HDR's bandwidth")
 
 # %% [markdown]
-# **What you should see:** the model's compute is nearly the same for every layout (the same FLOPs
-# on the same GPUs; an uneven pipeline split makes its busiest stage compute a percent or so more,
-# and the others wait for it: that row's reason names it), so the ranking is decided by the thin
-# slices on top; the last bar (ZeRO-3 on all 64 GPUs) carries
-# a tall slice of exposed data-parallel traffic or the recomputation it needs to fit. On the right,
-# each bar stacks what is alive at the step's peak, including the gradients that accumulation keeps
-# from one micro-batch to the next, and every bar stays under the dashed line: that is what "fits"
-# means (the cell checks both).
+# **What you should see:** up to 25 GB/s the plan does not move; from 50 GB/s it is ZeRO-3 without a
+# pipeline, and from 100 GB/s with tp2 instead of tp4. The cell checks the rule behind the table:
+# the ZeRO-3 layout with the least tp whose DP traffic hides (right of its dotted line), otherwise
+# ZeRO-1 with a pipeline.
 #
-# ## 3. What moves the choice
-#
-# The planner is only as good as its inputs. Three questions, each answered by changing one:
-#
-# * the 8K job with a fused attention kernel (`attention="flash"`: no s x s matrix is stored);
-# * the 70B job on nodes with PCIe and a 100 GbE network instead of NVLink and InfiniBand;
-# * the 70B job on H100s.
+# **Why, with section 2's formulas.** ZeRO-1 sends little across nodes, once per step, but every
+# replica keeps whole bf16 weights and gradients: with tp4 and no pipeline that alone would not fit.
+# ZeRO-3 shards them too, and pays for it in traffic: it gathers the weights twice and
+# reduce-scatters the gradients on every micro-batch, your DP formula with 3 passes instead of 2,
+# times the micro-batches.
 
 # %%
-variants = {
-    "7b-8k, eager attention": SCENARIOS["7b-8k-context"],
-    "7b-8k, flash attention": dict(SCENARIOS["7b-8k-context"], attention="flash"),
-    "70b, NVLink + IB": SCENARIOS["70b-8-nodes"],
-    "70b, PCIe + 100GbE": dict(SCENARIOS["70b-8-nodes"], interconnect="pcie-100gbe"),
-    "70b, H100": dict(SCENARIOS["70b-8-nodes"], gpu="h100"),
-}
-print(f"{'variant':<24} {'best layout':<40} {'mem/GPU':>10} {'step s':>7} {'comm s':>7} {'tokens/s':>9}")
-for name, kw in variants.items():
-    b = plan(**kw).best
-    print(f"{name:<24} {b.layout.label():<40} {format_bytes(b.memory_total):>10} {b.step_s:>7.1f} "
-          f"{b.comm_s:>7.2f} {b.tokens_per_s:>9,.0f}")
-best_of = {name: plan(**kw).best for name, kw in variants.items()}
-check(best_of["7b-8k, eager attention"].layout.cp > 1 and best_of["7b-8k, flash attention"].layout.cp == 1,
-      "with flash attention the 8K job should no longer need context parallelism")
-check(best_of["70b, PCIe + 100GbE"].layout.label() == best_of["70b, NVLink + IB"].layout.label()
-      and best_of["70b, PCIe + 100GbE"].comm_s > 3 * best_of["70b, NVLink + IB"].comm_s,
-      "on the slow network the 70B job should keep its layout and pay several times the communication")
-check(best_of["70b, H100"].step_s < best_of["70b, NVLink + IB"].step_s / 2.5,
-      "on H100s the 70B step should be about 3x shorter")
+n_tp4 = L * block + 2 * V * h / tp + h  # tp4 without a pipeline: all 80 blocks, the embedding, the output layer
+no_pipe = n_tp4 * (2 + 2 + 12 / 16)  # ZeRO-1 over the 16 replicas that are left
+print(f"tp4 pp1 dp16 with ZeRO-1: {n_tp4 / 1e9:.2f}e9 params x (2 + 2 + 12/16) B = {no_pipe / GiB:.1f} GiB "
+      f"> {spec.usable_bytes / GiB:.0f} GiB usable")
+check(tp == 4 and no_pipe > spec.usable_bytes, "tp4 with ZeRO-1 and no pipeline should not fit the model state")
+for w in z3:
+    c, n = scored[25][winners.index(w)], sh.params_on_busiest_rank(tp=w.tp, pp=w.pp)
+    z3_bytes = 3 * (w.dp - 1) / w.dp * n * 2 * w.grad_accum  # 3 ring passes of bf16 per micro-batch
+    print(f"{w.label()}: 3 x {w.dp - 1}/{w.dp} x {n / 1e9:.2f}e9 params x 2 B x {w.grad_accum} micro-batches "
+          f"= {z3_bytes / 1e9:,.0f} GB per step; hides behind {OVERLAP} x {c.time['compute']:.1f} s from "
+          f"{z3_bytes / (OVERLAP * c.time['compute']) / 1e9:.1f} GB/s; at 25 GB/s {c.time['dp_exposed']:.1f} s "
+          f"exposed, TP {c.time['tp']:.2f} s")
+    check(rel(z3_bytes / 25e9, c.time["dp_total"]) < 1e-6 and z3_bytes > 1e12,
+          "your ZeRO-3 traffic (thousands of GB per step) should be the planner's")
+    check(c.time["dp_exposed"] > 10 * bests[25].time["bubble"],
+          "at 25 GB/s a ZeRO-3 layout should leave far more traffic exposed than the pipeline's bubble")
+tp2, tp4 = sorted(z3, key=lambda w: w.tp)
+check(tp2.tp < tp4.tp and scored[25][winners.index(tp2)].time["tp"] < scored[25][winners.index(tp4)].time["tp"],
+      "of the two ZeRO-3 winners the smaller tp should send less TP traffic")
 
 # %% [markdown]
-# **What you should see:** with flash attention the 8K job no longer needs to split sequences
-# (the scores were what filled the memory), so the plan changes shape: no context parallelism. The
-# 70B job keeps its layout on both other variants, and the reason is worth seeing: it already puts
-# the heavy traffic (TP's all-reduces) inside a node and only pipeline sends and ZeRO-1's gradient
-# traffic across nodes, the least any fitting layout can send. On a slow network that traffic
-# costs several times more (the comm column), and tokens/s fall; on H100s the step is about 3x
-# shorter, so the same traffic is a larger share of it. A planner earns its keep when an input
-# moves the answer, and also when it tells you that no layout does better.
+# **What you should see:** the no-pipeline ZeRO-1 layout over the memory, and ZeRO-3 sending
+# thousands of GB per GPU and step: at 25 GB/s more than half the compute can hide, and the exposed
+# part costs far more than the bubble it would save. Once the network carries it in the shadow of the
+# compute, sharding the weights is free: the pipeline goes, with its bubble and its stage
+# imbalance; with more bandwidth still, tp2's ZeRO-3 traffic hides too, and it beats tp4 on TP
+# traffic.
 #
-# ## 4. When nothing fits
-#
-# 70B on one node of 8 A100-40GB: 1.1 TB of model state cannot live in 320 GB.
+# Try it: a slider (in JupyterLab) that re-plans at any bandwidth.
 
 # %%
-nothing = plan(model="llama2-70b", gpu="a100-40gb", gpus=8, gpus_per_node=8, tokens="2T")
-print(table(nothing, TOP))
-print("\nwhat would fit:")
-for line in nothing.advice:
-    print(" -", line)
-check(nothing.best is None and any(a.startswith("more GPUs") for a in nothing.advice),
-      "70B on 8 x 40 GB should not fit, and the planner should say how many GPUs would")
+def best_at(gbps: float) -> None:
+    c = plan(**dict(JOB, inter_node_gbps=gbps)).best
+    print(f"{gbps:.1f} GB/s: {c.layout.label()}, {c.step_s:.1f} s per step")
+
+
+try:
+    import ipywidgets as widgets
+
+    widgets.interact(best_at, gbps=widgets.FloatLogSlider(value=25, base=2, min=1, max=8, step=0.25,
+                                                          description="GB/s per GPU"))
+except ImportError:
+    print("ipywidgets is not installed: call best_at(gbps) instead")
 
 # %% [markdown]
-# **What you should see:** every layout is over the limit, led by the optimizer states; the
-# advice names the smallest number of whole nodes that fits, and what offloading the optimizer
-# to the CPU would leave.
+# ## 4. The files of a plan
 #
-# ## 5. The files of a plan
-#
-# `write_plan` (what `course plan --out DIR` does) writes the layout as configuration, the launch
-# scripts, the checkpoint plan and the budget. Each file is written to a temporary name and
-# renamed, and only the planner's own file names are ever replaced.
+# `write_plan` (what `course plan --out DIR` does) writes the layout as configuration for several
+# engines, the launch scripts and the budget. Listed, not printed: `print((plan_dir / name).read_text())`
+# shows one whole.
 
 # %%
 plan_dir = RUNS / "plan-70b"
-paths = write_plan(plans["70b-8-nodes"], plan_dir)
-for path in paths:
-    print(f"{path.name:<24} {path.stat().st_size:>7,} bytes")
+paths = write_plan(p, plan_dir)
+PURPOSE = {
+    "plan.md": "the choice in words: why each degree, the runners-up, how to start it",
+    "train.toml": "this kit's trainer config with the layout (python -m course_lib.train)",
+    "fsdp_settings.json": "FSDP2 (fully_shard) settings, or why FSDP2 does not fit the plan",
+    "budget.json": "memory per GPU by component, tokens/s, days, GPU-hours, SLURM request",
+    "launch_torchrun.sh": "torchrun on every node: rendezvous, restarts, --resume auto",
+    "job.sbatch": "SLURM: one torchrun agent per node, requeued at the time limit",
+    "accelerate_config.yaml": "Hugging Face accelerate's config for the same cluster",
+    "launch_accelerate.sh": "accelerate launch with that config",
+    "megatron_args.txt": "the layout as Megatron-LM arguments",
+    "torchtitan.toml": "the layout as a torchtitan job config",
+    "torchtitan_model.py": "registers the plan's exact model with torchtitan",
+    "ds_config.json": "DeepSpeed config (data-parallel plans only)",
+    "launch_deepspeed.sh": "deepspeed launcher (data-parallel plans only)",
+    "hostfile": "DeepSpeed's list of nodes (data-parallel plans only)",
+}
+for path in sorted(paths):
+    print(f"{path.name:<23} {path.stat().st_size:>6,} B  {PURPOSE.get(path.name, '?')}")
+names = {path.name for path in paths}
+check(names <= set(PURPOSE), f"a file without a purpose line: {sorted(names - set(PURPOSE))}")
+check(10 <= len(names) <= 14 and "ds_config.json" not in names,
+      "about a dozen files, and none of DeepSpeed's for a tp x pp plan: the kit's DeepSpeed strategy runs "
+      "data parallelism only (plan.md says so)")
 
 # %% [markdown]
-# There is no `ds_config.json` and no `launch_deepspeed.sh` for the 70B plan: the kit's DeepSpeed
-# strategy runs data parallelism only, so a DeepSpeed script for tp 4 x pp 2 would be refused by
-# the trainer. `plan.md` says so. The 7B job's plan is pure data parallelism, so it gets one: the
-# config is built by the kit's own `build_ds_config` and passed through DeepSpeed's parser
-# (`DeepSpeedConfig`) before it is written. The batch identity `train_batch_size = micro-batch x
-# accumulation x data-parallel ranks` must hold for the ranks DeepSpeed will start.
-
-# %%
-best70 = plans["70b-8-nodes"].best.layout
-check(not (plan_dir / "ds_config.json").exists() and not (plan_dir / "launch_deepspeed.sh").exists(),
-      "a tp/pp plan should write no DeepSpeed files: the kit's DeepSpeed strategy would refuse the layout")
-print([line for line in (plan_dir / "plan.md").read_text().splitlines() if "No DeepSpeed" in line][0])
-write_plan(plans["7b-one-node"], RUNS / "plan-7b")
-ds = json.loads((RUNS / "plan-7b" / "ds_config.json").read_text())
-print(json.dumps(ds, indent=2))
-best7 = plans["7b-one-node"].best.layout
-check(ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * best7.dp,
-      "DeepSpeed's train_batch_size must be micro-batch x accumulation x dp")
-
-# %% [markdown]
-# FSDP2 settings (`torch.distributed.fsdp.fully_shard`): they apply when the plan shards weights
-# over data-parallel ranks (ZeRO-2/3, no pipeline); here they are shown for the 7B job, whose plan
-# is exactly that.
-
-# %%
-print((RUNS / "plan-7b" / "fsdp_settings.json").read_text())
-
-# %% [markdown]
-# The trainer TOML carries the same layout for this kit's trainer: tp, pp, cp, the ZeRO stage as
-# the data-parallel strategy under them (`zero1` here: Megatron's distributed optimizer), and the
-# planned recomputation. That trainer trains TinyGPT: it is a teaching trainer, not tuned for a
-# 70B model, but the layout is one it runs. It loads with the same validator the trainer uses:
+# The trainer's TOML carries the layout; its key lines (it loads with the trainer's own validator):
 
 # %%
 toml_text = (plan_dir / "train.toml").read_text()
-print("\n".join(line for line in toml_text.splitlines() if line.startswith(("[", "tp", "pp", "dp", "cp", "strategy",
-                                                                          "zero", "micro", "grad", "save", "check"))))
+print("\n".join(line for line in toml_text.splitlines()
+                if line.startswith(("strategy", "micro_batch", "grad_accum", "tp ", "pp ", "dp ", "save_every"))))
 cfg = train_config.load(plan_dir / "train.toml")
-check(cfg["parallel"]["tp"] == best70.tp and cfg["parallel"]["pp"] == best70.pp,
-      "the TOML should carry the plan's tp and pp")
-check(cfg["train"]["strategy"] == "zero1" and best70.zero_stage == 1,
-      "the 70B plan shards the optimizer (ZeRO-1): the TOML should run it as train.strategy = 'zero1'")
-check(not [line for line in toml_text.splitlines() if "# plan:" in line and not line.startswith("#")],
-      "every key the plan chose should be one the trainer runs, with no 'plan:' comment")
-print("\ntrain_config.load: OK")
+check((cfg["parallel"]["tp"], cfg["parallel"]["pp"], cfg["parallel"]["dp"], cfg["train"]["strategy"])
+      == (lay.tp, lay.pp, lay.dp, "zero1"), "the TOML should carry tp, pp, dp and ZeRO-1 (strategy zero1)")
+check((cfg["train"]["micro_batch"], cfg["train"]["grad_accum"]) == (lay.micro_batch, lay.grad_accum),
+      "the TOML should carry the micro-batch and the micro-batches per step")
 
 # %% [markdown]
-# ## 6. The launch scripts, line by line
-#
-# The scripts come from `course_lib.launchers`, the same generators as `course launch`. The
-# multi-node torchrun script:
+# **The checkpoint interval** (`save_every`) is Young and Daly's: saving costs C seconds, a failure
+# loses half an interval on average, so the interval that loses least is tau = sqrt(2 C M), M the
+# job's mean time between failures. C: the whole model's weights, fp32 master copy and Adam moments
+# (2 + 4 + 8 bytes per parameter) at the planner's assumed 10 GB/s of storage; M: 5,000 h per node
+# (the planner's default, from Llama 3's failure reports) over 8 nodes.
 
 # %%
-print((plan_dir / "launch_torchrun.sh").read_text())
+N = sh.num_params()
+C = N * (2 + 4 + 8) / 10e9
+M = 5000 / 8 * 3600
+tau = (2 * C * M) ** 0.5
+every = round(tau / best.step_s)
+ck = checkpoint_plan(spec, best)
+print(f"C = {N / 1e9:.2f}e9 params x 14 B / 10 GB/s = {C:.0f} s; M = {M / 3600:.0f} h; tau = {tau / 3600:.2f} h "
+      f"= {every} steps of {best.step_s:.1f} s; planner: every {ck.save_every_steps} steps")
+check((spec.mtbf_hours, spec.nodes, spec.storage_bytes_per_s) == (5000, 8, 10e9),
+      "your failure rate, node count and storage bandwidth should be the planner's")
+check(every == ck.save_every_steps and f"save_every = {every}" in toml_text,
+      "your interval in steps should be the planner's and the TOML's save_every")
 
 # %% [markdown]
-# Line by line:
+# **What you should see:** about a dozen files, none of them DeepSpeed's (the kit runs DeepSpeed for
+# data-parallel plans only), a TOML whose `[parallel]` lines are the layout's name spelled out, and
+# your checkpoint interval in steps equal to its `save_every`.
 #
-# * `set -euo pipefail`: stop at the first failing command, unset variable or broken pipe;
-# * the `export NCCL_...` block (GPU jobs only), every value overridable from the environment:
-#   `NCCL_DEBUG=WARN` logs only problems; `NCCL_IB_DISABLE=0` uses InfiniBand; `NCCL_SOCKET_IFNAME`
-#   keeps NCCL off loopback and docker bridges; `TORCH_NCCL_ASYNC_ERROR_HANDLING=1` turns a hung or
-#   failed collective into a crash that torchrun can restart instead of a silent hang;
-# * `export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (several nodes with restarts): every restart
-#   attempt gets a fresh rendezvous store, so no rank reads a dead attempt's addresses;
-#   `OMP_NUM_THREADS` gives each rank its share of the node's cores (torchrun would set 1);
-# * `RDZV_HOST=...:?`: the script refuses to start until you say which node hosts the rendezvous;
-# * `torchrun --nnodes 8 --nproc-per-node 8`: one agent per node, 8 ranks each;
-#   `--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id`: the agents find each other and agree
-#   on ranks, so no node needs to be told its rank; `--max-restarts 3`: after a failure the whole
-#   group restarts;
-# * `-m course_lib.train --config .../train.toml --out runs/... --resume auto`: every (re)start
-#   continues from the newest valid checkpoint in `--out`.
+# ## 5. A plan run for real
 #
-# The SLURM script runs the same agent once per node:
-
-# %%
-print((plan_dir / "job.sbatch").read_text())
-
-# %% [markdown]
-# Line by line:
-#
-# * `#SBATCH --nodes=8 --ntasks-per-node=1 --gpus-per-node=8`: one task per node, the torchrun
-#   agent, which starts the 8 ranks; `--cpus-per-task` gives it the node's cores;
-# * `--time=48:00:00 --requeue --signal=B:USR1@120`: a 48-hour allocation; 120 s before the limit
-#   SLURM sends USR1 to the batch shell, whose trap stops the ranks and requeues the job;
-#   `--open-mode=append` keeps one log across requeues;
-# * `SRUN`/`SCONTROL`/`TORCHRUN` can be replaced from the environment (the kit's tests run this
-#   script with SLURM faked);
-# * `HEAD_NODE` is the allocation's first host: it hosts the rendezvous; `OMP_NUM_THREADS` gives
-#   each rank its share of the cores;
-# * `mkdir -p runs/... && sbatch ...` (the header's submit line): SLURM opens the `--output` log
-#   before the script runs, so its folder must exist first;
-# * `GRACE=(--shutdown-timeout ...)` only if this node's `torchrun --help` lists it: an older torch
-#   would stop at the unknown option;
-# * `srun --cpus-per-task=...`: since Slurm 22.05 srun does not inherit sbatch's, and the agent with
-#   its 8 ranks would be bound to one core;
-# * `srun ... &` then `wait`: the step runs in the background so that the shell can run its
-#   trap the moment USR1 arrives.
-#
-# ## 7. The checkpoint plan and the budget
-#
-# How often to save? Saving costs C seconds each time; a failure loses on average half an
-# interval. With a job MTBF of M (per-node MTBF / nodes), the expected overhead per unit of time
-# is C/tau + tau/(2M), smallest at **tau = sqrt(2 C M)** (Young 1974, Daly 2006).
-
-# %%
-b70 = plans["70b-8-nodes"].best
-ck = checkpoint_plan(plans["70b-8-nodes"].spec, b70)
-mtbf_s, c_s = ck.mtbf_job_h * 3600, ck.save_cost_s
-taus = [ck.interval_s * f for f in [0.1 * 1.1**k for k in range(60)]]
-overhead = [c_s / t + t / (2 * mtbf_s) for t in taus]
-plt.figure(figsize=(7, 4))
-plt.plot([t / 3600 for t in taus], [100 * o for o in overhead])
-plt.axvline(ck.interval_s / 3600, color="k", ls="--", label=f"sqrt(2CM) = {ck.interval_s / 3600:.1f} h")
-plt.xscale("log")
-plt.xlabel("checkpoint interval (hours)")
-plt.ylabel("expected time lost (% of the run)")
-plt.title(f"70B, 8 nodes: save {c_s:.0f} s, job MTBF {ck.mtbf_job_h:.0f} h")
-plt.legend()
-plt.show()
-print(f"checkpoint {format_bytes(ck.checkpoint_bytes, 'GB')}, save {c_s:.0f} s, every {ck.save_every_steps} steps "
-      f"({ck.interval_s / 3600:.2f} h); overhead {ck.overhead:.2%}; keep {ck.keep_last}")
-print("format:", ck.format_reason)
-check(abs(taus[overhead.index(min(overhead))] / ck.interval_s - 1) < 0.1,
-      "the curve's minimum should sit at sqrt(2 C M)")
-
-# %% [markdown]
-# **What you should see:** a flat-bottomed curve with its minimum at the dashed line: saving twice
-# as often or half as often costs little, ten times off costs a lot.
-#
-# The budget (`budget.json`): memory per GPU by component, throughput, time and the SLURM
-# request.
-
-# %%
-budget = json.loads((plan_dir / "budget.json").read_text())
-for key, gib in budget["memory_gib_per_gpu"].items():
-    print(f"  {key:<18} {gib:8.2f} GiB")
-print(f"tokens/s {budget['tokens_per_s']:,.0f}, {budget['steps']:,} steps, {budget['days']:.0f} days, "
-      f"{budget['gpu_hours']:,.0f} GPU-hours; SLURM {budget['slurm']}")
-print(f"to finish in 30 days: about {budget['gpus_for_30_days']:,} GPUs")
-
-# %% [markdown]
-# ## 8. Run the single-node command here for real
-#
-# The same launcher, a job this machine can run: TinyGPT from `labs/configs/tiny-cpu.toml` with
-# torch DDP on 2 CPU ranks (gloo). `course launch` without `--dry-run` writes the scripts and runs
-# the single-node torchrun command, `--resume auto` included. The run saves a checkpoint every
-# `SAVE_EVERY` steps.
-
-# %%
-CONFIG = str(ROOT / "labs" / "configs" / "tiny-cpu.toml")
-train_out = RUNS / "tiny-ddp"
-
-
-def launch(max_steps: int) -> subprocess.CompletedProcess:
-    """`course launch` on 2 CPU ranks, in a fresh interpreter (never fork a notebook kernel)."""
-    argv = [sys.executable, "-m", "course_lib.launchers.cli", "--config", CONFIG,
-            "--set", "train.strategy=ddp", "--set", f"checkpoint.save_every={SAVE_EVERY}",
-            "--set", "schedule.warmup_steps=2", "--nproc-per-node", "2", "--max-steps", str(max_steps),
-            "--out", str(RUNS / "launch-tiny"), "--train-out", str(train_out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-
-
-first = launch(TRAIN_STEPS)
-print(first.stdout[first.stdout.index("running:"):] if "running:" in first.stdout else first.stdout[-1500:])
-check(first.returncode == 0, f"the launch failed (exit {first.returncode}): {first.stderr[-1500:]}")
-print((RUNS / "launch-tiny" / "launch_torchrun.sh").read_text())
-
-# %% [markdown]
-# A job that is requeued runs the same command again. Here we extend the finished run by as many
-# steps, with the torchrun command line the same generator builds
-# (`course_lib.launchers.commands.torchrun_single_node`), run directly: `--resume auto` finds the
-# newest checkpoint and continues from it (the trainer warns that the schedule's length changed,
-# which is what we asked for).
-
-# %%
-overrides = ["train.strategy=ddp", f"checkpoint.save_every={SAVE_EVERY}", "schedule.warmup_steps=2",
-             f"train.max_steps={2 * TRAIN_STEPS}"]
-argv = torchrun_single_node(CONFIG, overrides, Cluster(nodes=1, nproc_per_node=2), str(train_out))
-print(shell_join(argv))
-argv = [sys.executable, "-m", "torch.distributed.run"] + argv[1:]  # `torchrun` of this interpreter
-second = subprocess.run(argv, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                        text=True, timeout=300)
-print(next((line for line in second.stdout.splitlines() if line.startswith("trained")), second.stderr[-1500:]))
-schedule_warning = [line.strip() for line in second.stderr.splitlines() if "schedule" in line.lower()]
-print(*schedule_warning[:1])
-check(schedule_warning, "the resumed run should warn that the schedule's length changed")
-check(second.returncode == 0, f"the resumed run failed (exit {second.returncode}): {second.stderr[-1500:]}")
-rows = [json.loads(line) for line in (train_out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-steps = [r["step"] for r in rows]
-check(steps == list(range(1, 2 * TRAIN_STEPS + 1)),
-      f"the two runs together should log steps 1..{2 * TRAIN_STEPS} once each, got {steps}")
-check("resumed from step" in second.stdout, "the second run should say it resumed from a checkpoint")
-plt.figure(figsize=(7, 3.5))
-plt.plot(steps[:TRAIN_STEPS], [r["loss"] for r in rows[:TRAIN_STEPS]], "o-", label="first launch")
-plt.plot(steps[TRAIN_STEPS:], [r["loss"] for r in rows[TRAIN_STEPS:]], "o-", label="resumed launch")
-plt.xlabel("step")
-plt.ylabel("loss (nats/token)")
-plt.title("2 CPU ranks, torch DDP under torchrun")
-plt.legend()
-plt.show()
-
-# %% [markdown]
-# **What you should see:** the first launch trains `TRAIN_STEPS` steps from scratch on 2 ranks;
-# the second says "resumed from step ..." and continues the same loss curve without starting
-# over. On a GPU cluster the commands are the ones in section 6: only the node count, the GPUs and
-# the NCCL block differ.
-#
-# ## 9. A plan with tensor parallelism and FSDP, run as written
-#
-# The plans above are for GPUs this machine does not have. To run one end to end here, shrink the
-# job until it fits 4 CPU ranks: a 2-block Llama-style model (d = 64, byte vocabulary), sequences
-# of 64 tokens, 8 sequences a step, on 4 "GPUs" of about 1 MiB each (the planner takes a custom
-# device: memory and peak FLOP/s). So little memory forces the planner to split the model: its
-# answer shards the model state with FSDP (ZeRO-3) over 2 data-parallel ranks *and* cuts each layer
-# in half with tensor parallelism. The plan's `train.toml` says so (`train.strategy = "fsdp"`,
-# `parallel.tp = 2`), and the kit's trainer runs exactly that file under torchrun on 4 CPU ranks
-# (DTensor TP inside FSDP2 on one device mesh); only the step count (and with it the warm-up) is
-# overridden.
+# The plans above are for GPUs this machine does not have. Shrink the job until it fits 4 CPU
+# ranks: a 2-block Llama-style model (width 64, a byte vocabulary), sequences of 64 tokens, 8
+# sequences a step, on 4 "GPUs" of about 1 MiB each (the planner takes a custom device: memory and
+# peak FLOP/s). So little memory forces a split: the planner shards the model state with FSDP
+# (ZeRO-3) over 2 replicas *and* cuts each layer in two with tensor parallelism.
 
 # %%
 tiny_plan = plan(gpu="custom", gpu_memory_gib=0.001, gpu_tflops=0.05, gpus=4, gpus_per_node=4, tokens="2M",
                  seq=64, global_batch_tokens=8 * 64,
                  shape_overrides=dict(n_layers=2, d_model=64, n_heads=4, vocab_size=256))
-print(table(tiny_plan, 3))
-print(f"\n(usable per 'GPU': {format_bytes(tiny_plan.spec.usable_bytes, 'KiB')}: the table picks units that suit the job)")
+tiny = tiny_plan.best
 tiny_dir = RUNS / "plan-tiny"
 write_plan(tiny_plan, tiny_dir)
+print(f"best: {tiny.layout.label()}, {tiny.memory_total / 2**10:.0f} KiB of {tiny_plan.spec.usable_bytes / 2**10:.0f} "
+      f"KiB usable per 'GPU'")
 tiny_toml = (tiny_dir / "train.toml").read_text()
-print("\n".join(line for line in tiny_toml.splitlines() if line.startswith(("strategy", "tp ", "dp ", "micro", "grad"))))
-lay = tiny_plan.best.layout
-check(lay.tp == 2 and lay.zero_stage == 3 and lay.dp == 2,
-      f"the tiny job should need tp 2 and FSDP over dp 2 at this memory; the planner chose {lay.label()}")
+print("\n".join(line for line in tiny_toml.splitlines() if line.startswith(("strategy", "tp ", "dp "))))
+tl = tiny.layout
+check(tl.tp == 2 and tl.zero_stage == 3 and tl.dp == 2,
+      f"the tiny job should need tp 2 and FSDP over dp 2 at this memory; the planner chose {tl.label()}")
 tiny_cfg = train_config.load(tiny_dir / "train.toml")
 check(tiny_cfg["train"]["strategy"] == "fsdp" and tiny_cfg["parallel"]["tp"] == 2,
       "the plan's TOML should run FSDP2 with tp 2 in the kit's trainer")
 
+# %% [markdown]
+# The single-node command is what `launch_torchrun.sh` and `course launch` run on one node
+# (`course_lib.launchers.commands.torchrun_single_node`). Here it starts 4 CPU ranks on the plan's
+# own `train.toml`; only the step count (and with it the warm-up) is overridden.
+
 # %%
-tiny_out = RUNS / "tiny-fsdp-tp"
+tiny_out = RUNS / "tiny-run"
 argv = torchrun_single_node(str(tiny_dir / "train.toml"), [f"train.max_steps={TRAIN_STEPS}", "schedule.warmup_steps=2"],
                             Cluster(nodes=1, nproc_per_node=4), str(tiny_out))
 print(shell_join(argv))
+check("--resume auto" in shell_join(argv), "the command should resume from the newest checkpoint by itself")
 argv = [sys.executable, "-m", "torch.distributed.run"] + argv[1:]  # `torchrun` of this interpreter
 ran = subprocess.run(argv, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                      timeout=600)
@@ -494,23 +551,26 @@ plt.figure(figsize=(7, 3.5))
 plt.plot([r["step"] for r in tiny_rows], [r["loss"] for r in tiny_rows], "o-")
 plt.xlabel("step")
 plt.ylabel("loss (nats/token)")
-plt.title(f"the plan {lay.label()} on 4 CPU ranks: FSDP2 x DTensor TP")
+plt.title(f"the plan {tl.label()} on 4 CPU ranks: FSDP2 x DTensor TP")
 plt.show()
 
 # %% [markdown]
-# **What you should see:** a table whose best row has `tp2` and `Z3` (FSDP), the TOML lines that
-# say `strategy = "fsdp"` and `tp = 2`, and a falling loss curve from 4 ranks: ranks 0-1 and 2-3
-# are the two tensor-parallel pairs, each pair one FSDP shard of the pair's half-layers. The same
-# file, with the real model's shape and more GPUs, is what `course plan` hands to a cluster.
+# **What you should see:** the command line a GPU node would run, with `--resume auto` so a
+# restarted job continues from its newest checkpoint, then a falling loss curve from 4 ranks: each
+# layer split in two over a tensor-parallel pair of ranks, and each half sharded by FSDP over the two
+# pairs. On a cluster only the node count, the GPUs and the NCCL settings differ.
 #
 # ## Summary
 #
-# * A plan is a search over a few legal layouts, filtered by memory and ranked by a step-time model
-#   whose terms you can read; ties go to the simpler layout.
-# * Keep tensor parallelism inside a node, shard the model state before splitting layers, split the
-#   sequence when attention scores dominate, and put the slow network under the least traffic.
-# * A plan is also files: a validated DeepSpeed/FSDP/trainer config, launch scripts that resume by
-#   themselves, a checkpoint interval from the failure rate, and a budget that says how long.
+# * A plan is a search over legal layouts, filtered by memory and ranked by a step time that is a
+#   sum of closed forms: model state in bytes per parameter, ring traffic over the link it crosses,
+#   FLOPs at an assumed fraction of peak, a bubble of (pp - 1)/(v m). You can recompute each one.
+# * A layout's name is its degrees (tp, pp with virtual stages and split, dp, cp), ZeRO stage,
+#   recomputation and micro-batching; the GPUs and the global batch are products of them.
+# * Inputs move plans: a faster network makes ZeRO-3's traffic hide, and sharding the weights then
+#   beats cutting the model.
+# * A plan is also files: configs for several engines, launch scripts that resume by themselves, a
+#   checkpoint interval from the failure rate.
 #
 # ## Where next
 #

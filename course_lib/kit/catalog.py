@@ -49,7 +49,7 @@ LABS: dict[str, LabInfo] = {info.name: info for info in [
     LabInfo("12_finding_bottleneck", "Finding the bottleneck: profiling, utilization, MFU and hangs", "cpu-standins",
             "gloo over loopback stands in for NCCL; CPU operator timelines stand in for GPU kernels; psutil for NVML"),
     LabInfo("13_planning_launching", "Planning and launching a real job", "cpu-standins",
-            "the plans are closed-form (no GPU needed); the launched job is TinyGPT on 2 CPU ranks (gloo)"),
+            "the plans are closed-form (no GPU needed); the launched job is the plan's TinyGPT on 4 CPU ranks (gloo)"),
     LabInfo("14_capstone", "Capstone: one distributed training run, end to end", "cpu-standins",
             "2 CPU ranks over gloo stand in for GPUs with NCCL; the GPU and SLURM commands are shown, not run"),
     # taught right after lab 11 (numbered last because it was added last)
