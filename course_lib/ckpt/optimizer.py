@@ -59,11 +59,7 @@ def _dense_names(mcfg, weight_decay: float) -> list[str]:
     return [name_of[id(p)] for g in model.param_groups(weight_decay) for p in g["params"]]
 
 
-def _full(found: Found, mcfg, cfg: dict) -> dict:
-    from course_lib.checkpoint import io as cio
-
-    manifest, data = cio.read_verified(found.path)
-    _, train_state = cio.decode(manifest, data)
+def _full(found: Found, mcfg, cfg: dict, train_state: dict) -> dict:
     saved = train_state.get("optimizer")
     if not isinstance(saved, dict) or not saved.get("state"):
         raise CkptError(f"{found.path}: the checkpoint holds no optimizer state (saved without an optimizer)")
@@ -80,13 +76,18 @@ def _full(found: Found, mcfg, cfg: dict) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def optimizer_state(found: Found, mcfg, cfg: dict) -> dict:
+def optimizer_state(found: Found, mcfg, cfg: dict, train_state: dict | None = None) -> dict:
     """The name-keyed, full, CPU AdamW state dict of checkpoint ``found`` (see the module doc).
+    ``train_state``: a full checkpoint's, when the caller has read it (``runs.read_full``).
     CkptError for a DeepSpeed checkpoint or one saved without an optimizer, naming it."""
     if found.format == SHARDED:
         out = _sharded(found.path)
     elif found.format == FULL:
-        out = _full(found, mcfg, cfg)
+        if train_state is None:
+            from course_lib.ckpt.runs import read_full
+
+            train_state = read_full(found)[1]
+        out = _full(found, mcfg, cfg, train_state)
     elif found.format == DEEPSPEED:
         raise CkptError(f"{found.path}: --with-optimizer reads full and sharded checkpoints; DeepSpeed's ZeRO "
                         f"optimizer state is flat fp32 partitions that DeepSpeed's own converter splits by "

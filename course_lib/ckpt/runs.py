@@ -138,16 +138,26 @@ def pick(root: Path, step: int | None) -> Found:
                     + "\n  ".join(failures))
 
 
-def full_weights(found: Found, mcfg: Any) -> dict:
+def read_full(found: Found) -> tuple[dict, dict]:
+    """``(model tensors, train_state)`` of a full-format checkpoint, read and verified once (every
+    file's sha256). CkptError naming the folder when it does not verify."""
+    try:
+        manifest, data = cio.read_verified(found.path)
+        return cio.decode(manifest, data)
+    except CheckpointError as e:
+        raise CkptError(f"{found.path}: {e}") from None
+
+
+def full_weights(found: Found, mcfg: Any, decoded: tuple[dict, dict] | None = None) -> dict:
     """``{name: CPU tensor}`` of the whole TinyGPT ``mcfg`` from checkpoint ``found`` (any format,
     any world size; verified by :func:`pick`). The tied head appears under both names, as in
-    ``TinyGPT.state_dict()``. CkptError when the tensors do not fit the model (naming both shapes)."""
+    ``TinyGPT.state_dict()``. ``decoded``: a full checkpoint's :func:`read_full`, when the caller
+    has read it already. CkptError when the tensors do not fit the model (naming both shapes)."""
     from course_lib.model.hf_map import shape_mismatches, tinygpt_shapes
 
     try:
         if found.format == FULL:
-            manifest, data = cio.read_verified(found.path)
-            state, _ = cio.decode(manifest, data)
+            state = dict((decoded or read_full(found))[0])
         elif found.format == SHARDED:
             from course_lib.checkpoint.dcp import consolidate_sharded
 

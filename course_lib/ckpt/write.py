@@ -24,31 +24,44 @@ from pathlib import Path
 from typing import Any
 
 from course_lib.checkpoint.io import fsync_dir
-from course_lib.ckpt.runs import (CkptError, Found, checkpoint_root, find_all, format_name, full_weights, model_config,
-                                  pick, run_config)
+from course_lib.ckpt.runs import (FULL, CkptError, Found, checkpoint_root, format_name, full_weights, model_config,
+                                  pick, read_full, run_config)
 from course_lib.model.init_source import CONFIG_KEY
 
 
-def load_source(source: str | Path, step: int | None) -> tuple[dict, Any, dict]:
-    """``(TinyGPT state dict, ModelConfig, provenance)`` of a run folder's checkpoint (``step``, or
-    the newest that verifies) or of a consolidated ``.safetensors`` file."""
+def load_source(source: str | Path, step: int | None, *,
+                with_optimizer: bool = False) -> tuple[dict, Any, dict, dict | None]:
+    """``(TinyGPT state dict, ModelConfig, provenance, optimizer state)`` of a run folder's
+    checkpoint (``step``, or the newest that verifies) or of a consolidated ``.safetensors`` file.
+    The optimizer state (:mod:`course_lib.ckpt.optimizer`) only with ``with_optimizer`` (else None),
+    from the same read of the checkpoint; a weights file has none (CkptError)."""
     p = Path(source)
     if p.is_file():
         from course_lib.model.init_source import load_init_state, source_config
 
+        if with_optimizer:
+            raise CkptError(f"--with-optimizer: {p} is a weights file; give the run folder, whose checkpoints "
+                            f"hold the optimizer state")
         if step is not None:
             raise CkptError(f"--step {step}: {p} is one consolidated file (one step already); drop --step")
         try:
             mcfg = source_config(p)
-            return load_init_state(p, mcfg), mcfg, {"source": str(p)}
+            return load_init_state(p, mcfg), mcfg, {"source": str(p)}, None
         except ValueError as e:
             raise CkptError(str(e)) from None
     root = checkpoint_root(p)
-    mcfg = model_config(run_config(root))
+    cfg = run_config(root)
+    mcfg = model_config(cfg)
     found: Found = pick(root, step)
-    state = full_weights(found, mcfg)
+    decoded = read_full(found) if found.format == FULL else None  # weights and optimizer: one read
+    state = full_weights(found, mcfg, decoded)
+    optim = None
+    if with_optimizer:
+        from course_lib.ckpt.optimizer import optimizer_state
+
+        optim = optimizer_state(found, mcfg, cfg, decoded[1] if decoded else None)
     return state, mcfg, {"run": str(p), "checkpoint": found.name, "step": found.step,
-                         "format": format_name(found.format), "world_size": found.manifest.get("world_size")}
+                         "format": format_name(found.format), "world_size": found.manifest.get("world_size")}, optim
 
 
 def _refuse_existing(*paths: Path) -> None:
@@ -78,11 +91,7 @@ def consolidate(source: str | Path, out: str | Path, step: int | None = None, *,
     side = out.with_suffix(".json")
     optim_path = out.with_suffix(".optim.pt")
     _refuse_existing(out, side, *([optim_path] if with_optimizer else []))
-    if with_optimizer and Path(source).is_file():
-        raise CkptError(f"--with-optimizer: {source} is a weights file; give the run folder, whose checkpoints "
-                        f"hold the optimizer state")
-    state, mcfg, info = load_source(source, step)
-    optim = _optimizer_of(source, info, mcfg) if with_optimizer else None
+    state, mcfg, info, optim = load_source(source, step, with_optimizer=with_optimizer)
     tensors = {k: v.detach().contiguous() for k, v in state.items()
                if not (mcfg.tie_embeddings and k == "lm_head.weight")}  # safetensors stores a tensor once
     meta = {"format": "pt", CONFIG_KEY: json.dumps(mcfg.to_dict()), "course_lib.source": json.dumps(info)}
@@ -123,15 +132,6 @@ def consolidate(source: str | Path, out: str | Path, step: int | None = None, *,
     return out, side, info
 
 
-def _optimizer_of(source: str | Path, info: dict, mcfg: Any) -> dict:
-    """The name-keyed AdamW state of the checkpoint :func:`load_source` chose (``info``)."""
-    from course_lib.ckpt.optimizer import optimizer_state
-
-    root = checkpoint_root(source)
-    found = next(f for f in find_all(root) if f.name == info["checkpoint"])
-    return optimizer_state(found, mcfg, run_config(root))
-
-
 def export_hf(source: str | Path, out: str | Path, step: int | None = None) -> tuple[Path, str, dict]:
     """Write the HF folder ``out``; returns it, the HF class name and the provenance. CkptError for
     bad input or a TinyGPT no HF class expresses (naming the switch); ImportError (with the install
@@ -144,7 +144,7 @@ def export_hf(source: str | Path, out: str | Path, step: int | None = None) -> t
     out = Path(out)
     _refuse_existing(out)
     require_transformers()  # before the (possibly long) read of the checkpoint
-    state, mcfg, info = load_source(source, step)
+    state, mcfg, info, _ = load_source(source, step)
     try:
         cls, config = hf_config(mcfg)
     except ValueError as e:
