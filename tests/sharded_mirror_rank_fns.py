@@ -62,40 +62,17 @@ def tier_rules(rank, world_size, cfgs, root):
     """The rules full checkpoints keep, on fsdp's sharded ones, one launch (rank 0 damages files,
     every rank trains). ``cfgs``: ``{"6"|"8"|"10": cfg with the file:// mirror root/m1, "missing":
     cfg of 10 steps whose file:// mirror root does not exist}``. Returns what each step saw."""
-    import shutil
     from pathlib import Path
 
-    import torch.distributed as dist
-
-    from course_lib.checkpoint.mirror import CheckpointMirror
     from course_lib.train import train
 
-    run, ckpts, mirror = Path(root) / "run", Path(root) / "run" / "checkpoints", Path(root) / "m1"
+    run, mirror = Path(root) / "run", Path(root) / "m1"
     out = {"first": train(cfgs["6"], run).steps}
     out["mirror_after_first"] = _ckpts(mirror)
     # a fresh run into another folder with the same mirror would upload over its step names
     out["fresh_over_mirror"] = _outcome(train, cfgs["6"], Path(root) / "other")
     out["other_exists"] = (Path(root) / "other").exists()
-    dist.barrier()
-    if rank == 0:  # one byte of the newest local shard flips; the mirror's copy is intact
-        _flip_newest_shard(ckpts, "step_000000006")
-    dist.barrier()
-    out["corrupt_newest"] = _outcome(train, cfgs["8"], run, resume=True)
-    out["local_after_corrupt"] = _ckpts(ckpts)
-    dist.barrier()
-    if rank == 0:  # the local disk is lost...
-        shutil.rmtree(ckpts)
-    dist.barrier()
-    real_list = CheckpointMirror.list
-
-    def outage(self):  # ...and the mirror cannot be listed (an S3 outage)
-        raise OSError("network is unreachable")
-
-    CheckpointMirror.list = outage
-    try:
-        out["outage"] = _outcome(train, cfgs["10"], run, resume=True)
-    finally:
-        CheckpointMirror.list = real_list
+    out.update(_corrupt_newest_then_lose_the_disk(rank, run, "step_000000006", cfgs["8"], cfgs["10"]))
     out["rows_after_outage"] = _rows(run)
     out["missing_root"] = _outcome(train, cfgs["missing"], run, resume=True)  # an unmounted share
     out["rows_after_missing"] = _rows(run)
@@ -128,6 +105,41 @@ def slow_mirror(rank, world_size, cfg, out_dir, mirror_dir, seconds):
             "local": _ckpts(Path(out_dir) / "checkpoints")}
 
 
+def _corrupt_newest_then_lose_the_disk(rank, run, newest, corrupt_cfg, outage_cfg) -> dict:
+    """Two tier rules in a row, every rank training: one byte of ``newest``'s first local shard
+    flips (rank 0; the mirror's copy is intact) and the run resumes with ``corrupt_cfg``; then the
+    local folder is lost and the mirror cannot be listed (an S3 outage) while it resumes with
+    ``outage_cfg``. Returns both outcomes and the local checkpoints after the first."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from course_lib.checkpoint.mirror import CheckpointMirror
+    from course_lib.train import train
+
+    ckpts = run / "checkpoints"
+    dist.barrier()
+    if rank == 0:
+        _flip_newest_shard(ckpts, newest)
+    dist.barrier()
+    out = {"corrupt_newest": _outcome(train, corrupt_cfg, run, resume=True), "local_after_corrupt": _ckpts(ckpts)}
+    dist.barrier()
+    if rank == 0:  # the local disk is lost...
+        shutil.rmtree(ckpts)
+    dist.barrier()
+    real_list = CheckpointMirror.list
+
+    def outage(self):  # ...and the mirror cannot be listed
+        raise OSError("network is unreachable")
+
+    CheckpointMirror.list = outage
+    try:
+        out["outage"] = _outcome(train, outage_cfg, run, resume=True)
+    finally:
+        CheckpointMirror.list = real_list
+    return out
+
+
 def _flip_newest_shard(ckpts, name):
     """One byte of ``name``'s first ``.distcp`` shard flipped (rank 0; the mirror's copy stays intact)."""
     shard = sorted((ckpts / name).glob("*.distcp"))[0]
@@ -142,36 +154,13 @@ def layout_tiers(rank, world_size, cfgs, root):
     not counted by keep_last), and a refusal when the local folder is lost and the mirror is down
     or its file:// root missing. ``cfgs``: ``{"2"|"3"|"4": cfg of that many steps, a save every
     step, with the file:// mirror root/m, "missing": cfg of 4 steps whose mirror root does not exist}``."""
-    import shutil
     from pathlib import Path
 
-    import torch.distributed as dist
-
-    from course_lib.checkpoint.mirror import CheckpointMirror
     from course_lib.train import train
 
-    run, ckpts = Path(root) / "run", Path(root) / "run" / "checkpoints"
+    run = Path(root) / "run"
     out = {"first": train(cfgs["2"], run).steps}
-    dist.barrier()
-    if rank == 0:
-        _flip_newest_shard(ckpts, "step_000000002")
-    dist.barrier()
-    out["corrupt_newest"] = _outcome(train, cfgs["3"], run, resume=True)
-    out["local_after_corrupt"] = _ckpts(ckpts)
-    dist.barrier()
-    if rank == 0:  # the local disk is lost...
-        shutil.rmtree(ckpts)
-    dist.barrier()
-    real_list = CheckpointMirror.list
-
-    def outage(self):  # ...and the mirror cannot be listed
-        raise OSError("network is unreachable")
-
-    CheckpointMirror.list = outage
-    try:
-        out["outage"] = _outcome(train, cfgs["4"], run, resume=True)
-    finally:
-        CheckpointMirror.list = real_list
+    out.update(_corrupt_newest_then_lose_the_disk(rank, run, "step_000000002", cfgs["3"], cfgs["4"]))
     out["missing_root"] = _outcome(train, cfgs["missing"], run, resume=True)
     out["rows_after_refusals"] = _rows(run)
     return out
