@@ -7,8 +7,8 @@
 #
 # 1. **the config**: one TOML file holds the whole run;
 # 2. **the mesh**: which rank does what;
-# 3. **the reference run**: DDP, bf16 autocast, gradient accumulation, the stabilizer, warmup +
-#    cosine, async checkpoints with a second tier, a watchdog, and the profiler on a few steps;
+# 3. **the reference run**: DDP, gradient accumulation, the stabilizer, warmup + cosine, async
+#    checkpoints with a second tier, a watchdog, and the profiler on a few steps;
 # 4. **metrics**: loss, learning rate and throughput from `metrics.jsonl`;
 # 5. **the profile**: where a step's time goes;
 # 6. **a killed worker**: `SIGKILL` mid-run, then a new job resumes from the newest checkpoint;
@@ -71,7 +71,7 @@ print(capstone.CONFIG.read_text())
 cfg = train_config.load(capstone.CONFIG, [f"train.max_steps={STEPS}", f"checkpoint.save_every={SAVE_EVERY}"])
 t, c = cfg["train"], cfg["checkpoint"]
 world = 2
-print(f"strategy {t['strategy']}, precision {t['precision']} (autocast; fp32 weights and optimizer state)")
+print(f"strategy {t['strategy']}, precision {t['precision']} (section 8's GPU commands add train.precision=bf16)")
 print(f"global batch = {t['micro_batch']} sequences x {t['grad_accum']} micro-batches x {world} ranks "
       f"= {t['micro_batch'] * t['grad_accum'] * world} sequences of {cfg['data']['seq_len']} tokens")
 print(f"schedule {cfg['schedule']['kind']}, warmup {cfg['schedule']['warmup_steps']} steps, "
@@ -79,11 +79,14 @@ print(f"schedule {cfg['schedule']['kind']}, warmup {cfg['schedule']['warmup_step
       f"spikes: {cfg['stability']['spike_policy']}")
 print(f"checkpoints every {c['save_every']} steps, async {c['async_save']}, keep {c['keep_last']}, "
       f"format {c['format']}; watchdog {t['watchdog_s']:.0f} s; checkpoint on signal {t['checkpoint_on_signal']}")
+check((t["strategy"], t["precision"], t["micro_batch"] * t["grad_accum"] * world) == ("ddp", "fp32", 32),
+      "the text below expects DDP in fp32 with a global batch of 32 sequences; was the config edited?")
 
 # %% [markdown]
-# **What you should see:** DDP with bf16 autocast, a global batch of 16 sequences made of 2
-# micro-batches on each of 2 ranks, warmup then cosine decay, and checkpoints that are written in
-# the background.
+# **What you should see:** DDP in fp32, a global batch of 32 sequences made of 2 micro-batches
+# of 8 on each of 2 ranks, warmup then cosine decay, and checkpoints that are written in the
+# background. Why fp32: this CPU has no bf16 units, so autocast to bf16 would only emulate it
+# (lab 03), several times slower; on a GPU the same run takes bf16 (section 8).
 #
 # ## 2. The mesh
 #
@@ -134,10 +137,12 @@ print(f"{len(rows)} rows; loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}; 
       f"{sum(r['skipped'] for r in rows)} steps skipped, {sum(r['clipped'] for r in rows)} clipped")
 check(steps == list(range(1, STEPS + 1)), "the reference should log every step once")
 check(rows[-1]["loss"] < rows[0]["loss"] - 1.0, "the loss should fall by more than 1 nat/token")
+check(abs(rows[0]["loss"] - 5.5) < 0.2 and rows[-1]["loss"] < (3.5 if SMOKE else 3.0),
+      "the loss should start near ln 256 = 5.5 nats/token and end under 3 (3.5 in a smoke run)")
 
 # %% [markdown]
-# **What you should see:** the loss falls from about 5.5 nats/token (uniform over 256 bytes) toward
-# 3 (4 in a smoke run), with every step clipped at first (a fresh model's gradient norms are above
+# **What you should see:** the loss falls from about 5.5 nats/token (uniform over 256 bytes) to
+# under 3 (under 3.5 in a smoke run), with every step clipped at first (a fresh model's gradient norms are above
 # 1); the learning rate climbs for the warmup steps, then decays along a cosine; throughput is flat
 # apart from a few dips: the profiled steps (the profiler has a cost), checkpoint steps, and
 # whatever else this machine was doing.
@@ -159,8 +164,8 @@ profiled = load_summary(RUNS / "reference")["ranks"]
 mfus = [s["mfu"] for r in profiled for s in r["steps"]]
 check(peak["source"] in ("stamp", "start-up"), f"on a CPU the peak comes from course doctor's stamp or, without one, "
       f"from a measurement at start-up; this run used {peak['source']!r}")
-check(all(m is not None and 0 < m < 0.5 for m in mfus),
-      f"every rank's profiled steps should have an MFU, well below 100% at this size; got {mfus}")
+check(all(m is not None and 0 < m < 0.6 for m in mfus),
+      f"every rank's profiled steps should have an MFU, under 60% at this size; got {mfus}")
 # The run's MFU: the median over every logged step after the warm-up ones, the profiled ones left out
 # (they pay the profiler). A busy moment slows a few steps; the median does not move with them.
 profiled_steps = {s["step"] for r in profiled for s in r["steps"]}
@@ -169,7 +174,8 @@ run_mfu = statistics.median(steady)
 per_rank = ", ".join(f"rank {r['rank']} {statistics.mean(s['mfu'] for s in r['steps']):.2%}" for r in profiled)
 print(f"MFU of the run: {run_mfu:.2%} (median of {len(steady)} steps); the {len(profiled_steps)} profiled steps: {per_rank}")
 check(len(steady) >= len(rows) // 2, f"most steps should log an MFU; {len(steady)} of {len(rows)} did")
-check(0 < run_mfu < 0.5, f"the run's MFU should be a few percent at this size, got {run_mfu:.2%}")
+check(0 < run_mfu < 0.6, f"the run's MFU should be tens of percent at this size, under 60%; got {run_mfu:.2%}. "
+      "Above that, the peak in mfu_peak.json is too low: rerun `course doctor --measure-peak` on a quiet machine")
 
 # %% [markdown]
 # **What you should see:** attention and the matmuls (`aten::mm`, `aten::addmm`) on top; a few to
@@ -177,8 +183,9 @@ check(0 < run_mfu < 0.5, f"the run's MFU should be a few percent at this size, g
 # loopback that backward could not hide). The MFU column, on every rank, divides the step's model
 # FLOP/s by this CPU's peak as `course doctor --measure-peak` (run by `./kit setup`) stamped it on a
 # quiet machine; the next line says which peak the run used (`RUNS/reference/mfu_peak.json`). Expect
-# a few percent at this size, far below 100% (the check holds it under 50%): a busy machine only
-# slows the steps, so it can lower this MFU but not raise it. Without a stamp the trainer
+# tens of percent, under 60% (the check): each rank's matrices are small (128 wide), and layer norms,
+# softmax, the optimizer step and Python do work that is not counted as model FLOPs. A busy machine
+# only slows the steps, so it can lower this MFU but not raise it. Without a stamp the trainer
 # measures at start-up instead, says so, and a busy start-up can then make MFU look higher.
 #
 # The last line is the number to quote: the **run's** MFU, the median over every step after the
@@ -274,7 +281,8 @@ check(resumed.returncode == 0 and resumed.resumed_from == stop_steps[-1],
 #
 # `course_lib.launchers` (the `course launch` command) writes the commands for a cluster shape.
 # Nothing changes in the trainer: `train.device = "cuda"` puts each rank on its GPU and the process
-# group uses NCCL. For the SLURM job, look at the signal line and the trap: USR1 reaches the batch
+# group uses NCCL; `train.precision = "bf16"` turns on autocast, which a GPU's tensor cores run at
+# several times fp32's rate (weights and optimizer state stay fp32). For the SLURM job, look at the signal line and the trap: USR1 reaches the batch
 # shell (`B:`), which forwards SIGTERM through `srun` to the torchrun agents and their ranks, waits
 # for the checkpoint, and requeues the job; the requeued job resumes with `--resume auto`.
 
@@ -290,6 +298,8 @@ trap_end = lines.index("}", trap)
 print("\n".join([line for line in lines if line.startswith("#SBATCH")] + ["..."] + lines[trap:trap_end + 1]
                 + ["..."] + lines[step:step + 2]))
 check("--signal=B:USR1@" in sbatch and "requeue" in sbatch, "the sbatch script should trap USR1 and requeue")
+check(all("train.precision=bf16" in text for text in commands.values()),
+      "every GPU command should switch the run to bf16 autocast")
 
 # %% [markdown]
 # ## 9. The final check: same losses, bit for bit
@@ -324,8 +334,9 @@ print(f"all {STEPS} losses of both interrupted runs equal the reference's exactl
 #
 # ## Where next
 #
-# * Scale the model: `--set model.preset=gpt2-small` (and `train.compile = true`,
-#   `optim.fused = true` on a GPU); `course plan` picks a layout and a checkpoint interval for a
+# * Scale the model: in a copy of the config, keep only `preset = "gpt2-small"` under `[model]`
+#   (the two lines below it would shrink any preset), and on a GPU add `train.compile = true` and
+#   `optim.fused = true`; `course plan` picks a layout and a checkpoint interval for a
 #   real cluster.
 # * Hangs: `--set train.watchdog_s=600` names a stalled rank and dumps every rank's stacks to
 #   `OUT/hang/` instead of waiting out the collective timeout (lab 12 runs one).
