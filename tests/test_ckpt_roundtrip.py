@@ -57,6 +57,14 @@ def layouts(tmp_path_factory):
     return root, dict(zip(LAYOUTS, weights))
 
 
+def _picked(root: Path, step: int, mcfg) -> tuple:
+    """``full_weights``' arguments for the checkpoint ``course ckpt`` would take at ``step``."""
+    from course_lib.ckpt.runs import pick
+
+    found, decoded = pick(root, step)
+    return found, mcfg, decoded
+
+
 def ckpt(*argv) -> int:
     return cli.main(["ckpt", *map(str, argv)])
 
@@ -117,7 +125,7 @@ def _continue_on_one_process(run: Path, step: int, tmp_path: Path, dp: int) -> N
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    from course_lib.ckpt.runs import checkpoint_root, full_weights, model_config, pick, run_config
+    from course_lib.ckpt.runs import checkpoint_root, full_weights, model_config, run_config
     from course_lib.schedules import make_scheduler, schedule_from_config
     from course_lib.trainer.startup import adamw
 
@@ -148,10 +156,10 @@ def _continue_on_one_process(run: Path, step: int, tmp_path: Path, dp: int) -> N
     if cfg["stability"]["max_grad_norm"]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["stability"]["max_grad_norm"])
     optimizer.step()
-    next_step = full_weights(pick(root, step + 1), mcfg)
+    next_step = full_weights(*_picked(root, step + 1, mcfg))
     for k, v in model.state_dict().items():
         assert torch.allclose(v, next_step[k], rtol=1e-4, atol=1e-6), (k, (v - next_step[k]).abs().max().item())
-    moved = full_weights(pick(root, step), mcfg)
+    moved = full_weights(*_picked(root, step, mcfg))
     assert any(not torch.equal(moved[k], next_step[k]) for k in next_step), "the step changed no weight"
 
 
@@ -263,9 +271,9 @@ def test_a_consolidated_file_starts_a_run_with_its_weights(single_run, tmp_path)
     assert ckpt("consolidate", single_run, "--step", 2, "--out", tmp_path / "w.safetensors") == 0
     out = tmp_path / "tuned"
     result = train(layout_cfg(train__max_steps=1, model__init_from=str(tmp_path / "w.safetensors")), out)
-    from course_lib.ckpt.runs import checkpoint_root, full_weights, model_config, pick, run_config
+    from course_lib.ckpt.runs import checkpoint_root, full_weights, model_config, run_config
     root = checkpoint_root(single_run)
-    step2 = full_weights(pick(root, 2), model_config(run_config(root)))
+    step2 = full_weights(*_picked(root, 2, model_config(run_config(root))))
     model = TinyGPT(model_config(run_config(root)))
     model.load_state_dict(step2)
     cfg = layout_cfg(train__max_steps=1)
@@ -276,3 +284,24 @@ def test_a_consolidated_file_starts_a_run_with_its_weights(single_run, tmp_path)
     with pytest.raises(CkptError, match="drop --step"):
         from course_lib.ckpt.write import load_source
         load_source(tmp_path / "w.safetensors", 2)
+
+
+def test_a_corrupt_newest_full_checkpoint_is_passed_over_with_its_reason(single_run, tmp_path, capsys):
+    """``pick`` verifies a full checkpoint by the read that decodes it: a flipped byte in the newest
+    one makes it fall back to the one before, and asking for that step names the checksum failure."""
+    from course_lib.ckpt.runs import CkptError, checkpoint_root, find_all, pick
+
+    run = tmp_path / "run"
+    shutil.copytree(single_run, run)
+    root = checkpoint_root(run)
+    newest, older = find_all(root)[-1], find_all(root)[-2]
+    victim = max((p for p in newest.path.iterdir() if p.suffix != ".json"), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    found, decoded = pick(root, None)
+    assert found.name == older.name and decoded is not None and decoded[0]
+    with pytest.raises(CkptError, match=rf"{newest.name}: .*does not match its checksum"):
+        pick(root, newest.step)
+    assert ckpt("consolidate", run, "--step", newest.step, "--out", tmp_path / "w.safetensors") == 2
+    assert "does not match its checksum" in capsys.readouterr().err and not (tmp_path / "w.safetensors").exists()

@@ -119,9 +119,13 @@ def verify(found: Found) -> str | None:
     return None
 
 
-def pick(root: Path, step: int | None) -> Found:
+def pick(root: Path, step: int | None) -> tuple[Found, tuple[dict, dict] | None]:
     """The checkpoint to read: the newest one saved at ``step`` (None: the newest of all) that
-    verifies. CkptError naming the step (and the steps there are), or every reason none verifies."""
+    verifies, as ``(found, decoded)``. A full checkpoint is verified by reading it
+    (:func:`read_full`: every file's sha256 checked on the bytes that are then decoded), so
+    ``decoded`` is its ``(model tensors, train_state)`` and nothing reads it twice; for the other
+    formats ``decoded`` is None. CkptError naming the step (and the steps there are), or every
+    reason none verifies."""
     found = find_all(root)
     if step is not None:
         steps = sorted({f.step for f in found if f.step is not None})
@@ -130,9 +134,15 @@ def pick(root: Path, step: int | None) -> Found:
             raise CkptError(f"{root}: no checkpoint of step {step}; steps saved: {', '.join(map(str, steps)) or 'none'}")
     failures = []
     for f in reversed(found):
+        if f.format == FULL and f.manifest is not None:
+            try:
+                return f, read_full(f)
+            except CkptError as e:
+                failures.append(f"{f.name}: {str(e).removeprefix(f'{f.path}: ')}")
+                continue
         why = verify(f)
         if why is None:
-            return f
+            return f, None
         failures.append(f"{f.name}: {why}")
     raise CkptError(f"{root}: no checkpoint{'' if step is None else f' of step {step}'} verifies:\n  "
                     + "\n  ".join(failures))

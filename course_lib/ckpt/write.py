@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from course_lib.checkpoint.io import fsync_dir
-from course_lib.ckpt.runs import (FULL, CkptError, Found, checkpoint_root, format_name, full_weights, model_config,
-                                  pick, read_full, run_config)
+from course_lib.ckpt.runs import CkptError, checkpoint_root, format_name, full_weights, model_config, pick, run_config
 from course_lib.model.init_source import CONFIG_KEY
 
 
@@ -52,8 +51,7 @@ def load_source(source: str | Path, step: int | None, *,
     root = checkpoint_root(p)
     cfg = run_config(root)
     mcfg = model_config(cfg)
-    found: Found = pick(root, step)
-    decoded = read_full(found) if found.format == FULL else None  # weights and optimizer: one read
+    found, decoded = pick(root, step)  # a full checkpoint comes back read: weights and optimizer, one read
     state = full_weights(found, mcfg, decoded)
     optim = None
     if with_optimizer:
