@@ -78,15 +78,14 @@ def _full(found: Found, mcfg, cfg: dict, train_state: dict) -> dict:
 
 def optimizer_state(found: Found, mcfg, cfg: dict, train_state: dict | None = None) -> dict:
     """The name-keyed, full, CPU AdamW state dict of checkpoint ``found`` (see the module doc).
-    ``train_state``: a full checkpoint's, when the caller has read it (``runs.read_full``).
-    CkptError for a DeepSpeed checkpoint or one saved without an optimizer, naming it."""
+    ``train_state``: a full checkpoint's, as ``runs.pick`` read it (required for that format: the
+    files are read once). CkptError for a DeepSpeed checkpoint or one saved without an optimizer,
+    naming it."""
     if found.format == SHARDED:
         out = _sharded(found.path)
     elif found.format == FULL:
         if train_state is None:
-            from course_lib.ckpt.runs import read_full
-
-            train_state = read_full(found)[1]
+            raise ValueError(f"{found.path}: a full checkpoint's train_state is required (runs.pick returns it)")
         out = _full(found, mcfg, cfg, train_state)
     elif found.format == DEEPSPEED:
         raise CkptError(f"{found.path}: --with-optimizer reads full and sharded checkpoints; DeepSpeed's ZeRO "

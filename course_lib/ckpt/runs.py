@@ -161,13 +161,16 @@ def read_full(found: Found) -> tuple[dict, dict]:
 def full_weights(found: Found, mcfg: Any, decoded: tuple[dict, dict] | None = None) -> dict:
     """``{name: CPU tensor}`` of the whole TinyGPT ``mcfg`` from checkpoint ``found`` (any format,
     any world size; verified by :func:`pick`). The tied head appears under both names, as in
-    ``TinyGPT.state_dict()``. ``decoded``: a full checkpoint's :func:`read_full`, when the caller
-    has read it already. CkptError when the tensors do not fit the model (naming both shapes)."""
+    ``TinyGPT.state_dict()``. ``decoded``: a full checkpoint's :func:`read_full`, as :func:`pick`
+    returns it (required for that format: the files are read once). CkptError when the tensors do
+    not fit the model (naming both shapes)."""
     from course_lib.model.hf_map import shape_mismatches, tinygpt_shapes
 
     try:
         if found.format == FULL:
-            state = dict((decoded or read_full(found))[0])
+            if decoded is None:
+                raise ValueError(f"{found.path}: a full checkpoint's decoded read is required (pick returns it)")
+            state = dict(decoded[0])
         elif found.format == SHARDED:
             from course_lib.checkpoint.dcp import consolidate_sharded
 
