@@ -9,6 +9,8 @@ and the memory-leak / fragmentation failure modes seen through the CUDA allocato
     python benchmarks/gpu_check.py leak                # lab 04's leak on the CUDA allocator
     python benchmarks/gpu_check.py fragmentation       # reserved vs allocated, with and without
                                                        # expandable segments
+    python benchmarks/gpu_check.py layouts             # ddp/zero1/zero2/fsdp on a one-rank NCCL group = single
+    python benchmarks/gpu_check.py save-stall          # async vs sync sharded save, FSDP2, one rank
     ... --json PATH                                    # every figure, with device and versions
 
 Needs a CUDA GPU (it says so and exits 2 otherwise). Every table says which device, torch and CUDA
@@ -116,7 +118,26 @@ MFU_CASES = {
     # An experiment, not a trainer option: torch.compile(mode="reduce-overhead") replays CUDA graphs,
     # so the kernels of a step start without per-kernel launches after the step's host read.
     "  + CUDA graphs (experiment)": ["compile_mode=reduce-overhead"],
+    # FP8 through torchao's float8 training (the production path): nn.Linear layers but the output
+    # head become Float8Linear before the trainer compiles the model, as torchtitan's float8
+    # converter does; autocast stays bf16 for everything else. Tokens/s against bf16 in one run.
+    "fp8 tensorwise (torchao) mb 32": ["train.micro_batch=32", "fp8=tensorwise"],
+    "fp8 rowwise (torchao) mb 32": ["train.micro_batch=32", "fp8=rowwise"],
 }
+
+PSEUDO = ("compile_mode=", "fp8=")  # gpu_check's own switches, not trainer overrides
+
+
+def convert_fp8(module, recipe: str) -> int:
+    """Swap ``module``'s nn.Linear layers (not the output head, which torchtitan also keeps in
+    bf16) for torchao Float8Linear with ``recipe`` ("tensorwise" or "rowwise"); returns how many."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    before = sum(isinstance(m, torch.nn.Linear) for m in module.modules())
+    convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=lambda mod, fqn: "lm_head" not in fqn)
+    after = sum(type(m) is torch.nn.Linear for m in module.modules())
+    return before - after
 
 
 def gpt2_small_overrides(micro_batch: int, steps: int) -> list[str]:
@@ -137,10 +158,18 @@ def run_trainer_case(overrides: list[str], skip: int) -> dict:
     from course_lib.train import train
 
     modes = [o.split("=", 1)[1] for o in overrides if o.startswith("compile_mode=")]
-    cfg = train_config.load(None, [o for o in overrides if not o.startswith("compile_mode=")])
+    fp8 = [o.split("=", 1)[1] for o in overrides if o.startswith("fp8=")]
+    cfg = train_config.load(None, [o for o in overrides if not o.startswith(PSEUDO)])
     compile_fn = torch.compile
-    if modes:
-        torch.compile = lambda module, **kw: compile_fn(module, mode=modes[0], **kw)
+    converted = []
+
+    def compile_hook(module, **kw):
+        if fp8:
+            converted.append(convert_fp8(module, fp8[0]))
+        return compile_fn(module, **({"mode": modes[0]} if modes else {}), **kw)
+
+    if modes or fp8:
+        torch.compile = compile_hook
     try:
         with tempfile.TemporaryDirectory() as out:
             t0 = time.perf_counter()
@@ -154,7 +183,8 @@ def run_trainer_case(overrides: list[str], skip: int) -> dict:
     mfu = statistics.median(r["mfu"] for r in steady) if steady[0]["mfu"] is not None else None
     return {"tokens_per_s": tok_s, "mfu_datasheet": mfu, "step_ms": 1e3 * statistics.median(r["step_seconds"] for r in steady),
             "final_loss": result.final_loss, "wall_s": wall, "steps": len(rows),
-            "peak_allocated_bytes": torch.cuda.max_memory_allocated()}
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+            **({"fp8_recipe": fp8[0], "fp8_linears": converted[0] if converted else 0} if fp8 else {})}
 
 
 def run_mfu(args) -> dict:
@@ -181,9 +211,17 @@ def run_mfu(args) -> dict:
           f"peak {measured_peak / 1e12:.0f} TFLOP/s" if sheet else "  (GPU not in the datasheet table)")
     for name, extra in cases.items():
         torch.cuda.reset_peak_memory_stats()
-        r = run_trainer_case(gpt2_small_overrides(args.micro_batch, args.steps) + extra, skip=args.skip)
+        try:
+            r = run_trainer_case(gpt2_small_overrides(args.micro_batch, args.steps) + extra, skip=args.skip)
+        except Exception as exc:  # one case's failure (e.g. torchao missing) must not lose the others
+            print(f"  {name:36s} FAILED: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            torch.cuda.empty_cache()
+            continue
         r["mfu_measured_peak"] = r["tokens_per_s"] * fpt / measured_peak
         results[name] = r
+        if "fp8_recipe" in r:
+            print(f"    ({r['fp8_linears']} nn.Linear layers converted to torchao Float8Linear, {r['fp8_recipe']})")
         print(f"  {name:36s} {r['tokens_per_s']:>10,.0f} tok/s  step {r['step_ms']:6.1f} ms  "
               f"MFU {100 * (r['mfu_datasheet'] or 0):5.1f}% of datasheet, "
               f"{100 * r['mfu_measured_peak']:5.1f}% of measured matmul  "
@@ -371,6 +409,28 @@ def run_memory(args) -> dict:
 
 # ----------------------------------------------------------------------------- memory under accumulation
 ACCUM_STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}  # train.strategy -> ZeRO stage it is
+# "ddp-bucket-view": the trainer's ddp with torch DDP's gradient_as_bucket_view=True (the gradients
+# *are* the buckets), to isolate the bucket copy the default DDP keeps beside the gradients.
+ACCUM_VARIANTS = {**ACCUM_STRATEGIES, "ddp-bucket-view": 0}
+
+
+class _BucketView:
+    """Context: torch's DistributedDataParallel built with gradient_as_bucket_view=True."""
+
+    def __enter__(self):
+        self.original = torch.nn.parallel.DistributedDataParallel
+        original = self.original
+
+        class DDPBucketView(original):
+            def __init__(self, *a, **kw):
+                kw.setdefault("gradient_as_bucket_view", True)
+                super().__init__(*a, **kw)
+
+        torch.nn.parallel.DistributedDataParallel = DDPBucketView
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.parallel.DistributedDataParallel = self.original
 
 
 def _nccl_group_of_one() -> None:
@@ -385,7 +445,7 @@ def _nccl_group_of_one() -> None:
         dist.init_process_group("nccl", rank=0, world_size=1)
 
 
-def accum_row(strategy: str, precision: str, grad_accum: int, micro_batch: int) -> dict:
+def accum_row(variant: str, precision: str, grad_accum: int, micro_batch: int) -> dict:
     """One trainer run (GPT-2 small, seq 1024, 3 optimizer steps of ``grad_accum`` micro-batches
     of ``micro_batch`` sequences, AdamW) under ``strategy`` on the one-rank NCCL group: the CUDA
     allocator's peak (bytes above what was allocated before) next to the estimator's step peak -
@@ -407,11 +467,16 @@ def accum_row(strategy: str, precision: str, grad_accum: int, micro_batch: int) 
     torch.cuda.reset_peak_memory_stats()
     overrides = [o for o in gpt2_small_overrides(micro_batch, 3) if not o.startswith(("train.precision", "train.compile",
                                                                                         "optim.fused", "train.grad_accum"))]
+    strategy = variant.split("-")[0]
     overrides += [f"train.precision='{precision}'", "train.compile=false", "optim.fused=false",
                   f"train.grad_accum={grad_accum}", f"train.strategy='{strategy}'", "schedule.warmup_steps=1"]
     cfg = train_config.load(None, overrides)
     with tempfile.TemporaryDirectory() as out:
-        train(cfg, out)
+        if variant == "ddp-bucket-view":
+            with _BucketView():
+                train(cfg, out)
+        else:
+            train(cfg, out)
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated() - base
     gc.collect()
@@ -427,18 +492,22 @@ def accum_row(strategy: str, precision: str, grad_accum: int, micro_batch: int) 
     del model, idx
     gc.collect()
     torch.cuda.empty_cache()
-    stage = ACCUM_STRATEGIES[strategy]
+    stage = ACCUM_VARIANTS[variant]
     states = estimate.model_state_bytes(n, recipe="fp32-adam", zero_stage=stage, dp=1)  # autocast keeps fp32 states
     transient = estimate.output_backward_transient_bytes(seq_len=1024, micro_batch=micro_batch, vocab_size=mcfg.vocab_size,
                                                          bytes_per_element=2 if precision == "bf16" else 4)
-    today = estimate.training_step_peak_bytes(states, saved, transient_bytes=transient)
-    live_grads = states.grads if grad_accum > 1 else 0.0  # micro-batch 2..k: the sum so far is live
-    with_grads = max(today.backward_start + live_grads, today.optimizer_step)
-    return {"strategy": strategy, "zero_stage": stage, "precision": precision, "grad_accum": grad_accum,
+    # The estimator's own accumulation term (gradients live from the second micro-batch on), and
+    # for default DDP its buckets: a second gradient-sized buffer the all-reduce reads from.
+    buckets = states.grads if variant == "ddp" else 0.0
+    est = estimate.training_step_peak_bytes(states, saved, transient_bytes=transient, grad_accum=grad_accum,
+                                            accumulation="local")
+    est_buckets = estimate.training_step_peak_bytes(states, saved, transient_bytes=transient, grad_accum=grad_accum,
+                                                    accumulation="local", reduce_bucket_bytes=buckets)
+    return {"strategy": variant, "zero_stage": stage, "precision": precision, "grad_accum": grad_accum,
             "micro_batch": micro_batch, "params": n, "measured_peak": measured, "saved_activations": saved,
             "est_states": states.total, "est_grads": states.grads, "est_transient": transient,
-            "est_peak_today": today.peak, "est_peak_with_accum_grads": with_grads,
-            "ratio_today": measured / today.peak, "ratio_with_accum_grads": measured / with_grads}
+            "est_peak": est.peak, "est_where": est.where, "est_peak_with_buckets": est_buckets.peak,
+            "ratio": measured / est.peak, "ratio_with_buckets": measured / est_buckets.peak}
 
 
 def run_memory_accum(args) -> dict:
@@ -448,16 +517,20 @@ def run_memory_accum(args) -> dict:
     mb = min(args.micro_batch, 4)
     print(f"GPT-2 small, seq 1024, micro-batch {mb}, AdamW, the kit's trainer on a one-rank NCCL group, "
           f"on {env['device']} (torch {env['torch']}); GiB")
-    print(f"  {'strategy':8s} {'prec':5s} {'accum':>5s} | {'measured':>8s} {'saved act':>9s} {'est today':>9s} "
-          f"{'ratio':>6s} | {'est + grads':>11s} {'ratio':>6s}")
+    print(f"  {'strategy':15s} {'prec':5s} {'accum':>5s} | {'measured':>8s} {'saved act':>9s} {'estimate':>9s} "
+          f"{'ratio':>6s} | {'+ buckets':>9s} {'ratio':>6s}")
+    variants = [v.strip() for v in args.accum_strategies.split(",")]
+    for v in variants:
+        if v not in ACCUM_VARIANTS:
+            raise SystemExit(f"--accum-strategies: {v!r} is not one of {', '.join(ACCUM_VARIANTS)}")
     for precision in ("fp32", "bf16"):
-        for strategy in ACCUM_STRATEGIES:
-            for k in (1, 4, 16):
-                r = accum_row(strategy, precision, k, mb)
+        for variant in variants:
+            for k in (int(x) for x in args.accum.split(",")):
+                r = accum_row(variant, precision, k, mb)
                 rows.append(r)
-                print(f"  {strategy:8s} {precision:5s} {k:5d} | {r['measured_peak'] / GiB:8.2f} "
-                      f"{r['saved_activations'] / GiB:9.2f} {r['est_peak_today'] / GiB:9.2f} {r['ratio_today']:6.3f} | "
-                      f"{r['est_peak_with_accum_grads'] / GiB:11.2f} {r['ratio_with_accum_grads']:6.3f}", flush=True)
+                print(f"  {variant:15s} {precision:5s} {k:5d} | {r['measured_peak'] / GiB:8.2f} "
+                      f"{r['saved_activations'] / GiB:9.2f} {r['est_peak'] / GiB:9.2f} {r['ratio']:6.3f} | "
+                      f"{r['est_peak_with_buckets'] / GiB:9.2f} {r['ratio_with_buckets']:6.3f}", flush=True)
     return {"env": env, "rows": rows}
 
 
@@ -557,9 +630,85 @@ def run_fragmentation(args) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- layouts on NCCL
+LAYOUT_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+
+
+def _losses(overrides: list[str]) -> list[float]:
+    """Per-step losses of one trainer run (metrics.jsonl) with ``overrides``."""
+    from course_lib.trainer import config as train_config
+    from course_lib.train import train
+
+    with tempfile.TemporaryDirectory() as out:
+        train(train_config.load(None, overrides), out)
+        rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows]
+
+
+def run_layouts(args) -> dict:
+    """The layouts that fit one GPU: every data-parallel strategy of the trainer on a one-rank NCCL
+    group against the plain single-process loop, fp32, same seed and batches: per-step losses equal
+    up to summation order. (Layouts of 2+ ranks - tp, pp, cp, dp - need as many GPUs: NCCL refuses
+    two ranks on one device.)"""
+    env = environment()
+    _nccl_group_of_one()
+    base = ["model.preset='gpt2-small'", "model.n_layers=4", "model.vocab_size=8192", "data.task='random'",
+            "data.vocab_size=8192", "data.seq_len=512", "train.micro_batch=8", "train.grad_accum=2",
+            "train.max_steps=8", "schedule.warmup_steps=2", "train.precision='fp32'", "train.compile=false",
+            "train.progress=false", "train.device='cuda'", "checkpoint.save_every=0", "checkpoint.async_save=false"]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    single = _losses(base + ["train.strategy='single'"])
+    out = {"env": env, "single": single, "layouts": {}}
+    print(f"  single: losses {single[0]:.4f} -> {single[-1]:.4f} over {len(single)} steps")
+    for strategy in LAYOUT_STRATEGIES:
+        losses = _losses(base + [f"train.strategy='{strategy}'"])
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, single))
+        out["layouts"][strategy] = {"losses": losses, "max_rel_diff": rel}
+        print(f"  {strategy:6s} on a one-rank NCCL group: max relative loss difference vs single {rel:.2e} "
+              f"({'equal' if rel < 1e-4 else 'DIFFERENT'})", flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- async sharded save
+def run_save_stall(args) -> dict:
+    """FSDP2 with sharded (DCP) checkpoints on a one-rank NCCL group, GPT-2 small, bf16: the step
+    after each save carries the save's stall (the trainer saves after writing a step's row), so the
+    stall is that step's seconds minus the median step, for a synchronous and an async save."""
+    env = environment()
+    _nccl_group_of_one()
+    from course_lib.trainer import config as train_config
+    from course_lib.train import train
+
+    steps, every = 31, 10
+    out = {"env": env, "modes": {}}
+    for mode in ("sync", "async"):
+        overrides = [o for o in gpt2_small_overrides(8, steps) if not o.startswith(("train.compile", "checkpoint."))]
+        overrides += ["train.compile=false", "train.strategy='fsdp'", "checkpoint.format='sharded'",
+                      f"checkpoint.save_every={every}", f"checkpoint.async_save={'true' if mode == 'async' else 'false'}",
+                      "checkpoint.keep_last=5"]
+        with tempfile.TemporaryDirectory() as run_dir:
+            train(train_config.load(None, overrides), run_dir)
+            rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+            ckpt_bytes = sum(f.stat().st_size for f in (Path(run_dir) / "checkpoints").rglob("*") if f.is_file())
+        secs = {r["step"]: r["step_seconds"] for r in rows}
+        after = [s + 1 for s in range(every, steps, every) if s + 1 in secs]
+        normal = statistics.median(v for k, v in secs.items() if k > 3 and k not in after)
+        stalls = [secs[s] - normal for s in after]
+        out["modes"][mode] = {"step_ms": 1e3 * normal, "stall_ms": [1e3 * x for x in stalls],
+                              "checkpoint_bytes_on_disk": ckpt_bytes}
+        print(f"  {mode:5s} sharded save of GPT-2 small + AdamW: stall {', '.join(f'{1e3 * x:.0f}' for x in stalls)} ms "
+              f"(steps {1e3 * normal:.1f} ms; {ckpt_bytes / GiB:.2f} GiB on disk for all kept checkpoints)", flush=True)
+    sync, asyn = (statistics.mean(out["modes"][m]["stall_ms"]) for m in ("sync", "async"))
+    out["async_over_sync"] = asyn / sync if sync > 0 else None
+    print(f"  async stall / sync stall = {asyn:.0f} / {sync:.0f} ms = {asyn / sync:.2f}")
+    return out
+
+
 # ----------------------------------------------------------------------------- command line
 COMMANDS = {"env": run_env, "mfu": run_mfu, "profile": run_profile, "memory": run_memory, "leak": run_leak,
-            "fragmentation": run_fragmentation, "memory-accum": run_memory_accum}
+            "fragmentation": run_fragmentation, "memory-accum": run_memory_accum, "layouts": run_layouts,
+            "save-stall": run_save_stall}
 
 
 def main(argv=None) -> int:
@@ -570,6 +719,9 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batch", type=int, default=16, help="mfu: sequences per step")
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--cases", help="mfu: comma-separated case names to run, e.g. \"bf16 + compile + fused AdamW,+ micro-batch 32\" (default: all)")
+    parser.add_argument("--accum-strategies", default=",".join(ACCUM_VARIANTS),
+                        help=f"memory-accum: which of {', '.join(ACCUM_VARIANTS)} (comma-separated)")
+    parser.add_argument("--accum", default="1,4,16", help="memory-accum: grad_accum values (comma-separated)")
     parser.add_argument("--top", type=int, default=15, help="profile: kernels listed")
     parser.add_argument("--trace", type=Path, help="profile: write a Chrome trace here")
     parser.add_argument("--json", type=Path, help="write every figure here")
