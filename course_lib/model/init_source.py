@@ -93,11 +93,15 @@ def load_init_state(path: str | Path, cfg: ModelConfig) -> dict:
 
     from course_lib.model.hf_weights import from_hf
 
-    check_init_source(path, cfg)
+    check_init_source(path, cfg)  # the header: names, shapes, and bytes that fill the file exactly
     p = Path(path)
+    weights = p / HF_WEIGHTS if source_kind(p) == "hf" else p
+    try:
+        state = load_file(str(weights))
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for a file it cannot read
+        raise ValueError(f"{weights}: cannot be read as safetensors ({type(e).__name__}: {e})") from None
     if source_kind(p) == "hf":
-        return from_hf(load_file(str(p / HF_WEIGHTS)), cfg)
-    state = load_file(str(p))
+        return from_hf(state, cfg)
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["tok_emb.weight"]
     return state
