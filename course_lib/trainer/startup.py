@@ -66,6 +66,8 @@ def check_out_dir(out_dir: Path) -> None:
     an existing file there, or a file where one of its parent folders should be, is refused before
     anything is written (``mkdir`` would fail later with a NotADirectoryError traceback)."""
     for p in (out_dir, *out_dir.parents):
+        if p.is_symlink() and not p.exists():
+            raise ConfigError(f"--out {str(out_dir)!r}: {str(p)!r} is a link to nothing; choose another --out")
         if p.exists():
             if not p.is_dir():
                 where = "is a file" if p == out_dir else f"cannot be made: {str(p)!r} is a file"
