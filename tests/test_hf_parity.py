@@ -41,6 +41,8 @@ CONFIGS = {
     "gpt2-3layer": ModelConfig.preset("gpt2-small", vocab_size=515, block_size=96, n_layers=3, n_heads=6, d_model=96),
     # the other Llama switches HF carries: biases on (attention_bias, mlp_bias), multi-query, tied head
     "llama-bias-mqa-tied": ModelConfig.preset("llama-tiny", bias=True, n_kv_heads=1, tie_embeddings=True),
+    # linear RoPE scaling (rope_type "linear", factor 4) on another base: exported as rope_parameters
+    "llama-linear-rope": ModelConfig.preset("llama-tiny", rope_theta=500.0, rope_linear_factor=4.0),
 }
 
 
@@ -141,8 +143,8 @@ def test_hf_configs_read_back_as_the_same_model_config():
         fields = hf_map.config_from_hf(hf_model(cfg).config.to_dict())
         back = ModelConfig(**fields)
         for k in ("vocab_size", "block_size", "d_model", "n_layers", "n_heads", "kv_heads", "ffn_dim", "norm", "mlp",
-                  "position", "bias", "tie_embeddings", "norm_eps", "rope_theta"):
-            if k == "rope_theta" and cfg.position != "rope":
+                  "position", "bias", "tie_embeddings", "norm_eps", "rope_theta", "rope_linear_factor"):
+            if k.startswith("rope") and cfg.position != "rope":
                 continue
             assert getattr(back, k) == getattr(cfg, k), (k, getattr(back, k), getattr(cfg, k))
 
@@ -173,7 +175,8 @@ LLAMA_BASE = dict(model_type="llama", vocab_size=96, hidden_size=64, intermediat
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
 GPT2_BASE = dict(model_type="gpt2", vocab_size=80, n_positions=32, n_embd=48, n_layer=2, n_head=4)
 #: config.json files init_from accepts, each key that changes the function set off its default
-#: somewhere: 5.x rope_parameters and 4.x rope_theta / rope_scaling = null, rms_norm_eps, biases on,
+#: somewhere: 5.x rope_parameters and 4.x rope_theta / rope_scaling (null, and linear with factor 4:
+#: the review's config, issue 44), rope_type linear in 5.x spelling, rms_norm_eps, biases on,
 #: tied head, an explicit head_dim, hidden_act, and the keys with no effect (dropout, pretraining_tp);
 #: GPT-2's n_inner, layer_norm_epsilon, both tanh GELU spellings, untied head, scale_attn_weights.
 ACCEPTED = {
@@ -184,6 +187,10 @@ ACCEPTED = {
     "llama-4x-rope-theta": ("LlamaForCausalLM", dict(
         LLAMA_BASE, rope_theta=300.0, rope_scaling=None, rms_norm_eps=1e-5, tie_word_embeddings=False)),
     "llama-defaults": ("LlamaForCausalLM", dict(LLAMA_BASE)),
+    "llama-4x-rope-scaling-linear": ("LlamaForCausalLM", dict(
+        LLAMA_BASE, rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 4.0})),
+    "llama-5x-rope-linear": ("LlamaForCausalLM", dict(
+        LLAMA_BASE, rope_parameters={"rope_type": "linear", "rope_theta": 2000.0, "factor": 2.5})),
     "gpt2-untied-pytorch-tanh": ("GPT2LMHeadModel", dict(
         GPT2_BASE, n_inner=64, activation_function="gelu_pytorch_tanh", layer_norm_epsilon=1e-3,
         tie_word_embeddings=False, scale_attn_weights=True, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)),
@@ -210,12 +217,12 @@ def test_an_accepted_hf_folder_computes_transformers_logits_after_init_from(name
     assert (ours - theirs).abs().max().item() <= LOGIT_ATOL, (name, (ours - theirs).abs().max().item())
 
 
-#: config.json settings TinyGPT does not compute: refused by name. The first two are the review's
-#: (issue 44): logits 13.3 and 5.3 away from transformers' when they were read as plain.
+#: config.json settings TinyGPT does not compute: refused by name. The first is the review's (issue
+#: 44): logits 5.3 away from transformers' when it was ignored.
 REFUSED = [
-    (dict(LLAMA_BASE, rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 4.0}),
-     r"rope_scaling\.rope_type = 'linear' \(factor = 4\.0\)"),
     (dict(GPT2_BASE, scale_attn_weights=False), "scale_attn_weights = false"),
+    (dict(LLAMA_BASE, rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0,
+                                       "partial_rotary_factor": 0.5}), "partial_rotary_factor = 0.5"),
     (dict(LLAMA_BASE, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
      r"rope_parameters\.rope_type = 'llama3'"),
     (dict(LLAMA_BASE, rope_scaling={"rope_type": "dynamic", "factor": 2.0}), r"rope_scaling\.rope_type = 'dynamic'"),
@@ -236,23 +243,24 @@ def test_hf_settings_tinygpt_does_not_compute_are_refused_by_name(raw, named):
         hf_map.config_from_hf(raw)
 
 
-def test_the_refused_rope_and_scaling_change_what_transformers_computes(tmp_path):
-    """The two settings the review found read as plain do change transformers' logits (so reading
-    them as plain was wrong, and refusing them is needed), and a trainer config naming such a
-    folder is a config error naming the key, before any file is written."""
+def test_the_settings_the_review_found_ignored_change_what_transformers_computes(tmp_path):
+    """The two settings the review found read as plain (issue 44) do change transformers' logits:
+    Llama's linear RoPE scaling (now read: the accepted cases above hold its logits) and GPT-2's
+    scale_attn_weights = false (refused: a trainer config naming such a folder is a config error
+    naming the key, before any file is written)."""
     from course_lib.trainer import config as train_config
 
-    for i, (raw, named) in enumerate(REFUSED[:2]):
+    linear = ACCEPTED["llama-4x-rope-scaling-linear"][1]
+    for i, (raw, plain) in enumerate([(linear, {k: v for k, v in linear.items() if k != "rope_scaling"}),
+                                      (REFUSED[0][0], GPT2_BASE)]):
         cls_name = "LlamaForCausalLM" if raw["model_type"] == "llama" else "GPT2LMHeadModel"
-        plain = {k: v for k, v in raw.items() if k not in ("rope_scaling", "scale_attn_weights")}
         idx = torch.randint(0, raw["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(4))
         with torch.no_grad():
             a = _saved_hf_model(tmp_path / f"a{i}", cls_name, raw)(input_ids=idx).logits
             b = _saved_hf_model(tmp_path / f"b{i}", cls_name, plain)(input_ids=idx).logits
         assert (a - b).abs().max().item() > 100 * LOGIT_ATOL
-        preset = "llama-tiny" if cls_name == "LlamaForCausalLM" else "tiny"
-        with pytest.raises(train_config.ConfigError, match=named):
-            train_config.load(None, [f"model.preset={preset!r}", f"model.init_from={str(tmp_path / f'a{i}')!r}"])
+    with pytest.raises(train_config.ConfigError, match=REFUSED[0][1]):
+        train_config.load(None, ["model.preset='tiny'", f"model.init_from={str(tmp_path / 'a1')!r}"])
 
 
 def _config_keys_read(module) -> set[str]:

@@ -79,7 +79,9 @@ def hf_config_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
             num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
             head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.block_size,
             rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            rope_parameters=({"rope_type": "default", "rope_theta": cfg.rope_theta} if cfg.rope_linear_factor == 1.0
+                             else {"rope_type": "linear", "rope_theta": cfg.rope_theta,
+                                   "factor": cfg.rope_linear_factor}),
             attention_bias=cfg.bias, mlp_bias=cfg.bias, attention_dropout=cfg.dropout,
             bos_token_id=None, eos_token_id=None, pad_token_id=None)
     # GPT-2's "gelu_new" is the tanh approximation TinyGPT's MLP uses (layers.MLP).
@@ -101,8 +103,9 @@ FUNCTION_KEYS = {
         "vocab_size": "read", "hidden_size": "read", "intermediate_size": "read", "num_hidden_layers": "read",
         "num_attention_heads": "read", "num_key_value_heads": "read", "max_position_embeddings": "read",
         "rms_norm_eps": "read", "tie_word_embeddings": "read",
-        "rope_parameters": "read: rope_theta; refused: any rope_type but 'default' (linear, dynamic, yarn, llama3, "
-                           "longrope: TinyGPT computes plain RoPE)",
+        "rope_parameters": "read: rope_theta, and rope_type 'linear' (factor -> model.rope_linear_factor); "
+                           "refused: any other rope_type (dynamic, yarn, llama3, longrope, ...) and a "
+                           "partial_rotary_factor with 'linear'",
         "rope_scaling": "as rope_parameters (transformers 4.x spelling, with rope_theta beside it)",
         "rope_theta": "read (transformers 4.x spelling)",
         "attention_bias": "read; refused when it differs from mlp_bias (TinyGPT has one model.bias switch)",
@@ -135,20 +138,31 @@ FUNCTION_KEYS = {
 GPT2_TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
 
-def _llama_rope_theta(hf: dict) -> float:
-    """The RoPE base of a Llama config (5.x ``rope_parameters`` or 4.x ``rope_theta`` + ``rope_scaling``,
-    read the way transformers' ``convert_rope_params_to_dict`` does: ``rope_scaling`` first). ValueError
-    for any RoPE but the plain one, naming the key and its type."""
+def _llama_rope(hf: dict) -> tuple[float, float]:
+    """``(rope_theta, linear factor)`` of a Llama config (5.x ``rope_parameters`` or 4.x ``rope_theta``
+    + ``rope_scaling``, read the way transformers' ``convert_rope_params_to_dict`` does: ``rope_scaling``
+    first). ValueError for any RoPE but the plain and the linearly scaled one, naming the key and its
+    type."""
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     rope = hf.get(key) or {}
     if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
         raise ValueError(f"{key} = {rope!r}: TinyGPT reads one plain RoPE for every layer")
     kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if kind == "linear":  # transformers' _compute_linear_scaling_rope_parameters: inv_freq / factor
+        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise ValueError(f"{key}: rope_type 'linear' with partial_rotary_factor = {partial!r}: TinyGPT rotates "
+                             f"every channel of a head")
+        if not isinstance(rope.get("factor"), (int, float)) or rope["factor"] <= 0:
+            raise ValueError(f"{key}: rope_type 'linear' needs a factor > 0, got {rope.get('factor')!r}")
+        return theta, float(rope["factor"])
     if kind != "default":
         extra = ", ".join(f"{k} = {v!r}" for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta"))
         raise ValueError(f"{key}.rope_type = {kind!r} ({extra or 'no parameters'}): TinyGPT computes plain RoPE "
-                         f"(rope_type 'default') only, and these weights were trained with another")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+                         f"(rope_type 'default') and its linear scaling only, and these weights were trained with "
+                         f"another")
+    return theta, 1.0
 
 
 def config_from_hf(hf: dict) -> dict:
@@ -164,7 +178,7 @@ def config_from_hf(hf: dict) -> dict:
         raise ValueError(f"quantization_config (quant_method {method!r}): quantized weights are not TinyGPT's tensors")
     tied = bool(hf.get("tie_word_embeddings", kind == "gpt2"))
     if kind == "llama":
-        theta = _llama_rope_theta(hf)
+        theta, linear = _llama_rope(hf)
         if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
             raise ValueError(f"attention_bias = {hf.get('attention_bias', False)} != mlp_bias = "
                              f"{hf.get('mlp_bias', False)}: TinyGPT has one model.bias switch")
@@ -178,7 +192,7 @@ def config_from_hf(hf: dict) -> dict:
                     n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
                     d_ff=hf["intermediate_size"], norm="rmsnorm", mlp="swiglu", position="rope",
                     bias=bool(hf.get("attention_bias", False)), tie_embeddings=tied,
-                    norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta)
+                    norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_linear_factor=linear)
     if hf.get("activation_function", "gelu_new") not in GPT2_TANH_GELU:
         raise ValueError(f"activation_function = {hf.get('activation_function')!r}: TinyGPT's GPT-2 MLP is the "
                          f"tanh GELU ({' or '.join(GPT2_TANH_GELU)})")
