@@ -151,6 +151,21 @@ def test_hf_configs_read_back_as_the_same_model_config():
 
 # ---- model.init_from: every config.json key that changes what the weights compute is read or refused
 
+def _hf_built(cls_name: str, raw: dict, seed: int = 2):
+    """The HF model transformers builds from ``raw`` (a config.json dict), every weight moved off
+    its init (norm weights off 1, biases off 0) by a seeded draw: the same weights for two configs
+    of the same shapes."""
+    import transformers
+
+    config_cls = transformers.LlamaConfig if cls_name == "LlamaForCausalLM" else transformers.GPT2Config
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(config_cls.from_dict(dict(raw)))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
 def _saved_hf_model(folder, cls_name: str, raw: dict, seed: int = 2):
     """An HF model built by transformers from ``raw`` (a config.json dict), its weights moved off
     their init (norm weights off 1, biases off 0), saved with ``save_pretrained``; then
@@ -160,13 +175,7 @@ def _saved_hf_model(folder, cls_name: str, raw: dict, seed: int = 2):
 
     import transformers
 
-    config_cls = transformers.LlamaConfig if cls_name == "LlamaForCausalLM" else transformers.GPT2Config
-    torch.manual_seed(seed)
-    model = getattr(transformers, cls_name)(config_cls.from_dict(dict(raw)))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(str(folder))
+    _hf_built(cls_name, raw, seed).save_pretrained(str(folder))
     (folder / "config.json").write_text(json.dumps(raw))
     return getattr(transformers, cls_name).from_pretrained(str(folder)).eval()
 
@@ -184,11 +193,11 @@ ACCEPTED = {
         LLAMA_BASE, rope_parameters={"rope_type": "default", "rope_theta": 500.0}, rms_norm_eps=1e-3,
         attention_bias=True, mlp_bias=True, tie_word_embeddings=True, head_dim=16, hidden_act="silu",
         attention_dropout=0.1, pretraining_tp=2)),
-    "llama-4x-rope-theta": ("LlamaForCausalLM", dict(
-        LLAMA_BASE, rope_theta=300.0, rope_scaling=None, rms_norm_eps=1e-5, tie_word_embeddings=False)),
-    "llama-defaults": ("LlamaForCausalLM", dict(LLAMA_BASE)),
+    # rms_norm_eps and tie_word_embeddings left out: their Llama defaults (1e-6, untied) apply
+    "llama-4x-rope-theta-defaults": ("LlamaForCausalLM", dict(LLAMA_BASE, rope_theta=300.0, rope_scaling=None)),
+    # rope_theta left out: the default base 10000 applies
     "llama-4x-rope-scaling-linear": ("LlamaForCausalLM", dict(
-        LLAMA_BASE, rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 4.0})),
+        LLAMA_BASE, rope_scaling={"type": "linear", "factor": 4.0})),
     "llama-5x-rope-linear": ("LlamaForCausalLM", dict(
         LLAMA_BASE, rope_parameters={"rope_type": "linear", "rope_theta": 2000.0, "factor": 2.5})),
     "gpt2-untied-pytorch-tanh": ("GPT2LMHeadModel", dict(
@@ -215,6 +224,13 @@ def test_an_accepted_hf_folder_computes_transformers_logits_after_init_from(name
     with torch.no_grad():
         ours, theirs = model.eval()(idx)[0], hf(input_ids=idx).logits
     assert (ours - theirs).abs().max().item() <= LOGIT_ATOL, (name, (ours - theirs).abs().max().item())
+    # the settings a small model's logits barely feel (a default eps), read as transformers reads them
+    c = hf.config
+    eps = c.rms_norm_eps if cls_name == "LlamaForCausalLM" else c.layer_norm_epsilon
+    assert (cfg.norm_eps, cfg.tie_embeddings) == (eps, c.tie_word_embeddings), name
+    if cls_name == "LlamaForCausalLM":
+        rope = c.rope_parameters
+        assert cfg.rope_theta == rope["rope_theta"] and cfg.rope_linear_factor == rope.get("factor", 1.0), name
 
 
 #: config.json settings TinyGPT does not compute: refused by name. The first is the review's (issue
@@ -250,17 +266,19 @@ def test_the_settings_the_review_found_ignored_change_what_transformers_computes
     naming the key, before any file is written)."""
     from course_lib.trainer import config as train_config
 
+    import json
+
     linear = ACCEPTED["llama-4x-rope-scaling-linear"][1]
-    for i, (raw, plain) in enumerate([(linear, {k: v for k, v in linear.items() if k != "rope_scaling"}),
-                                      (REFUSED[0][0], GPT2_BASE)]):
+    for raw, plain in [(linear, LLAMA_BASE), (REFUSED[0][0], GPT2_BASE)]:
         cls_name = "LlamaForCausalLM" if raw["model_type"] == "llama" else "GPT2LMHeadModel"
         idx = torch.randint(0, raw["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(4))
-        with torch.no_grad():
-            a = _saved_hf_model(tmp_path / f"a{i}", cls_name, raw)(input_ids=idx).logits
-            b = _saved_hf_model(tmp_path / f"b{i}", cls_name, plain)(input_ids=idx).logits
-        assert (a - b).abs().max().item() > 100 * LOGIT_ATOL
+        with torch.no_grad():  # the same weights under both configs
+            a, b = (_hf_built(cls_name, c)(input_ids=idx).logits for c in (raw, plain))
+        assert (a - b).abs().max().item() > 100 * LOGIT_ATOL, raw
+    (tmp_path / "config.json").write_text(json.dumps(REFUSED[0][0]))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # the config is refused before the weights are read
     with pytest.raises(train_config.ConfigError, match=REFUSED[0][1]):
-        train_config.load(None, ["model.preset='tiny'", f"model.init_from={str(tmp_path / 'a1')!r}"])
+        train_config.load(None, ["model.preset='tiny'", f"model.init_from={str(tmp_path)!r}"])
 
 
 def _config_keys_read(module) -> set[str]:
