@@ -8,11 +8,13 @@ Two HF classes express TinyGPT:
 
 | TinyGPT switches | HF class | config |
 | --- | --- | --- |
-| rmsnorm, swiglu, rope, any kv heads, bias on or off, tied or not | ``LlamaForCausalLM`` | ``LlamaConfig`` |
+| rmsnorm, swiglu, rope (plain or linearly scaled), any kv heads, bias on or off, tied or not | ``LlamaForCausalLM`` | ``LlamaConfig`` |
 | layernorm with bias, gelu, learned positions, kv heads = heads, bias on, tied or not | ``GPT2LMHeadModel`` | ``GPT2Config`` |
 
 Anything else (a bounded embedding, a sliding window, no positions, a mix of the two families) has
-no HF class that computes the same function: :func:`hf_unsupported` names the switch.
+no HF class that computes the same function: :func:`hf_unsupported` names the switch. The other
+way (``model.init_from`` of an HF folder), :data:`FUNCTION_KEYS` lists every ``config.json`` key
+transformers' code reads and whether :func:`config_from_hf` reads it or refuses it by name.
 
 GPT-2 stores its linear layers as ``Conv1D`` with the weight transposed ([in, out]) and q, k, v as
 one fused ``c_attn`` matrix; the mapping says so per tensor (``kind``).
