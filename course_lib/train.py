@@ -90,6 +90,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     info, device = _distributed(cfg, info)
     train_setup.check_world(cfg, info)  # the ranks that started fit train.strategy and the mesh
     out_dir = Path(out_dir)
+    train_setup.check_out_dir(out_dir)  # a file where the run folder goes: a config error, not a traceback
 
     # ---- everything that can fail on bad input is built before the first file is written
     torch.manual_seed(t["seed"])  # same initial weights on every rank

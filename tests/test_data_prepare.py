@@ -83,6 +83,7 @@ def test_a_vocabulary_beyond_16_bits_writes_uint32(tmp_path, no_network):
     (["in.txt", "--tokenizer", "none.json"], "--tokenizer: no such file"),
     (["in.txt", "--tokenizer", "in.txt"], "not a tokenizers JSON file"),
     (["latin1.txt", "--vocab-size", "300"], "not UTF-8"),
+    (["in.txt", "--vocab-size", "300", "--min-frequency", "-1"], "--min-frequency must be an integer in [0, "),
 ])
 def test_bad_inputs_exit_2_and_write_nothing(tmp_path, capsys, monkeypatch, args, words):
     monkeypatch.chdir(tmp_path)
@@ -121,3 +122,23 @@ def test_dotted_out_names_keep_their_whole_name_and_never_overwrite_without_forc
     assert main(["data", "prepare", str(tmp_path / "val.txt"), "--out", str(dp / "wiki.train.bin"),
                  "--tokenizer", str(dp / "wiki.train.tokenizer.json"), "--force"]) == 0
     assert len(np.fromfile(dp / "wiki.train.bin", dtype="<u2")) < len(train_ids)  # replaced, as asked
+
+
+def test_no_output_is_an_input_and_out_is_never_a_folder(tmp_path, capsys, monkeypatch, no_network):
+    """``prepare corpus.json --out corpus --force`` used to replace its own text with the sidecar,
+    and ``--out outdir/`` (an existing folder) wrote ``outdir.bin`` beside it: both are refused with
+    exit 2, naming the argument, nothing written or changed."""
+    monkeypatch.chdir(tmp_path)
+    write_text(tmp_path / "corpus.json")  # a text file that happens to be named like the sidecar
+    (tmp_path / "outdir").mkdir()
+    (tmp_path / "link.txt").symlink_to(tmp_path / "corpus.json")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    for args, words in [(["corpus.json", "--out", "corpus", "--force"], "input 'corpus.json' is 'corpus.json'"),
+                        (["link.txt", "--out", "./corpus.bin", "--force"], "one of the outputs of --out"),
+                        (["link.txt", "--out", "outdir/"], "--out: 'outdir/' is a folder"),
+                        (["link.txt", "--out", "outdir"], "--out: 'outdir' is a folder"),
+                        (["link.txt", "--out", "out", "--min-frequency", "-1"], "--min-frequency must be")]:
+        assert main(["data", "prepare", *args, "--vocab-size", "300"]) == 2, args
+        assert words in capsys.readouterr().err, args
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+        assert not any((tmp_path / "outdir").iterdir()) and not (tmp_path / "outdir.bin").exists()

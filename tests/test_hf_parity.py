@@ -12,6 +12,11 @@ operation, growing with depth. LOGIT_ATOL = 1e-5 on logits of magnitude ~2 (floa
 Gradients: GRAD_REL = 1e-5 of each tensor's largest HF gradient; measured 3e-7 to 7e-7. A wrong
 mapping (a transposed matrix, q and k swapped, a missed bias) moves logits by O(0.1-1): see
 ``test_a_wrong_mapping_is_caught``.
+
+``model.init_from`` of an HF folder: every config.json key transformers' Llama and GPT-2 code reads
+is read or refused by name (``hf_map.FUNCTION_KEYS``; the list is held against the installed
+modeling files), and each accepted key, set off its default, gives a TinyGPT with transformers'
+logits for the same folder (transformers 4.x spellings included).
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ CONFIGS = {
     "gpt2-3layer": ModelConfig.preset("gpt2-small", vocab_size=515, block_size=96, n_layers=3, n_heads=6, d_model=96),
     # the other Llama switches HF carries: biases on (attention_bias, mlp_bias), multi-query, tied head
     "llama-bias-mqa-tied": ModelConfig.preset("llama-tiny", bias=True, n_kv_heads=1, tie_embeddings=True),
+    # linear RoPE scaling (rope_type "linear", factor 4) on another base: exported as rope_parameters
+    "llama-linear-rope": ModelConfig.preset("llama-tiny", rope_theta=500.0, rope_linear_factor=4.0),
 }
 
 
@@ -136,7 +143,172 @@ def test_hf_configs_read_back_as_the_same_model_config():
         fields = hf_map.config_from_hf(hf_model(cfg).config.to_dict())
         back = ModelConfig(**fields)
         for k in ("vocab_size", "block_size", "d_model", "n_layers", "n_heads", "kv_heads", "ffn_dim", "norm", "mlp",
-                  "position", "bias", "tie_embeddings", "norm_eps", "rope_theta"):
-            if k == "rope_theta" and cfg.position != "rope":
+                  "position", "bias", "tie_embeddings", "norm_eps", "rope_theta", "rope_linear_factor"):
+            if k.startswith("rope") and cfg.position != "rope":
                 continue
             assert getattr(back, k) == getattr(cfg, k), (k, getattr(back, k), getattr(cfg, k))
+
+
+# ---- model.init_from: every config.json key that changes what the weights compute is read or refused
+
+def _hf_built(cls_name: str, raw: dict, seed: int = 2):
+    """The HF model transformers builds from ``raw`` (a config.json dict), every weight moved off
+    its init (norm weights off 1, biases off 0) by a seeded draw: the same weights for two configs
+    of the same shapes."""
+    import transformers
+
+    config_cls = transformers.LlamaConfig if cls_name == "LlamaForCausalLM" else transformers.GPT2Config
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(config_cls.from_dict(dict(raw)))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+def _saved_hf_model(folder, cls_name: str, raw: dict, seed: int = 2):
+    """An HF model built by transformers from ``raw`` (a config.json dict), its weights moved off
+    their init (norm weights off 1, biases off 0), saved with ``save_pretrained``; then
+    config.json replaced by ``raw`` itself, so the folder holds the keys as the test spells them
+    (transformers 4.x spellings included). Returns transformers' own reading of that folder."""
+    import json
+
+    import transformers
+
+    _hf_built(cls_name, raw, seed).save_pretrained(str(folder))
+    (folder / "config.json").write_text(json.dumps(raw))
+    return getattr(transformers, cls_name).from_pretrained(str(folder)).eval()
+
+
+LLAMA_BASE = dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+GPT2_BASE = dict(model_type="gpt2", vocab_size=80, n_positions=32, n_embd=48, n_layer=2, n_head=4)
+#: config.json files init_from accepts, each key that changes the function set off its default
+#: somewhere: 5.x rope_parameters and 4.x rope_theta / rope_scaling (null, and linear with factor 4:
+#: the review's config, issue 44), rope_type linear in 5.x spelling, rms_norm_eps, biases on,
+#: tied head, an explicit head_dim, hidden_act, and the keys with no effect (dropout, pretraining_tp);
+#: GPT-2's n_inner, layer_norm_epsilon, both tanh GELU spellings, untied head, scale_attn_weights.
+ACCEPTED = {
+    "llama-5x-rope-bias-tied": ("LlamaForCausalLM", dict(
+        LLAMA_BASE, rope_parameters={"rope_type": "default", "rope_theta": 500.0}, rms_norm_eps=1e-3,
+        attention_bias=True, mlp_bias=True, tie_word_embeddings=True, head_dim=16, hidden_act="silu",
+        attention_dropout=0.1, pretraining_tp=2)),
+    # rms_norm_eps and tie_word_embeddings left out: their Llama defaults (1e-6, untied) apply
+    "llama-4x-rope-theta-defaults": ("LlamaForCausalLM", dict(LLAMA_BASE, rope_theta=300.0, rope_scaling=None)),
+    # rope_theta left out: the default base 10000 applies
+    "llama-4x-rope-scaling-linear": ("LlamaForCausalLM", dict(
+        LLAMA_BASE, rope_scaling={"type": "linear", "factor": 4.0})),
+    "llama-5x-rope-linear": ("LlamaForCausalLM", dict(
+        LLAMA_BASE, rope_parameters={"rope_type": "linear", "rope_theta": 2000.0, "factor": 2.5})),
+    "gpt2-untied-pytorch-tanh": ("GPT2LMHeadModel", dict(
+        GPT2_BASE, n_inner=64, activation_function="gelu_pytorch_tanh", layer_norm_epsilon=1e-3,
+        tie_word_embeddings=False, scale_attn_weights=True, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)),
+    "gpt2-4x-defaults": ("GPT2LMHeadModel", dict(GPT2_BASE, n_ctx=32, activation_function="gelu_new")),
+}
+
+
+@pytest.mark.parametrize("name", list(ACCEPTED))
+def test_an_accepted_hf_folder_computes_transformers_logits_after_init_from(name, tmp_path):
+    """Each accepted config.json, read by ``model.init_from`` (config_from_hf + load_init_state),
+    gives a TinyGPT whose logits are the ones transformers computes from the same folder."""
+    import json
+
+    from course_lib.model.init_source import load_init_state
+
+    cls_name, raw = ACCEPTED[name]
+    hf = _saved_hf_model(tmp_path, cls_name, raw)
+    cfg = ModelConfig(**hf_map.config_from_hf(json.loads((tmp_path / "config.json").read_text())))
+    model = TinyGPT(cfg)
+    model.load_state_dict(load_init_state(tmp_path, cfg), strict=True)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours, theirs = model.eval()(idx)[0], hf(input_ids=idx).logits
+    assert (ours - theirs).abs().max().item() <= LOGIT_ATOL, (name, (ours - theirs).abs().max().item())
+    # the settings a small model's logits barely feel (a default eps), read as transformers reads them
+    c = hf.config
+    eps = c.rms_norm_eps if cls_name == "LlamaForCausalLM" else c.layer_norm_epsilon
+    assert (cfg.norm_eps, cfg.tie_embeddings) == (eps, c.tie_word_embeddings), name
+    if cls_name == "LlamaForCausalLM":
+        rope = c.rope_parameters
+        assert cfg.rope_theta == rope["rope_theta"] and cfg.rope_linear_factor == rope.get("factor", 1.0), name
+
+
+#: config.json settings TinyGPT does not compute: refused by name. The first is the review's (issue
+#: 44): logits 5.3 away from transformers' when it was ignored.
+REFUSED = [
+    (dict(GPT2_BASE, scale_attn_weights=False), "scale_attn_weights = false"),
+    (dict(LLAMA_BASE, rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0,
+                                       "partial_rotary_factor": 0.5}), "partial_rotary_factor = 0.5"),
+    (dict(LLAMA_BASE, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
+     r"rope_parameters\.rope_type = 'llama3'"),
+    (dict(LLAMA_BASE, rope_scaling={"rope_type": "dynamic", "factor": 2.0}), r"rope_scaling\.rope_type = 'dynamic'"),
+    (dict(LLAMA_BASE, attention_bias=True), "attention_bias = True != mlp_bias = False"),
+    (dict(LLAMA_BASE, head_dim=32), "head_dim = 32"),
+    (dict(LLAMA_BASE, hidden_act="gelu"), "hidden_act = 'gelu'"),
+    (dict(LLAMA_BASE, quantization_config={"quant_method": "bitsandbytes"}), "quantization_config"),
+    (dict(GPT2_BASE, activation_function="relu"), "activation_function = 'relu'"),
+    (dict(GPT2_BASE, scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx = true"),
+    (dict(GPT2_BASE, reorder_and_upcast_attn=True), "reorder_and_upcast_attn = true"),
+    (dict(GPT2_BASE, add_cross_attention=True), "add_cross_attention = true"),
+]
+
+
+@pytest.mark.parametrize("raw, named", REFUSED)
+def test_hf_settings_tinygpt_does_not_compute_are_refused_by_name(raw, named):
+    with pytest.raises(ValueError, match=named):
+        hf_map.config_from_hf(raw)
+
+
+def test_the_settings_the_review_found_ignored_change_what_transformers_computes(tmp_path):
+    """The two settings the review found read as plain (issue 44) do change transformers' logits:
+    Llama's linear RoPE scaling (now read: the accepted cases above hold its logits) and GPT-2's
+    scale_attn_weights = false (refused: a trainer config naming such a folder is a config error
+    naming the key, before any file is written)."""
+    from course_lib.trainer import config as train_config
+
+    import json
+
+    linear = ACCEPTED["llama-4x-rope-scaling-linear"][1]
+    for raw, plain in [(linear, LLAMA_BASE), (REFUSED[0][0], GPT2_BASE)]:
+        cls_name = "LlamaForCausalLM" if raw["model_type"] == "llama" else "GPT2LMHeadModel"
+        idx = torch.randint(0, raw["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():  # the same weights under both configs
+            a, b = (_hf_built(cls_name, c)(input_ids=idx).logits for c in (raw, plain))
+        assert (a - b).abs().max().item() > 100 * LOGIT_ATOL, raw
+    (tmp_path / "config.json").write_text(json.dumps(REFUSED[0][0]))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # the config is refused before the weights are read
+    with pytest.raises(train_config.ConfigError, match=REFUSED[0][1]):
+        train_config.load(None, ["model.preset='tiny'", f"model.init_from={str(tmp_path)!r}"])
+
+
+def _config_keys_read(module) -> set[str]:
+    """Every ``config.X`` attribute a transformers modeling file reads (``getattr(config, "X", ...)`` too)."""
+    import inspect
+    import re
+
+    text = inspect.getsource(module)
+    return set(re.findall(r"\bconfig\.(\w+)", text)) | set(re.findall(r"getattr\(\s*(?:self\.)?config,\s*[\"'](\w+)", text))
+
+
+def test_every_key_transformers_reads_is_read_refused_or_explained():
+    """The list of keys that change the function (hf_map.FUNCTION_KEYS) is complete for the
+    installed transformers: every ``config.X`` its Llama and GPT-2 modeling files read is in it,
+    or is one of the keys below that only other heads, the cache or the initialisation use. A
+    transformers upgrade that starts reading a new key fails here until the key is handled."""
+    import transformers
+    from transformers.models.gpt2 import modeling_gpt2
+    from transformers.models.llama import modeling_llama
+
+    not_the_lm_function = {
+        "_attn_implementation",  # which kernel computes softmax(qk^T/sqrt(d))v: the same function
+        "initializer_range", "use_cache", "return_dict", "output_attentions", "output_hidden_states",
+        "use_return_dict", "num_labels", "problem_type", "classifier_dropout", "hidden_dropout",  # other heads
+        "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels",
+        "summary_first_dropout", "summary_last_dropout",  # GPT2DoubleHeadsModel's summary head
+    }
+    for family, module, config_cls in (("llama", modeling_llama, transformers.LlamaConfig),
+                                       ("gpt2", modeling_gpt2, transformers.GPT2Config)):
+        aliases = getattr(config_cls, "attribute_map", {})
+        read = {aliases.get(k, k) for k in _config_keys_read(module)} - not_the_lm_function
+        missing = read - set(hf_map.FUNCTION_KEYS[family])
+        assert not missing, (family, sorted(missing))

@@ -163,3 +163,69 @@ def test_llama_plans_write_both_files_and_plan_md_starts_each_engine(tmp_path):
     assert "`TOKENIZER`" in section and "`DATA_PREFIX`" in section and "`CKPT_DIR`" in section
     assert f"mkdir -p runs/llama3-8b-16gpu && sbatch {tmp_path}/job.sbatch" in section
     assert math.isclose(float(tomllib.loads(files["train.toml"])["model"]["rope_theta"]), 500000.0)
+
+
+def test_the_precision_and_weight_decay_plan_md_states_are_what_torchtitan_runs(titan, written, tmp_path):
+    """torchtitan 0.2.0's own code decides the precision: ``maybe_enable_amp`` (autocast under DDP
+    or one GPU, nothing when TP/PP run without FSDP) and ``parallelize_llama`` (fully_shard's
+    MixedPrecisionPolicy when ``ParallelDims.fsdp_enabled``). For every Llama plan and a TP-only
+    one (llama2-7b on 8 H100 with one sequence per step: tp8 dp1, the review's case, issue 44),
+    what torchtitan will run is what the file's comment, plan.md and budget.json say; for the
+    TP-only plan that is fp32, with its own memory in the budget. ``build_optimizers`` gives every
+    parameter the file's weight decay, norm weights too, as plan.md says."""
+    import contextlib
+    import json
+
+    import torch
+
+    from course_lib.planner.torchtitan_job import torchtitan_precision
+
+    amp = torchtitan("distributed.utils").maybe_enable_amp
+    tp_only = plan(model="llama2-7b", gpu="h100-80gb", gpus=8, gpus_per_node=8, tokens="1T", seq=4096,
+                   global_batch_tokens=4096)
+    lay = tp_only.best.layout
+    assert (lay.tp, lay.dp, lay.cp, lay.pp) == (8, 1, 1, 1)
+    files = plan_files(tp_only, tmp_path, validate_ds=False)
+    (tmp_path / "torchtitan.toml").write_text(files["torchtitan.toml"])
+    (tmp_path / f"{MODEL_MODULE}.py").write_text(files[f"{MODEL_MODULE}.py"])
+    cases = {**written, "7b-tp8-dp1": (tp_only.spec, tp_only.best, tmp_path)}
+    seen = set()
+    for name, (spec, c, folder) in cases.items():
+        cfg = titan["config.manager"].ConfigManager().parse_args(["--job.config_file", str(folder / "torchtitan.toml")])
+        par = cfg.parallelism
+        dims = titan["distributed.parallel_dims"].ParallelDims(
+            dp_shard=par.data_parallel_shard_degree, dp_replicate=par.data_parallel_replicate_degree,
+            cp=par.context_parallel_degree, tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
+            ep=par.expert_parallel_degree, etp=par.expert_tensor_parallel_degree, world_size=spec.gpus)
+        ctx = amp(dims, cfg.training.mixed_precision_param, "cpu")
+        mixed = dims.fsdp_enabled or isinstance(ctx, torch.autocast)
+        if not dims.fsdp_enabled:
+            assert isinstance(ctx, torch.autocast) != isinstance(ctx, contextlib.nullcontext), name
+        prec = torchtitan_precision(spec, c)
+        assert prec["mixed"] == mixed, (name, prec["how"])
+        line = next(x for x in (folder / "torchtitan.toml").read_text().splitlines()
+                    if x.startswith("mixed_precision_param"))
+        assert ("NO EFFECT" in line) == (not mixed), name
+        seen.add(mixed)
+    assert seen == {True, False}  # both kinds were checked
+    md, bud = files["plan.md"], json.loads(files["budget.json"])["torchtitan"]
+    assert "**It trains this layout in fp32, not bf16**" in md and "maybe_enable_amp" in md
+    assert bud["precision"] == "fp32" and bud["fits"] is True
+    mem = bud["memory_gib_per_gpu"]
+    bf16 = json.loads(files["budget.json"])["memory_gib_per_gpu"]
+    assert mem["activations"] > 1.5 * bf16["activations"] and mem["peak"] > bf16["peak"]  # fp32 activations
+    assert f"about {mem['peak']:.2f} GiB per GPU" in md
+    assert "applies `weight_decay` to every parameter, norm weights included" in md
+    # torchtitan's optimizer over its own model of this plan (meta device): one weight decay for all
+    cfg = titan["config.manager"].ConfigManager().parse_args(["--job.config_file", str(tmp_path / "torchtitan.toml")])
+    args = load_model_args(titan, cfg, tmp_path)
+    with torch.device("meta"):
+        model = titan["models.llama3.model.model"].Transformer(args)
+    import dataclasses
+    optim_cfg = dataclasses.replace(cfg.optimizer, implementation="for-loop")  # fused kernels need a device
+    opts = torchtitan("components.optimizer").build_optimizers([model], optim_cfg, dims)
+    groups = [g for o in opts.optimizers for g in o.param_groups]
+    in_groups = {id(p) for g in groups for p in g["params"]}
+    assert {g["weight_decay"] for g in groups} == {0.1} and cfg.optimizer.weight_decay == 0.1
+    norms = [p for p in model.parameters() if p.dim() == 1]
+    assert norms and all(id(p) in in_groups for p in model.parameters())  # 1-D norm weights decayed too

@@ -105,6 +105,21 @@ def test_bad_config_is_refused_before_any_file(tmp_path, capsys, args, words):
     assert not out.exists()
 
 
+def test_a_file_where_the_run_folder_goes_is_a_config_error(tmp_path, capsys):
+    """``--out FILE`` (or a path under a file) was a NotADirectoryError traceback: now exit 2
+    naming --out, the file untouched."""
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    for out, words in [(tmp_path / "notes.txt", "is a file, not a folder"),
+                       (tmp_path / "notes.txt" / "run", "cannot be made"),
+                       (tmp_path / "gone", "a link to nothing")]:
+        assert main(["--config", str(TINY), "--out", str(out), "--max-steps", "10"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("config error: --out") and words in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gone", "notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def _cmd(out, *extra):
     return [sys.executable, "-m", "course_lib.train", "--config", str(TINY), "--out", str(out),
             "--no-progress", "--set", "schedule.warmup_steps=3", "--set", "train.metrics_flush_s=0", *extra]

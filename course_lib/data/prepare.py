@@ -14,7 +14,10 @@ writes, each atomically (a temporary file in the same folder, fsynced, then rena
 The whole ``--out`` name is the prefix: ``--out data/wiki.train`` writes ``data/wiki.train.bin``,
 ``data/wiki.train.json`` (never ``data/wiki.bin``: a second call with ``--out data/wiki.val`` must
 not replace the training corpus). An existing output is never overwritten unless ``--force`` is
-given: the command refuses, naming the file, before writing anything.
+given: the command refuses, naming the file, before writing anything. No output may be the input
+text or the ``--tokenizer`` file, ``--force`` or not (``prepare corpus.json --out corpus`` is refused,
+not the text replaced by the sidecar), and ``--out`` may not be a folder (``--out data/`` is refused:
+give the prefix inside it, ``data/corpus``).
 
 Tokenizers come from the HuggingFace ``tokenizers`` library, trained or loaded from a local file:
 nothing is downloaded (``Tokenizer.from_pretrained`` is never called). The text is read as UTF-8
@@ -130,9 +133,17 @@ def prepare(text_path: str | Path, out: str | Path, *, vocab_size: int | None = 
     replace outputs that already exist (otherwise refused). Returns the sidecar dict. Raises
     PrepareError before writing anything when an input is unusable or an output exists."""
     text_path = Path(text_path)
+    raw_out = str(out)
     out = Path(out)
-    if out.name in ("", ".", "..") or out.name == ".bin":
-        raise PrepareError(f"--out: {str(out)!r} is a folder, not an output prefix like data/corpus")
+    # "outdir/" and an existing folder name a folder: Path() drops the slash, and OUT.bin would land
+    # beside the folder instead of in it.
+    if (out.name in ("", ".", "..") or out.name == ".bin" or raw_out.endswith(("/", os.sep)) or out.is_dir()):
+        raise PrepareError(f"--out: {raw_out!r} is a folder, not an output prefix like "
+                           f"{str(out / 'corpus') if out.name not in ('', '.bin') else 'data/corpus'} "
+                           f"(the whole name is the prefix of OUT.bin and OUT.json)")
+    if isinstance(min_frequency, bool) or not isinstance(min_frequency, int) or not 0 <= min_frequency < 2**63:
+        raise PrepareError(f"--min-frequency must be an integer in [0, {2**63 - 1}] (the least count of a pair the "
+                           f"BPE merges), got {min_frequency!r}")
     if (vocab_size is None) == (tokenizer_path is None):
         raise PrepareError("give exactly one of --vocab-size N (train a byte-level BPE) and --tokenizer PATH")
     if not text_path.is_file():
@@ -143,8 +154,20 @@ def prepare(text_path: str | Path, out: str | Path, *, vocab_size: int | None = 
     paths = output_paths(out, trains_tokenizer=tokenizer_path is None)
     if not paths["bin"].parent.is_dir():
         raise PrepareError(f"--out: folder {str(paths['bin'].parent)!r} does not exist")
-    if tokenizer_path is not None and Path(tokenizer_path).resolve() in {p.resolve() for p in paths.values()}:
-        raise PrepareError(f"--tokenizer {str(tokenizer_path)!r} is one of the outputs of --out {str(out)!r}")
+    for key, p in paths.items():
+        if p.is_dir():
+            raise PrepareError(f"--out: {str(p)!r} is a folder; the {key} output cannot be written there. Choose "
+                               f"another --out")
+    # No output may be an input, --force or not: `prepare corpus.json --out corpus` would replace
+    # its own text with the sidecar (resolve() sees through "./" and symlinks, samefile() through hard links).
+    for what, given in (("input", text_path), ("--tokenizer", tokenizer_path)):
+        if given is None:
+            continue
+        hit = [p for p in paths.values() if Path(given).resolve() == p.resolve()
+               or (p.exists() and Path(given).exists() and os.path.samefile(given, p))]
+        if hit:
+            raise PrepareError(f"{what} {str(given)!r} is {str(hit[0])!r}, one of the outputs of --out {raw_out!r}; "
+                               f"nothing was written. Choose another --out")
     existing = [str(p) for p in paths.values() if p.exists()]
     if existing and not force:
         # Two corpora under one prefix (train and val) would silently replace each other.
@@ -269,7 +292,8 @@ def add_data_parser(sub) -> None:
     how = prep.add_mutually_exclusive_group(required=True)
     how.add_argument("--vocab-size", type=int, help=f"train a byte-level BPE of this many ids (>= {MIN_VOCAB}) here")
     how.add_argument("--tokenizer", help="a local tokenizer.json (HuggingFace tokenizers); nothing is downloaded")
-    prep.add_argument("--min-frequency", type=int, default=2, help="BPE training: least count of a merged pair")
+    prep.add_argument("--min-frequency", type=int, default=2,
+                      help="BPE training: least count of a merged pair (an integer >= 0; default 2)")
     prep.add_argument("--force", action="store_true",
                       help="replace OUT.bin / OUT.json / OUT.tokenizer.json if they exist (default: refuse)")
     prep.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

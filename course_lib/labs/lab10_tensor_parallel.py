@@ -175,7 +175,7 @@ def _dense_block(cfg: ModelConfig, batch: int, seq_len: int, seed: int = 3):
     x, gy = torch.randn(batch, seq_len, cfg.d_model, generator=g), torch.randn(batch, seq_len, cfg.d_model, generator=g)
     cos = sin = None
     if cfg.position == "rope":
-        cos, sin = rope_tables(cfg.head_dim, seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, seq_len, cfg.rope_theta, cfg.rope_linear_factor)
     return block, x, gy, cos, sin
 
 

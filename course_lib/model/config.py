@@ -63,6 +63,10 @@ class ModelConfig:
     dropout: float = 0.0
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Linear RoPE scaling (position interpolation; Hugging Face's rope_type "linear"): every
+    # frequency is divided by this factor, so position p turns as plain RoPE's p / factor does.
+    # 1.0: plain RoPE. A model stretched to a longer context is trained (or fine-tuned) with it.
+    rope_linear_factor: float = 1.0
     init: str = "normal"  # one of INIT_SCHEMES
     init_std: float = 0.02
     # Bounded embedding: None (off) or b > 0, applied to the token embedding output before
@@ -102,6 +106,7 @@ class ModelConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         _check_float("norm_eps", self.norm_eps, 0.0, lo_open=True)
         _check_float("rope_theta", self.rope_theta, 0.0, lo_open=True)
+        _check_float("rope_linear_factor", self.rope_linear_factor, 0.0, lo_open=True)
         _check_choice("init", self.init, INIT_SCHEMES)
         _check_float("init_std", self.init_std, 0.0, lo_open=True)
         if self.embedding_bound is not None:

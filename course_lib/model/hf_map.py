@@ -8,11 +8,13 @@ Two HF classes express TinyGPT:
 
 | TinyGPT switches | HF class | config |
 | --- | --- | --- |
-| rmsnorm, swiglu, rope, any kv heads, bias on or off, tied or not | ``LlamaForCausalLM`` | ``LlamaConfig`` |
+| rmsnorm, swiglu, rope (plain or linearly scaled), any kv heads, bias on or off, tied or not | ``LlamaForCausalLM`` | ``LlamaConfig`` |
 | layernorm with bias, gelu, learned positions, kv heads = heads, bias on, tied or not | ``GPT2LMHeadModel`` | ``GPT2Config`` |
 
 Anything else (a bounded embedding, a sliding window, no positions, a mix of the two families) has
-no HF class that computes the same function: :func:`hf_unsupported` names the switch.
+no HF class that computes the same function: :func:`hf_unsupported` names the switch. The other
+way (``model.init_from`` of an HF folder), :data:`FUNCTION_KEYS` lists every ``config.json`` key
+transformers' code reads and whether :func:`config_from_hf` reads it or refuses it by name.
 
 GPT-2 stores its linear layers as ``Conv1D`` with the weight transposed ([in, out]) and q, k, v as
 one fused ``c_attn`` matrix; the mapping says so per tensor (``kind``).
@@ -79,7 +81,9 @@ def hf_config_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
             num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
             head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.block_size,
             rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            rope_parameters=({"rope_type": "default", "rope_theta": cfg.rope_theta} if cfg.rope_linear_factor == 1.0
+                             else {"rope_type": "linear", "rope_theta": cfg.rope_theta,
+                                   "factor": cfg.rope_linear_factor}),
             attention_bias=cfg.bias, mlp_bias=cfg.bias, attention_dropout=cfg.dropout,
             bos_token_id=None, eos_token_id=None, pad_token_id=None)
     # GPT-2's "gelu_new" is the tanh approximation TinyGPT's MLP uses (layers.MLP).
@@ -90,17 +94,96 @@ def hf_config_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
         tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None, eos_token_id=None)
 
 
+#: Every key of an HF ``config.json`` that changes what a Llama or GPT-2 checkpoint computes, as
+#: ``transformers`` 5.24 reads it (``modeling_llama.py``, ``modeling_gpt2.py``: each ``config.X`` of
+#: their forward paths; tests/test_hf_parity.py holds this list against those files), and what
+#: :func:`config_from_hf` does with it: "read" (a ModelConfig field), "refused" unless its value is
+#: the one TinyGPT computes (named in the error), or "no effect" (why the weights compute the same).
+#: Keys transformers' Llama and GPT-2 code never reads do not change what they compute either.
+FUNCTION_KEYS = {
+    "llama": {
+        "vocab_size": "read", "hidden_size": "read", "intermediate_size": "read", "num_hidden_layers": "read",
+        "num_attention_heads": "read", "num_key_value_heads": "read", "max_position_embeddings": "read",
+        "rms_norm_eps": "read", "tie_word_embeddings": "read",
+        "rope_parameters": "read: rope_theta, and rope_type 'linear' (factor -> model.rope_linear_factor); "
+                           "refused: any other rope_type (dynamic, yarn, llama3, longrope, ...) and a "
+                           "partial_rotary_factor with 'linear'",
+        "rope_scaling": "as rope_parameters (transformers 4.x spelling, with rope_theta beside it)",
+        "rope_theta": "read (transformers 4.x spelling)",
+        "attention_bias": "read; refused when it differs from mlp_bias (TinyGPT has one model.bias switch)",
+        "mlp_bias": "read, as attention_bias",
+        "head_dim": "refused unless head_dim x num_attention_heads = hidden_size",
+        "hidden_act": "refused unless 'silu' (TinyGPT's SwiGLU)",
+        "attention_dropout": "no effect: dropout acts in training only; the run's model.dropout decides",
+        "pretraining_tp": "no effect: transformers 5.x no longer reads it (4.x split the same matmuls)",
+        "pad_token_id": "no effect on the forward pass (transformers' Embedding(padding_idx) only freezes that row's "
+                        "gradient; TinyGPT trains it)",
+        "quantization_config": "refused: quantized weights are not TinyGPT's fp32/bf16 tensors",
+    },
+    "gpt2": {
+        "vocab_size": "read", "n_embd": "read", "n_layer": "read", "n_head": "read", "n_positions": "read",
+        "n_inner": "read", "layer_norm_epsilon": "read", "tie_word_embeddings": "read",
+        "activation_function": "refused unless 'gelu_new' or 'gelu_pytorch_tanh' (the tanh GELU TinyGPT uses)",
+        "scale_attn_weights": "refused unless true (TinyGPT divides the scores by sqrt(head_dim))",
+        "scale_attn_by_inverse_layer_idx": "refused unless false",
+        "reorder_and_upcast_attn": "refused unless false",
+        "add_cross_attention": "refused unless false (cross-attention layers TinyGPT does not have)",
+        "resid_pdrop": "no effect: dropout, training only", "embd_pdrop": "no effect: dropout, training only",
+        "attn_pdrop": "no effect: dropout, training only",
+        "pad_token_id": "no effect on the forward pass (transformers' Embedding(padding_idx) only freezes that row's "
+                        "gradient; TinyGPT trains it)",
+        "quantization_config": "refused: quantized weights are not TinyGPT's fp32/bf16 tensors",
+    },
+}
+
+#: GPT-2 activations that are the tanh GELU TinyGPT's MLP computes (transformers' ACT2FN)
+GPT2_TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
+
+
+def _llama_rope(hf: dict) -> tuple[float, float]:
+    """``(rope_theta, linear factor)`` of a Llama config (5.x ``rope_parameters`` or 4.x ``rope_theta``
+    + ``rope_scaling``, read the way transformers' ``convert_rope_params_to_dict`` does: ``rope_scaling``
+    first). ValueError for any RoPE but the plain and the linearly scaled one, naming the key and its
+    type."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope = hf.get(key) or {}
+    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
+        raise ValueError(f"{key} = {rope!r}: TinyGPT reads one plain RoPE for every layer")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if kind == "linear":  # transformers' _compute_linear_scaling_rope_parameters: inv_freq / factor
+        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise ValueError(f"{key}: rope_type 'linear' with partial_rotary_factor = {partial!r}: TinyGPT rotates "
+                             f"every channel of a head")
+        if not isinstance(rope.get("factor"), (int, float)) or rope["factor"] <= 0:
+            raise ValueError(f"{key}: rope_type 'linear' needs a factor > 0, got {rope.get('factor')!r}")
+        return theta, float(rope["factor"])
+    if kind != "default":
+        extra = ", ".join(f"{k} = {v!r}" for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta"))
+        raise ValueError(f"{key}.rope_type = {kind!r} ({extra or 'no parameters'}): TinyGPT computes plain RoPE "
+                         f"(rope_type 'default') and its linear scaling only, and these weights were trained with "
+                         f"another")
+    return theta, 1.0
+
+
 def config_from_hf(hf: dict) -> dict:
     """The ModelConfig fields an HF ``config.json`` (a dict) fixes. ValueError for a model type or a
-    setting TinyGPT cannot take (naming the key)."""
+    setting TinyGPT does not compute (naming the key and its value; :data:`FUNCTION_KEYS` lists
+    every key that changes what the weights compute and what happens to it)."""
     kind = hf.get("model_type")
+    if kind not in ("llama", "gpt2"):
+        raise ValueError(f"model_type = {kind!r}: TinyGPT reads 'llama' and 'gpt2' folders only")
+    if hf.get("quantization_config"):
+        method = (hf["quantization_config"] or {}).get("quant_method", "?") if isinstance(
+            hf["quantization_config"], dict) else "?"
+        raise ValueError(f"quantization_config (quant_method {method!r}): quantized weights are not TinyGPT's tensors")
     tied = bool(hf.get("tie_word_embeddings", kind == "gpt2"))
     if kind == "llama":
-        rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_parameters.rope_type = {rope.get('rope_type')!r}: TinyGPT has plain RoPE only")
+        theta, linear = _llama_rope(hf)
         if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
-            raise ValueError("attention_bias != mlp_bias: TinyGPT has one model.bias switch")
+            raise ValueError(f"attention_bias = {hf.get('attention_bias', False)} != mlp_bias = "
+                             f"{hf.get('mlp_bias', False)}: TinyGPT has one model.bias switch")
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         if head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
             raise ValueError(f"head_dim = {head_dim} x heads != hidden_size = {hf['hidden_size']}")
@@ -111,19 +194,20 @@ def config_from_hf(hf: dict) -> dict:
                     n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
                     d_ff=hf["intermediate_size"], norm="rmsnorm", mlp="swiglu", position="rope",
                     bias=bool(hf.get("attention_bias", False)), tie_embeddings=tied,
-                    norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(rope.get("rope_theta", 10000.0)))
-    if kind == "gpt2":
-        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"activation_function = {hf.get('activation_function')!r}: TinyGPT's GPT-2 MLP is the "
-                             f"tanh GELU")
-        for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-            if hf.get(key):
-                raise ValueError(f"{key} = true: TinyGPT's attention does not do this")
-        return dict(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], d_model=hf["n_embd"],
-                    n_layers=hf["n_layer"], n_heads=hf["n_head"], n_kv_heads=None,
-                    d_ff=hf.get("n_inner") or 4 * hf["n_embd"], norm="layernorm", mlp="gelu", position="learned",
-                    bias=True, tie_embeddings=tied, norm_eps=hf.get("layer_norm_epsilon", 1e-5))
-    raise ValueError(f"model_type = {kind!r}: TinyGPT reads 'llama' and 'gpt2' folders only")
+                    norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_linear_factor=linear)
+    if hf.get("activation_function", "gelu_new") not in GPT2_TANH_GELU:
+        raise ValueError(f"activation_function = {hf.get('activation_function')!r}: TinyGPT's GPT-2 MLP is the "
+                         f"tanh GELU ({' or '.join(GPT2_TANH_GELU)})")
+    if not hf.get("scale_attn_weights", True):
+        raise ValueError("scale_attn_weights = false (attention scores not divided by sqrt(head_dim)): TinyGPT's "
+                         "attention always divides them")
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+        if hf.get(key):
+            raise ValueError(f"{key} = true: TinyGPT's attention does not do this")
+    return dict(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], d_model=hf["n_embd"],
+                n_layers=hf["n_layer"], n_heads=hf["n_head"], n_kv_heads=None,
+                d_ff=hf.get("n_inner") or 4 * hf["n_embd"], norm="layernorm", mlp="gelu", position="learned",
+                bias=True, tie_embeddings=tied, norm_eps=hf.get("layer_norm_epsilon", 1e-5))
 
 
 def name_map(cfg: ModelConfig) -> list[Entry]:
@@ -205,22 +289,58 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+#: bytes per element of the safetensors dtypes (the format's spec: safetensors' ``Dtype``)
+SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+                           "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
 def safetensors_header(path: str | Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """``({tensor name: shape}, metadata)`` of a ``.safetensors`` file, read from its JSON header
-    (8-byte little-endian length, then the JSON) without torch. ValueError when it is not one."""
+    (8-byte little-endian length, then the JSON) without torch. ValueError when it is not one, or
+    when its tensors' bytes do not fill the file exactly (a truncated or padded file: safetensors'
+    own loader would fail later with a traceback): each tensor's byte range is its shape times its
+    dtype's size, the ranges follow one another from 0, and the last ends at the file's end."""
     path = Path(path)
+    size = path.stat().st_size
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) != 8:
             raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
         (n,) = struct.unpack("<Q", head)
-        if n > 100 * 2**20 or n > path.stat().st_size - 8:
-            raise ValueError(f"{path}: not a safetensors file (header length {n} B does not fit the file)")
+        if n > 100 * 2**20 or n > size - 8:
+            raise ValueError(f"{path}: not a safetensors file (header length {n} B does not fit the file of "
+                             f"{size} B: truncated?)")
         try:
             header = json.loads(f.read(n))
         except ValueError as e:
             raise ValueError(f"{path}: not a safetensors file (header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (header is not a JSON object)")
     meta = header.pop("__metadata__", None) or {}
+    ranges = []
+    for name, t in header.items():
+        try:
+            shape, (begin, end), dtype = tuple(int(d) for d in t["shape"]), t["data_offsets"], t["dtype"]
+            width = SAFETENSORS_DTYPE_BYTES[dtype]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: not a safetensors file (tensor {name!r} has no valid shape, dtype and "
+                             f"data_offsets)") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - begin != numel * width:
+            raise ValueError(f"{path}: tensor {name!r} ({dtype} {shape}) needs {numel * width} B but its data_offsets "
+                             f"span {end - begin} B: a damaged file")
+        ranges.append((begin, end, name))
+    data = size - 8 - n
+    at = 0
+    for begin, end, name in sorted(ranges):
+        if begin != at:
+            raise ValueError(f"{path}: tensor {name!r} starts at byte {begin} of the data, expected {at}: a damaged file")
+        at = end
+    if at != data:
+        raise ValueError(f"{path}: the tensors need {at} B of data but the file holds {data} B after its header: "
+                         f"{'truncated (an interrupted copy or download?)' if at > data else 'a damaged file'}")
     return {k: tuple(v["shape"]) for k, v in header.items()}, meta
 
 

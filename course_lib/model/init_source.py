@@ -27,7 +27,7 @@ CONFIG_KEY = "course_lib.model_config"
 #: ModelConfig fields that change the function a set of weights computes (block_size only with a
 #: learned position table, where it is a shape; RoPE reads any length up to the run's block_size)
 FUNCTION_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "ffn_dim", "norm", "mlp", "position",
-                   "bias", "tie_embeddings", "norm_eps", "rope_theta")
+                   "bias", "tie_embeddings", "norm_eps", "rope_theta", "rope_linear_factor")
 
 
 def source_kind(path: str | Path) -> str:
@@ -93,11 +93,15 @@ def load_init_state(path: str | Path, cfg: ModelConfig) -> dict:
 
     from course_lib.model.hf_weights import from_hf
 
-    check_init_source(path, cfg)
+    check_init_source(path, cfg)  # the header: names, shapes, and bytes that fill the file exactly
     p = Path(path)
+    weights = p / HF_WEIGHTS if source_kind(p) == "hf" else p
+    try:
+        state = load_file(str(weights))
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for a file it cannot read
+        raise ValueError(f"{weights}: cannot be read as safetensors ({type(e).__name__}: {e})") from None
     if source_kind(p) == "hf":
-        return from_hf(load_file(str(p / HF_WEIGHTS)), cfg)
-    state = load_file(str(p))
+        return from_hf(state, cfg)
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["tok_emb.weight"]
     return state

@@ -42,14 +42,18 @@ def make_norm(kind: str, dim: int, *, bias: bool, eps: float) -> nn.Module:
     raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {kind!r}")
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, max_len: int, theta: float,
+                linear_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables, each [max_len, head_dim], for rotary position embeddings.
 
     Channel pair (i, i + D/2) rotates at frequency theta^(-2i/D) ("rotate-half" layout, as in
     GPT-NeoX and Hugging Face Llama; Meta's reference interleaves pairs instead - same math, the
-    channels are only permuted).
+    channels are only permuted). ``linear_factor`` > 1 divides every frequency by it (linear
+    scaling / position interpolation: position p turns as p / factor would).
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if linear_factor != 1.0:
+        inv_freq = inv_freq / linear_factor
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [T, D/2]
     angles = torch.cat([angles, angles], dim=-1)  # [T, D]
     return angles.cos(), angles.sin()

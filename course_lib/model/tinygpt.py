@@ -74,7 +74,7 @@ class TinyGPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight  # one matrix, two uses
         if cfg.position == "rope":
-            cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_theta)
+            cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_theta, cfg.rope_linear_factor)
             # Not persistent: derived from the config, so they stay out of checkpoints.
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)

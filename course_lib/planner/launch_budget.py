@@ -15,6 +15,7 @@ from course_lib.launchers.slurm import sbatch_script
 from course_lib.planner.checkpoint_plan import CheckpointPlan
 from course_lib.planner.costs import Candidate
 from course_lib.planner.spec import JobSpec
+from course_lib.planner.torchtitan_job import torchtitan_precision, torchtitan_unsupported
 
 MAX_ALLOCATION_H = 48  # hours per SLURM allocation; the sbatch script requeues itself after each
 
@@ -108,12 +109,14 @@ def launch_files(spec: JobSpec, c: Candidate, config_path: str, plan_dir: str, t
 
 
 def budget(spec: JobSpec, c: Candidate, ck: CheckpointPlan) -> dict:
-    """The resource budget as a JSON-ready dict: GiB per GPU by component, tokens/s, days, GPU-hours."""
+    """The resource budget as a JSON-ready dict: GiB per GPU by component, tokens/s, days, GPU-hours;
+    with a torchtitan file, ``"torchtitan"``: the precision it runs in, and in fp32 its own GiB per
+    GPU and whether they fit (:func:`course_lib.planner.torchtitan_job.torchtitan_precision`)."""
     gib = 2**30
     m = c.memory
     hours = job_hours(spec, c)
     cluster = cluster_for(spec, c)
-    return {
+    out = {
         "gpus": spec.gpus, "nodes": spec.nodes, "gpus_per_node": spec.gpus_per_node, "gpu": spec.gpu_name,
         "layout": c.layout.label(),
         "memory_gib_per_gpu": {
@@ -132,3 +135,10 @@ def budget(spec: JobSpec, c: Candidate, ck: CheckpointPlan) -> dict:
                   "cpus_per_task": cluster.cpus_per_task, "time_per_allocation": cluster.time_limit,
                   "allocations": max(1, math.ceil(hours / cluster.time_limit_s * 3600))},
     }
+    if not torchtitan_unsupported(spec):  # what torchtitan.toml will really run (its precision, its memory)
+        prec = torchtitan_precision(spec, c)
+        out["torchtitan"] = {"precision": "bf16 mixed" if prec["mixed"] else "fp32", "how": prec["how"]}
+        if not prec["mixed"]:
+            out["torchtitan"]["memory_gib_per_gpu"] = {k: v / gib for k, v in prec["memory"].items() if k != "fits"}
+            out["torchtitan"]["fits"] = prec["memory"]["fits"]
+    return out

@@ -11,7 +11,8 @@ from course_lib.planner.megatron_job import MEGATRON_INPUTS, megatron_command, m
 from course_lib.planner.search import Plan, why_lost, why_not_fit
 from course_lib.planner.spec import JobSpec
 from course_lib.planner.stages import compact_counts
-from course_lib.planner.torchtitan_job import TORCHTITAN_INPUTS, torchtitan_command, torchtitan_unsupported
+from course_lib.planner.torchtitan_job import (TORCHTITAN_INPUTS, torchtitan_command, torchtitan_precision,
+                                               torchtitan_unsupported)
 
 
 def table(plan: Plan, n: int = 6) -> str:
@@ -148,6 +149,19 @@ def start_commands(spec: JobSpec, c: Candidate, files: list[str], plan_dir: str,
     return out
 
 
+def _torchtitan_differences(spec: JobSpec, c: Candidate) -> str:
+    """What torchtitan 0.2.0 runs differently from the plan with the file it gets: its precision
+    (fp32 where it turns mixed precision off), and weight decay on every parameter."""
+    prec = torchtitan_precision(spec, c)
+    precision = (f"It trains in {prec['how']}." if prec["mixed"] else
+                 f"**It trains this layout in fp32, not bf16**: {prec['how']}; the memory it needs is under "
+                 "\"Resource budget\" (budget.json: `torchtitan`). With tensor or pipeline parallelism torchtitan "
+                 "trains in bf16 only with FSDP on (dp or cp > 1: a runner-up with data parallelism, or a larger "
+                 "`--global-batch-tokens`).")
+    return (precision + f" torchtitan {TORCHTITAN_VERSION} applies `weight_decay` to every parameter, norm weights "
+            "included; the kit's trainer decays matrices and embeddings only (no key of its job config changes that).")
+
+
 def plan_markdown(plan: Plan, ck: CheckpointPlan | None, budget: dict | None, files: list[str],
                   plan_dir: str = ".", train_out: str = "runs/plan") -> str:
     """The whole plan in words: choice, why, runners-up, how to start it, checkpoints, budget,
@@ -186,7 +200,7 @@ def plan_markdown(plan: Plan, ck: CheckpointPlan | None, budget: dict | None, fi
               f"torchtitan ({TORCHTITAN_VERSION}): " + (f"no `torchtitan.toml`: {titan}." if titan else
               "`torchtitan.toml` (`--job.config_file`) carries the same degrees, pipeline schedule and blocks per "
               "stage, recomputation, batch and checkpoint interval; `torchtitan_model.py` registers the plan's model "
-              "(shape, vocabulary, RoPE) with torchtitan's Llama code."), "",
+              "(shape, vocabulary, RoPE) with torchtitan's Llama code. " + _torchtitan_differences(spec, best)), "",
               deepspeed + " `fsdp_settings.json` says whether FSDP2 fits the plan."]
     lines += [""] + start_commands(spec, best, files, plan_dir, train_out)
     lines += ["", "## Checkpoints", "",
@@ -209,6 +223,15 @@ def plan_markdown(plan: Plan, ck: CheckpointPlan | None, budget: dict | None, fi
               "| per GPU | GiB |", "| --- | ---: |"]
     lines += [f"| {k} | {mem[k]:.2f} |" for k in ("params", "grads", "optimizer", "activations", "transient",
                                                    "accumulated_grads", "peak", "headroom_reserved", "device")]
+    titan_budget = budget.get("torchtitan")
+    if titan_budget and titan_budget["precision"] == "fp32":
+        tm = titan_budget["memory_gib_per_gpu"]
+        lines += ["", f"torchtitan.toml runs this layout in **fp32** (see above): about {tm['peak']:.2f} GiB per GPU "
+                  f"(params {tm['params']:.2f}, grads {tm['grads']:.2f}, optimizer {tm['optimizer']:.2f}, activations "
+                  f"{tm['activations']:.2f}, transient {tm['transient']:.2f}), which "
+                  + ("fits" if titan_budget["fits"] else "does NOT fit")
+                  + f" in the usable {(mem['device'] - mem['headroom_reserved']):.2f} GiB; its steps are slower than "
+                  "the bf16 times below."]
     sl = budget["slurm"]
     lines += ["", f"- {budget['tokens_per_s']:,.0f} tokens/s, {budget['steps']:,} steps, {budget['days']:.1f} days, "
               f"{budget['gpu_hours']:,.0f} GPU-hours.",

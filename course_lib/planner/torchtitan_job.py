@@ -26,7 +26,18 @@ How the plan maps:
 * pipeline: the exact blocks of every stage as ``module_fqns_per_model_part`` (its Llama's module
   names), never its default split (which moves a block off each end stage);
 * recomputation: torchtitan's nearest to the planner's selective is op-level selective
-  checkpointing (``selective_ac_option = "op"``).
+  checkpointing (``selective_ac_option = "op"``);
+* precision: bf16 mixed precision (``mixed_precision_param``) is applied by ``fully_shard`` when
+  FSDP is on (``dp_shard`` > 1 or cp > 1), by autocast under DDP or on one GPU, and **not at all**
+  when TP or PP run without FSDP (``maybe_enable_amp``, torchtitan/distributed/utils.py: "Mixed
+  precision training with TP or PP is only supported when FSDP/HSDP/CP is enabled"). A layout with
+  dp = cp = 1 and tp or pp > 1 therefore trains in fp32 under torchtitan 0.2.0; no key of its job
+  config changes that (``training.dtype = "bfloat16"`` is pure bf16 without an fp32 master: another
+  recipe). :func:`torchtitan_precision` says which case a plan is, and for fp32 its memory per GPU;
+  the file's comment, plan.md and budget.json say it;
+* weight decay: torchtitan's ``build_optimizers`` gives every parameter ``weight_decay`` (norm
+  weights too); the kit's trainer decays matrices and embeddings only. No key changes that either:
+  the file's comment and plan.md say so.
 """
 from __future__ import annotations
 
@@ -125,6 +136,46 @@ register_train_spec("{TRAIN_SPEC_NAME}", dataclasses.replace(get_train_spec(), m
 '''
 
 
+def torchtitan_precision(spec: JobSpec, c: Candidate) -> dict:
+    """What torchtitan 0.2.0 computes in for this plan's file: ``{"mixed": bool, "how": str}``, and
+    when it runs fp32 also ``"memory"``: bytes per GPU by component (``params``, ``grads``,
+    ``optimizer``, ``activations``, ``transient``, ``peak``; the busiest rank) and ``"fits"`` (the
+    peak within the plan's usable memory). fp32 memory: Adam in fp32 (4 + 4 + 8 bytes per parameter,
+    no master copy), the planner's activations and output-layer buffers at 4 bytes per element."""
+    par = {k: v for k, (v, _) in _parallelism(spec, c).items()}
+    fsdp = par["data_parallel_shard_degree"] > 1 or par["context_parallel_degree"] > 1
+    split = par["tensor_parallel_degree"] > 1 or par["pipeline_parallel_degree"] > 1
+    if fsdp:
+        return {"mixed": True, "how": "bf16 mixed precision, applied by fully_shard's MixedPrecisionPolicy (FSDP)"}
+    if not split:
+        return {"mixed": True, "how": "bf16 mixed precision, applied by torch.autocast (DDP or one GPU)"}
+    return {"mixed": False, "memory": _fp32_memory(spec, c),
+            "how": (f"torchtitan {TORCHTITAN_VERSION} turns mixed precision off when tensor or pipeline "
+                    f"parallelism runs without FSDP (maybe_enable_amp; this layout has dp {c.layout.dp} x cp "
+                    f"{c.layout.cp}), so mixed_precision_param has no effect: weights, activations and matmuls "
+                    f"are fp32, slower than the plan's bf16 step time")}
+
+
+def _fp32_memory(spec: JobSpec, c: Candidate) -> dict:
+    from course_lib.estimate import model_state_bytes, training_step_peak_bytes
+    from course_lib.estimate.activations import activation_bytes_per_layer, output_backward_transient_bytes
+    from course_lib.planner.costs import busiest_rank_params_and_activations, layer_kwargs, recompute_working_bytes
+
+    lay = c.layout
+    params, acts_bf16, _ = busiest_rank_params_and_activations(spec, lay)
+    kw = layer_kwargs(spec, lay)
+    ratio = activation_bytes_per_layer(**{**kw, "bytes_per_element": 4}) / activation_bytes_per_layer(**kw)
+    acts = acts_bf16 * ratio
+    transient = (output_backward_transient_bytes(seq_len=spec.seq // lay.cp, micro_batch=lay.micro_batch,
+                                                 vocab_size=spec.shape.vocab_size, tp=lay.tp, bytes_per_element=4)
+                 + recompute_working_bytes(spec, lay) * ratio)
+    states = model_state_bytes(params, recipe="fp32-adam")  # dp = 1: nothing to shard
+    peak = training_step_peak_bytes(states, acts, transient_bytes=transient, grad_accum=lay.grad_accum)
+    memory = {"params": states.params, "grads": states.grads, "optimizer": states.optimizer, "activations": acts,
+              "transient": transient, "peak": peak.peak}
+    return {**memory, "fits": peak.peak <= c.usable_bytes}
+
+
 def torchtitan_fqns_per_stage(spec: JobSpec, c: Candidate) -> list[list[str]]:
     """Module names of each pipeline stage for torchtitan's Llama (tok_embeddings, layers.i, norm,
     output): the planner's blocks per stage, the embedding on the first, norm and head on the last."""
@@ -159,7 +210,8 @@ def _parallelism(spec: JobSpec, c: Candidate) -> dict:
     out = {
         "data_parallel_replicate_degree": (lay.dp if ddp else 1, "DDP (ZeRO-0 on pure data parallelism)" if ddp else ""),
         "data_parallel_shard_degree": (1 if ddp else lay.dp,
-                                       "" if ddp else f"FSDP2 over dp x cp = {lay.dp * lay.cp} ranks (plan: {lay.sharding})"),
+                                       "" if ddp else f"FSDP2 over dp x cp = {lay.dp * lay.cp} ranks (plan: {lay.sharding})"
+                                       if lay.dp * lay.cp > 1 else "no data parallelism: FSDP is off"),
         "fsdp_reshard_after_forward": (reshard, "ZeRO-3" if reshard == "always" else
                                        "weights stay gathered until backward: ZeRO-2's memory, at most the plan's"),
         "tensor_parallel_degree": (lay.tp, "with sequence parallelism and loss parallelism" if lay.tp > 1 else ""),
@@ -181,6 +233,7 @@ def torchtitan_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan) -> dict
     """torchtitan's job config as {section: {key: (value, comment)}} (see module for the mapping)."""
     lay = c.layout
     batches = torchtitan_batches(c)
+    precision = torchtitan_precision(spec, c)
     return {
         "job": {"dump_folder": (f"./outputs/{spec.model_name}-{spec.gpus}gpu", ""),
                 "description": (f"course plan: {spec.model_name} on {spec.gpus} x {spec.gpu_name}, {lay.label()}", "")},
@@ -190,7 +243,8 @@ def torchtitan_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan) -> dict
                                            f"({spec.shape.vocab_size}) and RoPE base ({spec.shape.rope_theta:g})"),
                   "hf_assets_path": ("./assets/hf/tokenizer", "the tokenizer's files")},
         "optimizer": {"name": ("AdamW", ""), "lr": (learning_rate(spec), ""), "beta2": (0.95, ""),
-                      "weight_decay": (0.1, "")},
+                      "weight_decay": (0.1, "torchtitan decays every parameter, norm weights too (the kit's "
+                                            "trainer: matrices and embeddings only)")},
         "lr_scheduler": {"warmup_steps": (warmup_steps(spec), ""), "decay_type": ("cosine", ""),
                          "min_lr_factor": (0.1, "")},
         "training": {"local_batch_size": (batches["local_batch_size"], "sequences per data-parallel rank per step"
@@ -199,7 +253,9 @@ def torchtitan_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan) -> dict
                                            f"{lay.dp} dp x {batches['local_batch_size']} x "
                                            f"{batches['accumulation']} accumulation"),
                      "seq_len": (spec.seq, ""), "steps": (train_steps(spec), ""), "max_norm": (1.0, ""),
-                     "mixed_precision_param": ("bfloat16", ""), "mixed_precision_reduce": ("float32", "")},
+                     "mixed_precision_param": ("bfloat16", "" if precision["mixed"] else
+                                               "NO EFFECT here, this file trains in fp32: " + precision["how"] + " (plan.md)"),
+                     "mixed_precision_reduce": ("float32", "")},
         "parallelism": _parallelism(spec, c),
         "activation_checkpoint": dict(
             [("mode", (lay.recompute, "plan: " + lay.recompute))]

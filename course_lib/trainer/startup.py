@@ -61,6 +61,21 @@ def check_world(cfg: dict, info) -> None:
     check(cfg, info.world_size, has_group=info.backend is not None)
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """ConfigError unless ``out_dir`` (``--out``, the run folder) is a folder or can be made one:
+    an existing file there, or a file where one of its parent folders should be, is refused before
+    anything is written (``mkdir`` would fail later with a NotADirectoryError traceback)."""
+    for p in (out_dir, *out_dir.parents):
+        if p.is_symlink() and not p.exists():
+            raise ConfigError(f"--out {str(out_dir)!r}: {str(p)!r} is a link to nothing; choose another --out")
+        if p.exists():
+            if not p.is_dir():
+                where = "is a file" if p == out_dir else f"cannot be made: {str(p)!r} is a file"
+                raise ConfigError(f"--out {str(out_dir)!r} {where}, not a folder; the run folder (metrics.jsonl, "
+                                  f"checkpoints/) must be a folder: choose another --out")
+            return
+
+
 def rank_seed(seed: int, rank: int) -> int:
     """The seed of ``rank``'s random stream after the (shared) weight initialisation."""
     return (seed * 1_000_003 + 7919 * (rank + 1)) % (2**63 - 1)
