@@ -137,10 +137,22 @@ def _train_check(rank: int, ep: ep_lib.EPGroup) -> dict:
     return {"losses": losses, "state": ep_lib.gather_experts(model, ep)}
 
 
-def ep_everything(rank: int, world_size: int) -> dict:
-    """Every EP check of the test file, for EP 4 and EP 2, on this rank."""
+def _trainer_run(cfg: dict, out_dir) -> dict:
+    """The trainer on these ranks (FSDP2 over 4: no buffer broadcast, so the expert biases stay
+    equal only if every rank sums the same loads): each rank's biases after the run."""
+    from course_lib.train import train
+
+    result = train(cfg, out_dir)
+    return {"steps": result.steps, "loss": result.final_loss,
+            "bias": [m.router.expert_bias.detach().clone() for m in moe_lib.moe_layers(result.model)]}
+
+
+def ep_everything(rank: int, world_size: int, trainer_cfg: dict | None = None, out_dir=None) -> dict:
+    """Every EP check of the test file, for EP 4 and EP 2, on this rank; then the trainer run."""
     torch.set_num_threads(1)
     out = {}
+    if trainer_cfg is not None:
+        out["trainer"] = _trainer_run(trainer_cfg, out_dir)
     for size in (4, 2):
         ep = ep_lib.make_ep_group(size)
         for case in LAYER_CASES:

@@ -20,8 +20,20 @@ ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return run_ranks(fns.ep_everything, fns.WORLD, timeout=600)
+def ranks(tmp_path_factory):
+    from layout_checks import tiny_cfg
+
+    cfg = tiny_cfg(1, train__strategy="fsdp", train__max_steps=2, schedule__warmup_steps=1, model__preset="moe-tiny",
+                   model__moe_bias_update_rate=0.01, model__moe_capacity_factor=1.25)
+    return run_ranks(fns.ep_everything, fns.WORLD, cfg, tmp_path_factory.mktemp("moe_fsdp"), timeout=600)
+
+
+def test_the_trainer_runs_experts_under_fsdp_with_one_bias_on_every_rank(ranks):
+    runs = [r["trainer"] for r in ranks]
+    assert all(r["steps"] == 2 for r in runs)
+    for layer in range(len(runs[0]["bias"])):
+        assert all(torch.equal(r["bias"][layer], runs[0]["bias"][layer]) for r in runs)  # loads summed over ranks
+    assert sum(b.abs().sum() for b in runs[0]["bias"]) > 0
 
 
 @pytest.mark.parametrize("size", [4, 2])

@@ -60,9 +60,9 @@ def sync_gradients(model: nn.Module, ep: EPGroup) -> None:
 def gather_experts(model: nn.Module, ep: EPGroup) -> dict[str, torch.Tensor]:
     """The full state dict (every expert) on every rank: the sharded stacks all-gathered over the
     EP group in expert order. A collective over the EP group."""
-    state = {}
+    state, params = {}, dict(model.named_parameters())
     for name, t in model.state_dict().items():
-        param = dict(model.named_parameters()).get(name)
+        param = params.get(name)
         if param is not None and is_expert(param) and ep.size > 1:
             parts = [torch.empty_like(t) for _ in range(ep.size)]
             dist.all_gather(parts, t.contiguous(), group=ep.group)
