@@ -117,7 +117,7 @@ def moe_plans():
     """name -> (spec, candidate): the searched best of three MoE jobs and two named layouts."""
     out = {}
     jobs = {
-        "mixtral-8x7b-64": dict(model="mixtral-8x7b", gpu="h100", gpus=64, tokens="1T", seq=4096),
+        "mixtral-8x7b-16": dict(model="mixtral-8x7b", gpu="h100", gpus=16, tokens="1T", seq=4096),
         "qwen3-30b-a3b-16-fp8": dict(model="qwen3-30b-a3b", gpu="h100", gpus=16, tokens="1T", seq=4096,
                                      precision="fp8", fp8_recipe="tensorwise", fp8_param_gather=True),
     }
@@ -195,3 +195,66 @@ def test_the_moe_checks_refuse_what_megatron_refuses(moe_plans):
         env, world, a = run_command(broken)
         with pytest.raises(AssertionError, match=re.escape(message)):
             validate_moe(a, env, world)
+
+
+def test_torchtitan_reads_every_moe_and_fp8_plan(moe_plans, tmp_path):
+    """torchtitan 0.2.0's ConfigManager loads the file, ParallelDims (with its ep/etp rules) accepts
+    the degrees, and the model module builds torchtitan's own DeepSeek-V3 / Qwen3 with exactly the
+    plan's parameters (meta device). Mixtral has no torchtitan model and gets no file."""
+    import sys
+
+    import torch
+    from engine_code import torchtitan, without_triton
+    from course_lib.planner.torchtitan_job import (MODEL_MODULE, torchtitan_model_py, torchtitan_toml,
+                                                   torchtitan_unsupported)
+    from test_planner_engines import load_model_args
+
+    without_triton()
+    titan = {name: torchtitan(name) for name in ("config.manager", "distributed.parallel_dims", "protocols.train_spec")}
+    checked = set()
+    for name, (spec, c) in moe_plans.items():
+        why = torchtitan_unsupported(spec, c)
+        if name.startswith("mixtral"):
+            assert "has no code for" in why, name
+            continue
+        if spec.precision == "fp8" and spec.fp8_recipe == "blockwise":
+            assert "not 'blockwise'" in why, name
+            spec = dataclasses_replace(spec, fp8_recipe="rowwise")
+        assert not torchtitan_unsupported(spec, c), name
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "torchtitan.toml").write_text(torchtitan_toml(spec, c, checkpoint_plan(spec, c), str(folder)))
+        (folder / f"{MODEL_MODULE}.py").write_text(torchtitan_model_py(spec, c))
+        cfg = titan["config.manager"].ConfigManager().parse_args(["--job.config_file", str(folder / "torchtitan.toml")])
+        par, lay = cfg.parallelism, c.layout
+        dims = titan["distributed.parallel_dims"].ParallelDims(
+            dp_shard=par.data_parallel_shard_degree, dp_replicate=par.data_parallel_replicate_degree,
+            cp=par.context_parallel_degree, tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
+            ep=par.expert_parallel_degree, etp=par.expert_tensor_parallel_degree, world_size=spec.gpus)
+        assert (dims.ep, dims.etp, dims.tp, dims.pp, dims.dp_shard) == (lay.ep, lay.etp, lay.tp, lay.pp, lay.dp), name
+        fp8 = spec.precision == "fp8"
+        assert cfg.model.converters == (["float8"] if fp8 else []), name
+        if fp8:
+            f8 = cfg.quantize.linear.float8
+            assert f8.recipe_name == spec.fp8_recipe and "output" in f8.filter_fqns, name
+            assert f8.enable_fsdp_float8_all_gather == (spec.fp8_param_gather and spec.fp8_recipe == "tensorwise")
+        args = load_model_args(titan, cfg, folder)
+        model_cls = titan["protocols.train_spec"].get_train_spec(cfg.model.name).model_cls
+        with torch.device("meta"):
+            model = model_cls(args)
+        assert sum(p.numel() for p in model.parameters()) == spec.moe.num_params(), name
+        # the module names the router filter keeps in bf16 exist
+        if fp8:
+            assert any(n.endswith("router.gate") for n, _ in model.named_modules()), name
+        checked.add(name)
+        sys.modules.pop(MODEL_MODULE, None)
+    assert checked == {"qwen3-30b-a3b-16-fp8", "deepseek-v3-pp16-ep64"}
+    # one fault each: torchtitan's own checks refuse an ep its mesh cannot fold, an unknown key
+    with pytest.raises(AssertionError):
+        titan["distributed.parallel_dims"].ParallelDims(dp_shard=8, dp_replicate=1, cp=2, tp=1, pp=1, ep=3, etp=1,
+                                                        world_size=16)
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+    return dataclasses.replace(obj, **kw)

@@ -35,9 +35,9 @@ def plan_files(plan: Plan, out_dir: str | Path, *, mirror: str = "", validate_ds
     files = {"train.toml": trainer_toml(spec, best, ck, mirror),
              "fsdp_settings.json": json.dumps(fsdp_settings(spec, best), indent=2) + "\n",
              "megatron_args.txt": megatron_args_text(spec, best, ck, out)}  # the engines people run at scale
-    if not torchtitan_unsupported(spec):  # else plan.md says why there is no torchtitan file
+    if not torchtitan_unsupported(spec, best):  # else plan.md says why there is no torchtitan file
         files["torchtitan.toml"] = torchtitan_toml(spec, best, ck, out)
-        files["torchtitan_model.py"] = torchtitan_model_py(spec)
+        files["torchtitan_model.py"] = torchtitan_model_py(spec, best)
     deepspeed_runs_it = deepspeed_supports(best)
     if deepspeed_runs_it:  # DeepSpeed runs data parallelism here; no script for a layout it cannot start
         files["ds_config.json"] = json.dumps(deepspeed_json(spec, best, validate=validate_ds), indent=2) + "\n"

@@ -138,7 +138,7 @@ def start_commands(spec: JobSpec, c: Candidate, files: list[str], plan_dir: str,
                + (" (HEAD_NODE = the first node, JOB_ID = one id for all nodes)" if spec.nodes > 1 else "")
                + f": `{megatron_command(spec, c, d)}`. Provide: "
                + "; ".join(f"`{k}`: {v}" for k, v in MEGATRON_INPUTS.items()) + ".")
-    why = torchtitan_unsupported(spec)
+    why = torchtitan_unsupported(spec, c)
     if why:
         out.append(f"- **torchtitan {TORCHTITAN_VERSION}**: no file: {why}.")
     else:
@@ -181,7 +181,7 @@ def plan_markdown(plan: Plan, ck: CheckpointPlan | None, budget: dict | None, fi
                      f"(tp = pp = cp = 1), and this layout has tp {lay.tp} x pp {lay.pp} x cp {lay.cp}. The kit runs "
                      "it with `launch_torchrun.sh` / `job.sbatch`; DeepSpeed users carry the layout to "
                      "Megatron-DeepSpeed with the flags above.")
-    titan = torchtitan_unsupported(spec)
+    titan = torchtitan_unsupported(spec, best)
     lines += ["", "## The same layout in production frameworks", "", megatron_flags(spec, best), "",
               f"torchtitan ({TORCHTITAN_VERSION}): " + (f"no `torchtitan.toml`: {titan}." if titan else
               "`torchtitan.toml` (`--job.config_file`) carries the same degrees, pipeline schedule and blocks per "
