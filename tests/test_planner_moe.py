@@ -258,3 +258,17 @@ def test_torchtitan_reads_every_moe_and_fp8_plan(moe_plans, tmp_path):
 def dataclasses_replace(obj, **kw):
     import dataclasses
     return dataclasses.replace(obj, **kw)
+
+
+def test_moe_plan_files_are_the_engines_and_plan_md_explains_the_experts(tmp_path):
+    from course_lib.planner import plan_files
+
+    p = plan(model="qwen3-30b-a3b", gpu="h100", gpus=8, tokens="1T", seq=4096, precision="fp8", fp8_param_gather=True)
+    files = plan_files(p, tmp_path, validate_ds=False)
+    # the kit's trainer files would describe its dense stand-in: only the engines' files are written
+    assert sorted(files) == ["budget.json", "megatron_args.txt", "plan.md", "torchtitan.toml", "torchtitan_model.py"]
+    md, lay = files["plan.md"], p.best.layout
+    assert "## Experts" in md and f"expert-data-parallel {lay.edp}" in md and "## FP8" in md
+    assert f"each GPU holds {128 // lay.ep} experts per block" in md and "launch_torchrun.sh" not in md
+    assert p.spec.recipe == "fp8-params-adam" and p.best.memory["params"] == pytest.approx(
+        p.best.memory["dense_params"] / 1 * 1 + p.best.memory["expert_params"], rel=1e-9)  # 1 byte per weight
