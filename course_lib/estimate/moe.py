@@ -238,15 +238,12 @@ class MoEShape:
             raise ValueError(f"blocks ({blocks}) must be pp ({pp}) counts summing to n_layers ({self.n_layers})")
         first = sum(blocks[:stage])
         d = self.d_model
-        dense = expert = 0.0
-        for i in range(first, first + blocks[stage]):
-            replicated = 2 * d + (self.router_params() if self.is_moe_layer(i) else 0)
-            if self.is_moe_layer(i):
-                split = self.moe_layer_params() - replicated - self.n_experts * self.expert_params()
-                expert += self.n_experts // ep * self.expert_params() / etp
-            else:
-                split = self.dense_layer_params() - replicated
-            dense += replicated + split / tp
+        n_moe = sum(1 for i in range(first, first + blocks[stage]) if i >= self.n_dense_layers)
+        n_dense = blocks[stage] - n_moe
+        moe_replicated = 2 * d + self.router_params()
+        moe_split = self.moe_layer_params() - moe_replicated - self.n_experts * self.expert_params()
+        dense = n_moe * (moe_replicated + moe_split / tp) + n_dense * (2 * d + (self.dense_layer_params() - 2 * d) / tp)
+        expert = n_moe * (self.n_experts // ep) * self.expert_params() / etp
         if stage == 0:
             dense += self.embedding_params() / tp
         if stage == pp - 1:

@@ -282,9 +282,16 @@ def moe_states(spec: JobSpec, lay: Layout):
     def make():
         _, per_rank = _rank_params(spec, lay, memo)
         recipe = resolve_recipe(spec.recipe)
+        # (non-expert, expert) parameters per stage, shared by every ZeRO stage and dp: only the
+        # stages no other stage beats in both parts can be the busiest
+        counts = cached(memo, ("moe_params", lay.tp, lay.pp, lay.virtual_stages, lay.split, lay.ep, lay.etp),
+                        lambda: [spec.moe.params_on_rank(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp, stage=r,
+                                                         blocks=list(per_rank)) for r in range(lay.pp)])
+        front = [r for r, (a, b) in enumerate(counts)
+                 if not any(a2 >= a and b2 >= b and (a2, b2) != (a, b) for a2, b2 in counts)]
         options = [moe_model_state_bytes(spec.moe, recipe=recipe, zero_stage=lay.zero_stage, dp=lay.dp, tp=lay.tp,
                                          pp=lay.pp, cp=lay.cp, ep=lay.ep, etp=lay.etp, stage=r, blocks=list(per_rank))
-                   for r in range(lay.pp)]
+                   for r in dict.fromkeys(front)]
         return max(options, key=lambda st: st.total)
     return cached(memo, ("moe_states", lay.tp, lay.pp, lay.virtual_stages, lay.split, lay.cp, lay.dp, lay.ep, lay.etp,
                          lay.zero_stage), make)
@@ -426,11 +433,13 @@ def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
 
 def _moe_layers_on_busiest(spec: JobSpec, lay: Layout, per_rank) -> int:
     """MoE blocks on the pipeline rank with the most of them (blocks in depth order, dense first)."""
-    out, first = 0, 0
-    for n in per_rank:
-        out = max(out, sum(spec.moe.is_moe_layer(i) for i in range(first, first + n)))
-        first += n
-    return out
+    def make():
+        out, first = 0, 0
+        for n in per_rank:
+            out = max(out, sum(1 for i in range(first, first + n) if i >= spec.moe.n_dense_layers))
+            first += n
+        return out
+    return cached(job_cache(spec), ("moe_layers", tuple(per_rank)), make)
 
 
 def expert_alltoall_seconds(spec: JobSpec, lay: Layout, *, layers_on_rank: int) -> tuple[float, str]:
