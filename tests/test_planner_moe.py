@@ -272,3 +272,10 @@ def test_moe_plan_files_are_the_engines_and_plan_md_explains_the_experts(tmp_pat
     assert f"each GPU holds {128 // lay.ep} experts per block" in md and "launch_torchrun.sh" not in md
     assert p.spec.recipe == "fp8-params-adam" and p.best.memory["params"] == pytest.approx(
         p.best.memory["dense_params"] / 1 * 1 + p.best.memory["expert_params"], rel=1e-9)  # 1 byte per weight
+
+
+def test_moe_checkpoint_holds_every_expert():
+    spec = make_spec(model="mixtral-8x7b", gpu="h100", gpus=16, tokens="1T", seq=4096)
+    c = evaluate(spec, Layout(1, 1, 16, 1, 1, "full", 1, 64, 1, (), 8, 1))
+    ck = checkpoint_plan(spec, c)
+    assert ck.checkpoint_bytes == spec.moe.num_params() * 14  # bf16 weights + fp32 master + Adam moments
