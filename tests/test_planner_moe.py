@@ -279,3 +279,12 @@ def test_moe_checkpoint_holds_every_expert():
     c = evaluate(spec, Layout(1, 1, 16, 1, 1, "full", 1, 64, 1, (), 8, 1))
     ck = checkpoint_plan(spec, c)
     assert ck.checkpoint_bytes == spec.moe.num_params() * 14  # bf16 weights + fp32 master + Adam moments
+
+
+def test_zero3_gathers_the_local_experts_of_a_moe_block():
+    spec = make_spec(model="mixtral-8x7b", gpu="h100", gpus=16, tokens="1T", seq=4096)
+    mx = spec.moe
+    one = evaluate(spec, Layout(1, 1, 16, 1, 3, "none", 1, 64, 1, (), 1, 1)).memory["transient"]
+    eight = evaluate(spec, Layout(1, 1, 16, 1, 3, "none", 1, 64, 1, (), 8, 1)).memory["transient"]
+    # two gathered blocks in bf16: all 8 experts at ep 1, one at ep 8
+    assert one - eight == pytest.approx(2 * 2 * 7 * mx.expert_params())

@@ -267,10 +267,16 @@ def _transient(spec: JobSpec, lay: Layout, memo: dict) -> float:
         transient = output_backward_transient_bytes(seq_len=spec.seq // lay.cp, micro_batch=lay.micro_batch,
                                                     vocab_size=sh.vocab_size, tp=lay.tp, bytes_per_element=2)
         if lay.zero_stage == 3:  # the layer computing plus the one prefetched, gathered in bf16
-            transient += 2 * 2 * sh.layer_params() / lay.tp
+            if spec.moe is not None:  # a MoE block gathers its non-expert part and this rank's experts
+                moe = spec.moe
+                other = moe.moe_layer_params() - moe.n_experts * moe.expert_params()
+                transient += 2 * 2 * (other / lay.tp + moe.n_experts // lay.ep * moe.expert_params() / lay.etp)
+            else:
+                transient += 2 * 2 * sh.layer_params() / lay.tp
         transient += recompute_working_bytes(spec, lay)
         return transient
-    return cached(memo, ("transient", lay.tp, lay.cp, lay.micro_batch, lay.zero_stage == 3, lay.recompute), make)
+    return cached(memo, ("transient", lay.tp, lay.cp, lay.micro_batch, lay.zero_stage == 3, lay.recompute, lay.ep,
+                         lay.etp), make)
 
 
 def moe_states(spec: JobSpec, lay: Layout):
