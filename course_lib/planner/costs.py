@@ -46,7 +46,8 @@ from course_lib.estimate import (activation_breakdown_per_layer, activation_byte
                                  training_step_peak_bytes)
 from course_lib.estimate.activations import activation_bytes_per_layer
 from course_lib.estimate.memory import StepPeak, accumulated_grad_bytes
-from course_lib.estimate.moe import alltoall_bytes_per_layer, expected_tokens_off_rank, moe_model_state_bytes
+from course_lib.estimate.moe import (alltoall_bytes_per_layer, expected_tokens_off_rank, moe_flops_per_token,
+                                    moe_model_state_bytes)
 from course_lib.estimate.stage_split import even_blocks
 from course_lib.planner.spec import JobSpec
 from course_lib.planner.stages import compact_counts, in_flight_layers, rank_blocks, stage_imbalance
@@ -367,6 +368,12 @@ def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
         sh, batch=spec.global_batch, seq_len=spec.seq, recompute=lay.recompute))
     model_flops = cached(memo, ("model_flops",), lambda: model_flops_per_iteration(
         sh, batch=spec.global_batch, seq_len=spec.seq))
+    if spec.moe is not None:
+        # MoE: the model's own FLOPs (moe_flops_per_token: 6 x active matmul parameters + attention
+        # with its real head widths, MLA included); recomputation scales with them
+        moe_model = cached(memo, ("moe_flops",), lambda: moe_flops_per_token(spec.moe, seq_len=spec.seq)
+                           * spec.global_batch * spec.seq)
+        hw_flops, model_flops = hw_flops * moe_model / model_flops, moe_model
     # The pipeline runs at its busiest rank's pace: the mean rank's compute x max/mean load.
     counts = _counts(spec, lay, memo)
     imbalance = cached(memo, ("imbalance", lay.pp, lay.virtual_stages, lay.split),
