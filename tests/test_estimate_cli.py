@@ -135,3 +135,15 @@ def test_moe_model_rows_are_the_moe_estimators(capsys):
                         (["--moe-model", "mixtral-8x7b", "--tp", "4", "--etp", "2", "--dp", "2"], "--etp must be 1 or --tp")):
         assert main(argv) == 2
         assert words in capsys.readouterr().err
+
+
+def test_fp8_weights_halve_the_gathers_not_the_gradient_reduction(capsys):
+    from course_lib.estimate import zero_comm_bytes_per_step
+
+    bf16 = _json(capsys, ["--model", "llama2-7b", "--zero-stage", "3", "--dp", "8"])
+    fp8 = _json(capsys, ["--model", "llama2-7b", "--zero-stage", "3", "--dp", "8", "--recipe", "fp8-params-adam"])
+    n = bf16["model"]["params_on_busiest_rank"]
+    assert fp8["per_rank_bytes"]["params"] == bf16["per_rank_bytes"]["params"] / 2
+    expected = zero_comm_bytes_per_step(n, "zero3", world_size=8, reduce_bytes_per_element=2, gather_bytes_per_element=1)
+    assert fp8["comm"]["dp_bytes_per_rank_per_step"] == expected.total
+    assert bf16["comm"]["dp_bytes_per_rank_per_step"] == pytest.approx(3 * 7 / 8 * n * 2)

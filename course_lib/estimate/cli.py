@@ -18,7 +18,7 @@ import json
 import sys
 
 from .activations import ATTENTION, NORM_SAVES, RECOMPUTE, first_stage_activation_breakdown
-from .comm import comm_elements_per_step, tp_comm_bytes_per_layer
+from .comm import comm_elements_per_step, tp_comm_bytes_per_layer, zero_comm_bytes_per_step
 from .flops import flops_per_token, model_flops_per_iteration
 from .hardware import ACCELERATORS, accelerator
 from .activations import output_backward_transient_bytes
@@ -179,7 +179,11 @@ def estimate(args) -> dict:
         n_layers=shape.n_layers, pp=args.pp, virtual_stages=args.virtual_stages, schedule=schedule,
         micro_batches=m, vocab_size=shape.vocab_size, **layer_kwargs)
     strategy = "ddp" if args.zero_stage == 0 else f"zero{args.zero_stage}"
-    dp_comm = comm_elements_per_step(rank_params, strategy, world_size=args.dp)
+    # gradients reduce in the weights' precision, at least bf16; weights gather in theirs (1 byte
+    # for FP8 weights: the FP8 all-gather of fp8-params-adam)
+    dp_comm = zero_comm_bytes_per_step(rank_params, strategy, world_size=args.dp,
+                                       reduce_bytes_per_element=max(recipe.param_bytes, 2),
+                                       gather_bytes_per_element=recipe.param_bytes)
     tp_layer = tp_comm_bytes_per_layer(seq_len=seq, micro_batch=args.micro_batch, d_model=shape.d_model,
                                        tp=args.tp, bytes_per_element=e, sequence_parallel=args.sp,
                                        recompute=args.recompute)
@@ -212,7 +216,7 @@ def estimate(args) -> dict:
                   "model_flops_per_step": model_flops_per_iteration(shape, batch=sequences, seq_len=seq),
                   "hardware_flops_per_step": model_flops_per_iteration(
                       shape, batch=sequences, seq_len=seq, recompute=args.recompute)},
-        "comm": {"dp_strategy": strategy, "dp_bytes_per_rank_per_step": dp_comm.bytes_per_rank(recipe.param_bytes),
+        "comm": {"dp_strategy": strategy, "dp_bytes_per_rank_per_step": dp_comm.total,
                  "tp_bytes_per_rank_per_step": tp_layer.bytes_per_rank * (shape.n_layers // args.pp) * m},
         "bubble_fraction_of_ideal": bubble_fraction(args.pp, m, schedule=schedule, virtual_stages=args.virtual_stages),
     }
