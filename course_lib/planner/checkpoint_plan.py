@@ -52,7 +52,8 @@ def checkpoint_plan(spec: JobSpec, best: Candidate, keep_last: int = 3) -> Check
     # Saved state per parameter: the weights, the fp32 master copy and the optimizer moments
     # (gradients are not saved: they are recomputed from the next batch).
     per_param = recipe.param_bytes + recipe.master_bytes + recipe.optimizer_bytes
-    ckpt = spec.shape.num_params() * per_param
+    # a MoE checkpoint holds every expert, not the dense stand-in that spec.shape is for MoE jobs
+    ckpt = (spec.moe.num_params() if spec.moe is not None else spec.shape.num_params()) * per_param
     save = ckpt / spec.storage_bytes_per_s
     mtbf_job_h = spec.mtbf_hours / spec.nodes
     tau = young_daly_interval_s(save, mtbf_job_h * 3600)

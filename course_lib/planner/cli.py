@@ -26,7 +26,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand to ``subparsers``; returns its parser."""
     p = subparsers.add_parser("plan", help="choose tp/pp/dp/ZeRO/recompute for a model and a cluster; "
                                            "write configs, launch scripts, checkpoint plan and budget")
-    p.add_argument("--model", help="preset (llama2-7b, llama2-70b, ...; see `course estimate --help`)")
+    p.add_argument("--model", help="preset (llama2-7b, llama2-70b, ...; mixture-of-experts: deepseek-v3, mixtral-8x7b, "
+                                   "mixtral-8x22b, qwen3-30b-a3b, qwen3-235b-a22b; see `course estimate --help`)")
     for name in _SHAPE:
         p.add_argument("--" + name.replace("_", "-"), type=int, help="custom shape (Llama-style) or override")
     p.add_argument("--gpu", required=True, help="a100-80gb, a100-40gb, h100-80gb, h200, v100, ... or a full key")
@@ -50,6 +51,13 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--storage-gbps", type=float, default=10.0, help="aggregate checkpoint write GB/s (default 10)")
     p.add_argument("--recipe", default="mixed-adam", help="bytes per parameter recipe (default mixed-adam, 16 B)")
     p.add_argument("--attention", default="eager", help="eager (keeps s x s scores, default) or flash")
+    p.add_argument("--precision", default="bf16", help="bf16 (default) or fp8: FP8 linears in the engine files")
+    p.add_argument("--fp8-recipe", default="tensorwise",
+                   help="FP8 scaling: tensorwise (default), rowwise (torchtitan), blockwise, mxfp8, delayed (Megatron)")
+    p.add_argument("--fp8-param-gather", action="store_true",
+                   help="keep the weights in FP8 and all-gather them in FP8 (1 byte per parameter)")
+    p.add_argument("--moe-node-limit", type=int,
+                   help="MoE: a token's experts on at most this many nodes (DeepSeek-V3: 4)")
     p.add_argument("--mirror", default="", help="second checkpoint tier URL for checkpoint.mirror (optional)")
     p.add_argument("--top", type=int, default=6, help="rows in the comparison table (default 6)")
     p.add_argument("--layout", help="score this layout instead of writing a plan: tp8,pp16,dp128[,cp2,v4,zero1,"
@@ -70,7 +78,10 @@ def spec_from_args(args: argparse.Namespace):
                      gpu_tflops=args.gpu_tflops, mfu=args.mfu, overlap=args.overlap, headroom=args.headroom,
                      mtbf_hours=args.mtbf_hours, storage_gbps=args.storage_gbps, recipe=args.recipe,
                      attention=args.attention, shape_overrides={k: getattr(args, k) for k in _SHAPE},
-                     allow_batch_rounding=getattr(args, "round_batch", False))
+                     allow_batch_rounding=getattr(args, "round_batch", False),
+                     precision=getattr(args, "precision", "bf16"), fp8_recipe=getattr(args, "fp8_recipe", "tensorwise"),
+                     fp8_param_gather=getattr(args, "fp8_param_gather", False),
+                     moe_node_limit=getattr(args, "moe_node_limit", None))
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -112,3 +112,78 @@ RUNS: dict[str, PublishedRun] = {
         "tp8,pp35,dp8,cp1,zero1,recompute=full,mb1,v1", 126.0, "hardware",
         assumed=("vocab 51,200 (GPT-2's 50,257 padded, Megatron)", "ZeRO-1 (DeepSpeed), micro-batch 1")),
 }
+
+
+# ------------------------------------------------------------------------------------------------
+# Mixture-of-experts runs. Their throughput is published as GPU-hours per token or as MFU (on
+# *active* parameters), so each row says which; the kit's FLOPs per token are
+# ``estimate.moe_flops_per_token`` (6 x active matmul parameters + the attention term).
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PublishedMoERun:
+    """One published mixture-of-experts run (base units: tokens, seconds)."""
+
+    name: str
+    source: str
+    model: str                  # course plan --model (estimate.MOE_PRESETS)
+    gpu: str
+    gpus: int
+    gpus_per_node: int
+    seq: int
+    global_batch: int           # sequences per optimizer step
+    tokens: float
+    layout: str                 # course plan --layout text (published fields only)
+    gpu_hours_per_trillion: float | None = None  # published GPU-hours per 1e12 training tokens
+    mfu: float | None = None    # published model FLOPs utilisation (active parameters)
+    precision: str = "bf16"
+    fp8_recipe: str = "tensorwise"
+    moe_node_limit: int | None = None
+    attention: str = "flash"
+    assumed: tuple = field(default_factory=tuple)
+
+    def plan_kwargs(self) -> dict:
+        """``course_lib.planner.plan`` / ``make_spec`` keywords for this job."""
+        return dict(model=self.model, gpu=self.gpu, gpus=self.gpus, gpus_per_node=self.gpus_per_node,
+                    tokens=self.tokens, seq=self.seq, global_batch_tokens=self.global_batch * self.seq,
+                    attention=self.attention, precision=self.precision, fp8_recipe=self.fp8_recipe,
+                    moe_node_limit=self.moe_node_limit)
+
+
+def published_moe_tokens_per_s(run: PublishedMoERun) -> float:
+    """The run's tokens per second for the whole job: GPUs x 1e12 / (GPU-hours per trillion x 3600),
+    or GPUs x MFU x dense bf16 peak / ``moe_flops_per_token`` (active parameters) at the run's sequence."""
+    if run.gpu_hours_per_trillion is not None:
+        return run.gpus * 1e12 / (run.gpu_hours_per_trillion * 3600)
+    from course_lib.estimate import ACCELERATORS, moe_flops_per_token, moe_preset
+    from course_lib.planner.hardware import resolve_gpu
+
+    peak = ACCELERATORS[resolve_gpu(run.gpu)].bf16
+    return run.gpus * run.mfu * peak / moe_flops_per_token(moe_preset(run.model), seq_len=run.seq)
+
+
+MOE_RUNS: dict[str, PublishedMoERun] = {
+    "deepseek-v3": PublishedMoERun(
+        "DeepSeek-V3 (671B, 37B active)",
+        "DeepSeek-AI 2024, DeepSeek-V3 Technical Report, arXiv 2412.19437: Sec. 3.1-3.2 (2,048 H800 in nodes of 8, "
+        "16-way pipeline (DualPipe), 64-way expert parallelism over 8 nodes, ZeRO-1 data parallelism, no tensor "
+        "parallelism), Sec. 3.3 (FP8 training, 1x128 / 128x128 block scaling), Sec. 2.1.2 (each token sent to at "
+        "most 4 nodes), Sec. 4.2 (sequence 4096, batch 15,360 sequences, 14.8T tokens), Table 1 (180K H800 GPU-hours "
+        "per trillion tokens; 2,664K pre-training + 119K context extension + 5K post-training = 2.788M)",
+        "deepseek-v3", "h800", 2048, 8, 4096, 15360, 14.8e12,
+        "tp1,pp16,dp128,ep64,etp1,zero1", gpu_hours_per_trillion=180e3, precision="fp8", fp8_recipe="blockwise",
+        moe_node_limit=4,
+        assumed=("global batch 15,360 sequences: the batch after its ramp (3,072 -> 15,360 over the first 469B tokens)",
+                 "recomputation: the paper recomputes RMSNorm and the MLA up-projections; the scorer chooses",
+                 "pipeline split of the 61 blocks (DualPipe, MTP on the last stage): the scorer's balanced split",
+                 "DualPipe's overlap of the all-to-all with computation: the planner's --overlap 0.5")),
+    "mixtral-8x22b-megatron": PublishedMoERun(
+        "Megatron-Core Mixtral 8x22B (Parallel Folding)",
+        "Liu et al. 2025, MoE Parallel Folding: Heterogeneous Parallelism Mappings for Efficient Large-Scale MoE Model "
+        "Training with Megatron Core, arXiv 2504.14960, abstract: up to 49.3% MFU for Mixtral 8x22B on H100 GPUs",
+        "mixtral-8x22b", "h100", 128, 8, 4096, 256, 1e12, "ep8", mfu=0.493,
+        assumed=("128 GPUs, sequence 4096, global batch 256 sequences: not the paper's table, which this row does not "
+                 "hold; MFU is per GPU, so the job size changes little", "tp, pp, ZeRO, recomputation, etp: chosen by "
+                 "the scorer; ep 8 (one expert per rank, the fold the paper's title names)",
+                 "MFU on the kit's active-parameter FLOPs (6 x active + attention), Megatron's count may differ")),
+}
