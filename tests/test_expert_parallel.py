@@ -67,6 +67,21 @@ def test_bytes_on_the_wire_equal_the_formula_to_the_byte(ranks, size):
             s, r = sum(res["send"]), sum(res["recv"])
             assert res["wire_count"] == 5  # counts, dispatch, combine, and the two backward
             assert res["wire_payload"] == 8 * 8 + 2 * (s + r) * row
+    # the estimator's formula (course_lib.estimate, torch-free), fed the routing's row counts
+    from course_lib.estimate import alltoall_bytes_per_layer
+
+    for rank, got in enumerate(ranks):
+        for case in fns.LAYER_CASES:
+            res, me = got[(size, case)], rank % size
+            off = sum(n for q, n in enumerate(res["send"]) if q != me)
+            back = sum(n for q, n in enumerate(res["recv"]) if q != me)
+            est = alltoall_bytes_per_layer(tokens_off_rank=off, tokens_received=back, d_model=16, ep=size,
+                                           n_experts=8, bytes_per_element=4, grad_bytes_per_element=4)
+            sent = {k: v[0] for k, v in res["measured"].items()}
+            assert (est.dispatch, est.combine, est.counts) == (sent["dispatch"], sent["combine"], sent["counts"]), \
+                (rank, case, est, sent)
+            assert est.backward == sent["combine backward"] + sent["dispatch backward"], (rank, case, est, sent)
+            assert est.total == sum(sent.values())
     # what one rank sends to another is what that rank receives from it
     for case in fns.LAYER_CASES:
         for a in range(4):
