@@ -99,6 +99,10 @@ def test_a_mirror_overlapping_the_checkpoint_folder_is_refused_before_anything_i
 # ---------------------------------------------------------------------------- 1 + 2 on 2 ranks
 
 def test_fsdp_sharded_refuses_a_second_fresh_run_and_an_overlapping_mirror_on_two_ranks(tmp_path):
+    """fsdp with sharded checkpoints, one 2-rank launch: a second run without --resume into the
+    folder is a ConfigError on both ranks and leaves the folder as it was; a mirror that is another
+    run's checkpoint folder, or above it, is refused before that run writes anything; and a
+    sharded save continues the save sequence of the folder's other formats."""
     def cfg(**sets):
         extra = [f"{k.replace('__', '.')}={json.dumps(v) if isinstance(v, str) else v}" for k, v in sets.items()]
         return train_config.load(TINY, ["train.progress=false", "train.peak_flops=1e12", "schedule.warmup_steps=1",
@@ -109,8 +113,8 @@ def test_fsdp_sharded_refuses_a_second_fresh_run_and_an_overlapping_mirror_on_tw
     out, other = tmp_path / "fsdp", tmp_path / "other"
     mirrors = [("mirror-same", cfg(checkpoint__mirror=f"file://{other / 'checkpoints'}"), str(other)),
                ("mirror-above", cfg(checkpoint__mirror=f"file://{tmp_path}"), str(other))]
-    reports = run_ranks(fns.refusals_on_two_ranks, 2, cfg(), str(out), mirrors, timeout=600)
-    (found, before, after), (found1, _, _) = reports
+    reports = run_ranks(fns.refusals_on_two_ranks, 2, cfg(), str(out), mirrors, str(tmp_path / "seq"), timeout=600)
+    (found, before, after, seq), (found1, *_) = reports
     assert before[1] == ["step_000000002", "step_000000004"], before[1]
     assert after == before, "the refused second run changed the folder (step folders, metrics or manifests)"
     for name, text in {**found, **{f"{k} (rank 1)": v for k, v in found1.items()}}.items():
@@ -118,6 +122,7 @@ def test_fsdp_sharded_refuses_a_second_fresh_run_and_an_overlapping_mirror_on_tw
     assert "--resume auto" in found["again"] and "new --out" in found["again"], found["again"]
     assert all("checkpoint.mirror" in found[n] for n in ("mirror-same", "mirror-above")), found
     assert not other.exists(), "a refused run wrote into its --out"
+    assert seq == 8, f"a sharded save beside a full checkpoint of save #7 got save #{seq}: one order per folder"
 
 
 # ---------------------------------------------------------------------------- 4. one order

@@ -1,6 +1,6 @@
 """``course ckpt``: a run's checkpoints out of the kit.
 
-    course ckpt list RUN                                   every checkpoint, and what --resume auto takes
+    course ckpt list RUN                                   every checkpoint, and what --resume auto does
     course ckpt consolidate RUN [--step N] [--with-optimizer] [--trust-pickles] --out FILE.safetensors
     course ckpt export-hf RUN|FILE.safetensors [--step N] [--trust-pickles] --out DIR
 
@@ -26,7 +26,8 @@ def add_ckpt_parser(subparsers) -> argparse.ArgumentParser:
                                            "Hugging Face transformers")
     sub = p.add_subparsers(dest="ckpt_command", required=True)
     ls = sub.add_parser("list", help="every checkpoint in a run folder: step, format, layout, size, verifies; "
-                                     "which one --resume auto would take")
+                                     "what --resume auto would do (the checkpoint it loads, or its refusal and "
+                                     "exit code)")
     ls.add_argument("run", help="the run folder (course train --out RUN), or its checkpoints/ folder")
     ls.set_defaults(func=run_list)
     c = sub.add_parser("consolidate", help="one .safetensors file of full weights (any format, any world size), "

@@ -126,7 +126,7 @@ def resume_choice(root: Path, cfg: dict | None, found: list[Found],
     why = (f"the newest {format_name(fmt)} checkpoint (save #{chosen.manifest.get('seq', 0)}) that verifies, the "
            f"format train.strategy = {strategy!r} in config.json saves")
     if aside:
-        why += f"; it would first move aside as .corrupt-* the damaged ones: {', '.join(aside)}"
+        why += f"; damaged ones are moved aside as .corrupt-* and passed over: {', '.join(aside)}"
     return f"--resume auto would load {chosen.name} (step {chosen.step}){note}: {why}"
 
 

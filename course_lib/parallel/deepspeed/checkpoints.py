@@ -55,7 +55,7 @@ from course_lib.validate import check_int
 
 DS_FORMAT = "course_lib.checkpoint.deepspeed/1"
 #: The only non-tensor classes DeepSpeed's own ``.pt`` files pickle (ZeRO 0-3, fp32 and bf16,
-#: DeepSpeed 0.18; every file listed with ``torch.serialization.get_unsafe_globals_in_checkpoint``):
+#: DeepSpeed 0.19; every file listed with ``torch.serialization.get_unsafe_globals_in_checkpoint``):
 #: an IntEnum, a loss-scale holder and a two-int dataclass. Rebuilding them sets attributes only.
 SAFE_GLOBALS = ("deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.runtime.fp16.loss_scaler.LossScaler",
                 "deepspeed.utils.tensor_fragment.fragment_address")
