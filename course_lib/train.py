@@ -68,6 +68,7 @@ class TrainResult:
     stopped_by: str | None = None  # signal that stopped the run early after a checkpoint (course_lib.watch)
     val_loss: float | None = None  # nats/token on data.val_path after the last step (rank 0; OUT/val.json)
     peak: Any = None  # the MFU peak (trainer.cpu_peak.Peak): FLOP/s per device and where it came from
+    init_from: str | None = None  # model.init_from: the weights the run began from (None: random)
 
 
 def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[str] = (),
@@ -97,12 +98,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     # ---- everything that can fail on bad input is built before the first file is written
     torch.manual_seed(t["seed"])  # same initial weights on every rank
     mcfg = train_config.build_model_config(cfg)
-    model = TinyGPT(mcfg)
-    if cfg["model"].get("init_from"):  # fine-tuning: every rank reads the same weights (a resume overwrites them)
-        from course_lib.model.init_source import load_init_state
-
-        model.load_state_dict(load_init_state(cfg["model"]["init_from"], mcfg), strict=True)
-    model = model.to(device)
+    model = TinyGPT(mcfg).to(device)
     # From here each rank draws its own random numbers (dropout masks): replicas that drew the
     # same masks on different data would be correlated for no reason. Checkpoints keep each rank's
     # generator, so a resume continues every rank's own stream.
@@ -110,6 +106,17 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     faults, stalls = watch_control.trainer_faults(faults, info.world_size, t["max_steps"])
     stabilizer = _stabilizer(cfg, faults, out_dir, info.rank, model)
     strategy = make_strategy(t["strategy"], info, device, cfg)
+    init_from = cfg["model"].get("init_from") or None
+    init_read = bool(init_from) and not (resume and train_setup.holds_checkpoints(out_dir, ck["mirror"], strategy))
+    if init_read:
+        # Fine-tuning: every rank reads the same weights. A resume beside checkpoints takes every
+        # weight from them (or refuses): the source is not read, and may be gone.
+        from course_lib.model.init_source import load_init_state
+
+        try:
+            model.load_state_dict(load_init_state(init_from, mcfg), strict=True)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"model.init_from = {init_from!r}: {exc}") from None
     train_setup.check_faults_reach(stabilizer, strategy, t["strategy"])  # an engine may keep p.grad
     strategy.setup(model, train_setup.adamw(cfg["optim"]))
     if t["compile"]:
@@ -124,6 +131,10 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     state = TrainState(strategy.model, strategy.optimizer, scheduler, policy, stream,
                        {"stabilizer": stabilizer, **wandb_log.stateful()})
 
+    if ck["mirror"]:  # a mirror in (or above) the checkpoint folder would upload onto itself
+        train_setup.check_mirror_apart(ck["mirror"], out_dir / "checkpoints")
+    if not resume:  # a fresh run never prunes an earlier run's checkpoints, nor truncates its metrics
+        train_setup.check_fresh_folder(out_dir, strategy)
     if ck["mirror"] and not resume:  # a fresh run never uploads over a mirror's checkpoints
         train_setup.check_fresh_mirror(ck["mirror"], strategy)
 
@@ -136,6 +147,9 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
         loaded = resume_guard.resume(checkpoints, state, t["strategy"])
         if loaded is not None:
             start, last_loss = loaded.step, loaded.metrics.get("loss")
+        elif init_from and not init_read:  # holds_checkpoints saw some: a resume loads one or refuses
+            raise ConfigError(f"--resume auto found checkpoints under {out_dir} at start-up but loaded none, and "
+                              f"model.init_from was not read; run again")
     if strategy.is_writer:
         _write_run_files(out_dir, cfg, strategy)
     # Rows are buffered (train.metrics_flush_s) and always flushed before a checkpoint is taken:
@@ -239,7 +253,8 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     # strategy.model: this rank's trained module (under tensor/pipeline parallelism its shard or
     # stage; the dense ``model`` it was cut from is not trained).
     return TrainResult(step, start, last_loss, skipped, out_dir, rollbacks, strategy.model, str(device),
-                       info.backend, strategy, stopped_by=control.stopped_by, val_loss=val_loss, peak=peak)
+                       info.backend, strategy, stopped_by=control.stopped_by, val_loss=val_loss, peak=peak,
+                       init_from=init_from)
 
 
 def _agreed_peak(peak: Peak, info) -> Peak:
@@ -305,13 +320,16 @@ def run_cli(args: argparse.Namespace) -> int:
     from course_lib.stability import parse_faults
 
     overrides = cli_overrides(args)
+    resume = args.resume == "auto"
     try:
-        cfg = train_config.load(args.config, overrides)
+        # A resume takes every weight from its checkpoints: model.init_from's source is read (and
+        # checked) only when there is nothing to resume (train does it then).
+        cfg = train_config.load(args.config, overrides, init_source=not resume)
         try:
             parse_faults(watch_control.split_stalls(args.inject_fault)[0])  # malformed: config error, no file
         except ValueError as exc:
             raise ConfigError(f"--inject-fault: {exc}") from None
-        result = train(cfg, args.out, resume=args.resume == "auto", faults=args.inject_fault)
+        result = train(cfg, args.out, resume=resume, faults=args.inject_fault)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

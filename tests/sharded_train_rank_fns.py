@@ -83,9 +83,12 @@ def fsdp_refuses_a_model_without_blocks(rank, world_size):
 
 
 def resume_into_other_formats(rank, world_size, cases, root):
-    """Per case ``(name, [(cfg, resume), ...], cfg_resumed)`` under ``root/name``: the runs that fill
-    the folder, then ``--resume auto`` with ``cfg_resumed``, expecting a ConfigError. Returns
+    """Per case ``(name, [(cfg, resume[, "copied"]), ...], cfg_resumed)`` under ``root/name``: the
+    runs that fill the folder, then ``--resume auto`` with ``cfg_resumed``, expecting a ConfigError.
+    A fill marked "copied" trains a folder of its own beside it, whose step directories the folder
+    lacks rank 0 then copies in (a second fresh run into the folder itself is refused). Returns
     ``{name: (message or None, the folder's step directories and metrics.jsonl before, after)}``."""
+    import shutil
     from pathlib import Path
 
     import torch.distributed as dist
@@ -100,8 +103,17 @@ def resume_into_other_formats(rank, world_size, cases, root):
     out = {}
     for name, fills, resumed in cases:
         folder = Path(root) / name
-        for c, resume in fills:
-            train(c, folder, resume=resume)
+        for c, resume, *copied in fills:
+            if not copied:
+                train(c, folder, resume=resume)
+                continue
+            side = folder.with_name(f"{name}-copied")
+            train(c, side, resume=resume)
+            dist.barrier()
+            if rank == 0:
+                for step_dir in sorted((side / "checkpoints").glob("step_*")):
+                    if not (folder / "checkpoints" / step_dir.name).exists():
+                        shutil.copytree(step_dir, folder / "checkpoints" / step_dir.name)
         dist.barrier()
         before = snapshot(folder)
         message = None

@@ -342,7 +342,8 @@ def other_format_cases():
 
     return [("ddp-fsdp", [(c("ddp"), False)], c("fsdp", 4)),
             ("fsdp-zero2", [(c("fsdp"), False)], c("zero2", 4)),
-            ("newer-ddp", [(c("fsdp"), False), (c("ddp", 4), False)], c("fsdp", 6))]
+            # a ddp run's step 4 copied beside fsdp's step 2: saved after it (a higher save sequence)
+            ("newer-ddp", [(c("fsdp"), False), (c("ddp", 4), False, "copied")], c("fsdp", 6))]
 
 
 def test_resume_auto_refuses_checkpoints_of_another_format(launches):

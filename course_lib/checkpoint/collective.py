@@ -102,10 +102,9 @@ def begin_save(root: str | Path, step: int, *, what: str, format: str, group: An
         try:
             root.mkdir(parents=True, exist_ok=True)
             cio.cleanup_temp(root)  # a torn save of a killed run (sync or async) goes here
-            existing, _ = newest_first(root, format)
             name = cio.fresh_name(root, step)
             tmp = cio.new_temp_dir(root, name)
-            plan = ("ok", name, str(tmp), 1 + max([s for s, _, _ in existing] + [0]))
+            plan = ("ok", name, str(tmp), 1 + cio.last_seq(root))  # every format's: one order per folder
         except Exception as e:  # the others wait for the plan: tell them
             plan = ("error", describe(e), None, None)
     kind, name, tmp, seq = broadcast(plan, group)

@@ -285,6 +285,22 @@ def scan(root: Path, fmt: str) -> tuple[dict[str, dict], dict[str, str]]:
     return good, damaged
 
 
+def last_seq(root: Path) -> int:
+    """The highest save sequence number (``seq``) among the checkpoints under ``root`` of *every*
+    format (0 when there are none). A new checkpoint takes ``last_seq + 1`` whatever its format,
+    so the manifest's ``seq`` orders every checkpoint of a folder: a resume, ``course ckpt`` and
+    the other-format check all go by it, never by the wall clock (which can step back). Manifests
+    that cannot be read count as 0: they are the loaders' business."""
+    seqs = [0]
+    for p in list_checkpoint_dirs(Path(root)):
+        try:
+            seq = read_manifest(p, expected_format=None).get("seq", 0)
+        except CheckpointError:
+            continue
+        seqs.append(seq if isinstance(seq, int) else 0)
+    return max(seqs)
+
+
 def quarantined(root: Path) -> list[str]:
     """Names of checkpoints moved aside as corrupt (``.corrupt-*``) under ``root``."""
     if not Path(root).is_dir():

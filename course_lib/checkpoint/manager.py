@@ -38,7 +38,7 @@ from course_lib.validate import check_bool, check_choice, check_int, check_numbe
 
 from . import io as cio
 from .io import CheckpointCorruptError, CheckpointError, CheckpointLoadError  # noqa: F401  (re-exported)
-from .mirror import CheckpointMirror, as_mirror
+from .mirror import CheckpointMirror, as_mirror, check_apart
 from .state import LoadResult, apply_state, gather_train_state, to_cpu_copy
 from .tiers import choose, quarantine
 
@@ -78,6 +78,7 @@ class CheckpointManager:
         self.async_save, self.writer, self.reuse_buffers = async_save, writer, reuse_buffers
         self._staging: Any = None  # CPU copy of the last saved state, reused as the next copy's buffers
         self.mirror = as_mirror(mirror)
+        check_apart(self.mirror, self.root)  # a mirror in (or above) root would upload onto itself
         self._valid: dict[str, dict] = {}  # name -> manifest, checksums verified by this process
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -90,8 +91,8 @@ class CheckpointManager:
         if self.writer:
             self.root.mkdir(parents=True, exist_ok=True)
             self.cleaned = cio.cleanup_temp(self.root)
-        self._next_seq = 1 + max([m.get("seq", 0) for m in self._manifests().values()] +
-                                 [m.get("seq", 0) for m in self._remote().values()] + [0])
+        # Every format's checkpoints count: one save order per folder (io.last_seq).
+        self._next_seq = 1 + max([cio.last_seq(self.root)] + [m.get("seq", 0) for m in self._remote().values()])
 
     # ------------------------------------------------------------------ discovery
     def _manifests(self) -> dict[str, dict]:

@@ -17,6 +17,7 @@ existing parent), so an unmounted share is never silently replaced by a fresh fo
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import warnings
@@ -263,6 +264,29 @@ class CheckpointMirror:
 
     def __repr__(self) -> str:
         return f"CheckpointMirror({self.url!r})"
+
+
+def check_apart(mirror: Any, root: str | Path) -> None:
+    """ValueError when ``mirror`` (a URL or a :class:`CheckpointMirror`) is a local folder that is
+    the checkpoint folder ``root``, inside it, or above it: an upload would first delete the
+    manifest it is about to copy onto itself (losing the checkpoint), and the mirror's prune would
+    delete the run's own folders. Paths are compared after resolving symlinks and ``..``; object
+    stores (``s3://``, ``memory://``...) never overlap a local folder. Nothing is read or written."""
+    m = as_mirror(mirror)
+    if m is None or not m._local():
+        return
+    there, here = Path(os.path.realpath(m.root)), Path(os.path.realpath(root))
+    if there == here:
+        how = "is"
+    elif here in there.parents:
+        how = "is inside"
+    elif there in here.parents:
+        how = "is a folder above"
+    else:
+        return
+    raise ValueError(f"checkpoint.mirror {m.url} {how} the run's own checkpoint folder {here}: each upload would "
+                     f"copy a checkpoint onto itself (deleting it) and the mirror's retention would prune the "
+                     f"run's folders. Point checkpoint.mirror at a folder outside {here} (another disk or share)")
 
 
 def as_mirror(mirror: Any) -> CheckpointMirror | None:

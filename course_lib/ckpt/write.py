@@ -28,12 +28,15 @@ from course_lib.ckpt.runs import CkptError, checkpoint_root, format_name, full_w
 from course_lib.model.init_source import CONFIG_KEY
 
 
-def load_source(source: str | Path, step: int | None, *,
-                with_optimizer: bool = False) -> tuple[dict, Any, dict, dict | None]:
+def load_source(source: str | Path, step: int | None, *, with_optimizer: bool = False,
+                trust_pickles: bool = False) -> tuple[dict, Any, dict, dict | None]:
     """``(TinyGPT state dict, ModelConfig, provenance, optimizer state)`` of a run folder's
     checkpoint (``step``, or the newest that verifies) or of a consolidated ``.safetensors`` file.
     The optimizer state (:mod:`course_lib.ckpt.optimizer`) only with ``with_optimizer`` (else None),
-    from the same read of the checkpoint; a weights file has none (CkptError)."""
+    from the same read of the checkpoint; a weights file has none (CkptError). The provenance's
+    ``skipped``: ``[(name, why)]`` of newer checkpoints passed over because they do not verify
+    (the caller reports them; they are not written into the output). ``trust_pickles``: see
+    :func:`course_lib.ckpt.runs.full_weights` (DeepSpeed folders only)."""
     p = Path(source)
     if p.is_file():
         from course_lib.model.init_source import load_init_state, source_config
@@ -51,15 +54,17 @@ def load_source(source: str | Path, step: int | None, *,
     root = checkpoint_root(p)
     cfg = run_config(root)
     mcfg = model_config(cfg)
-    found, decoded = pick(root, step)  # a full checkpoint comes back read: weights and optimizer, one read
-    state = full_weights(found, mcfg, decoded)
+    skipped: list[tuple[str, str]] = []
+    found, decoded = pick(root, step, skipped)  # a full checkpoint comes back read: weights and optimizer, one read
+    state = full_weights(found, mcfg, decoded, trust_pickles=trust_pickles)
     optim = None
     if with_optimizer:
         from course_lib.ckpt.optimizer import optimizer_state
 
         optim = optimizer_state(found, mcfg, cfg, decoded[1] if decoded else None)
     return state, mcfg, {"run": str(p), "checkpoint": found.name, "step": found.step,
-                         "format": format_name(found.format), "world_size": found.manifest.get("world_size")}, optim
+                         "format": format_name(found.format), "world_size": found.manifest.get("world_size"),
+                         "skipped": skipped}, optim
 
 
 def _refuse_existing(*paths: Path) -> None:
@@ -76,7 +81,7 @@ def _temp(final: Path) -> Path:
 
 
 def consolidate(source: str | Path, out: str | Path, step: int | None = None, *,
-                with_optimizer: bool = False) -> tuple[Path, Path, dict]:
+                with_optimizer: bool = False, trust_pickles: bool = False) -> tuple[Path, Path, dict]:
     """Write ``out`` (a ``.safetensors`` file) and ``out`` with suffix ``.json`` (and, with
     ``with_optimizer``, ``FILE.optim.pt``); returns the weights and config paths and the provenance
     (``info["optimizer"]``: the optimizer file's path). CkptError for bad input; nothing is left
@@ -89,7 +94,8 @@ def consolidate(source: str | Path, out: str | Path, step: int | None = None, *,
     side = out.with_suffix(".json")
     optim_path = out.with_suffix(".optim.pt")
     _refuse_existing(out, side, *([optim_path] if with_optimizer else []))
-    state, mcfg, info, optim = load_source(source, step, with_optimizer=with_optimizer)
+    state, mcfg, info, optim = load_source(source, step, with_optimizer=with_optimizer, trust_pickles=trust_pickles)
+    report, info = info, _provenance(info)
     tensors = {k: v.detach().contiguous() for k, v in state.items()
                if not (mcfg.tie_embeddings and k == "lm_head.weight")}  # safetensors stores a tensor once
     meta = {"format": "pt", CONFIG_KEY: json.dumps(mcfg.to_dict()), "course_lib.source": json.dumps(info)}
@@ -126,11 +132,12 @@ def consolidate(source: str | Path, out: str | Path, step: int | None = None, *,
                 optim_path.unlink(missing_ok=True)
         raise
     if optim is not None:
-        info = {**info, "optimizer": str(optim_path)}
-    return out, side, info
+        report = {**report, "optimizer": str(optim_path)}
+    return out, side, report
 
 
-def export_hf(source: str | Path, out: str | Path, step: int | None = None) -> tuple[Path, str, dict]:
+def export_hf(source: str | Path, out: str | Path, step: int | None = None, *,
+              trust_pickles: bool = False) -> tuple[Path, str, dict]:
     """Write the HF folder ``out``; returns it, the HF class name and the provenance. CkptError for
     bad input or a TinyGPT no HF class expresses (naming the switch); ImportError (with the install
     command) when ``transformers`` is missing."""
@@ -142,7 +149,8 @@ def export_hf(source: str | Path, out: str | Path, step: int | None = None) -> t
     out = Path(out)
     _refuse_existing(out)
     require_transformers()  # before the (possibly long) read of the checkpoint
-    state, mcfg, info, _ = load_source(source, step)
+    state, mcfg, report, _ = load_source(source, step, trust_pickles=trust_pickles)
+    info = _provenance(report)
     try:
         cls, config = hf_config(mcfg)
     except ValueError as e:
@@ -165,7 +173,13 @@ def export_hf(source: str | Path, out: str | Path, step: int | None = None) -> t
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out, cls.__name__, info
+    return out, cls.__name__, report
+
+
+def _provenance(info: dict) -> dict:
+    """What an output records about its source: ``info`` without the passed-over list (reported
+    on stderr by the command, not part of the weights' history)."""
+    return {k: v for k, v in info.items() if k != "skipped"}
 
 
 def _check_against_hf(cls, config, hf_state: dict) -> None:

@@ -122,6 +122,10 @@ class ShardedCheckpoints:
         self.strategy, self.root = strategy, Path(root)
         self.every_steps, self.keep_last = every_steps, keep_last
         self.mirror = None
+        if mirror:  # on every rank (no file is read): a mirror in or above root would upload onto itself
+            from course_lib.checkpoint.mirror import check_apart
+
+            check_apart(mirror, self.root)
         if mirror and strategy.info.rank == 0:  # rank 0 seals every checkpoint: it alone copies them
             from course_lib.checkpoint.mirror import as_mirror
 

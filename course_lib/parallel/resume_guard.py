@@ -14,7 +14,7 @@ format, so on its own it finds "nothing" and the run would start from step 0, re
   ``consolidate_sharded`` for DCP, ``deepspeed_to_state_dict`` for DeepSpeed; the optimizer state
   and data position would be lost), so it refuses rather than load half a state;
 * one of this run's format was loaded, but a checkpoint of another format is *newer* (saved
-  later): refused too, since resuming the older one would silently drop the newer run's progress;
+  later: a higher save sequence ``seq``, which every format of a folder shares): refused too, since resuming the older one would silently drop the newer run's progress;
 * older checkpoints of another format beside the loaded one (leftovers of an earlier run) are
   only warned about.
 
@@ -51,7 +51,7 @@ MANIFEST_FORMAT = {"full": "course_lib.checkpoint/1", "sharded": "course_lib.che
 
 def _listing(root: Path) -> list[dict]:
     """Every checkpoint directory under ``root`` whose manifest reads: name, manifest format, step,
-    world size, ZeRO stage, save time (Unix seconds). Unreadable ones are the loaders' business."""
+    save sequence (``seq``), world size, ZeRO stage, save time (Unix seconds). Unreadable ones are the loaders' business."""
     from course_lib.checkpoint import io as cio
     from course_lib.checkpoint.io import CheckpointError
 
@@ -61,7 +61,7 @@ def _listing(root: Path) -> list[dict]:
             m = cio.read_manifest(path, expected_format=None)
         except CheckpointError:
             continue
-        found.append({"name": path.name, "format": m["format"], "step": m.get("step"),
+        found.append({"name": path.name, "format": m["format"], "step": m.get("step"), "seq": m.get("seq", 0),
                       "world_size": m.get("world_size"), "zero_stage": m.get("zero_stage"),
                       "created_unix": m.get("created_unix", 0.0)})
     return sorted(found, key=lambda c: c["name"])
@@ -77,7 +77,7 @@ def _mirror_listing(mirror: Any) -> list[dict]:
         held = mirror.list()
     except Exception:  # noqa: BLE001 - choose() already judged an unlistable mirror
         return []
-    return sorted(({"name": n, "format": m.get("format"), "step": m.get("step"),
+    return sorted(({"name": n, "format": m.get("format"), "step": m.get("step"), "seq": m.get("seq", 0),
                     "world_size": m.get("world_size"), "zero_stage": m.get("zero_stage"),
                     "created_unix": m.get("created_unix", 0.0), "where": mirror.url}
                    for n, m in held.items()), key=lambda c: c["name"])
@@ -133,9 +133,7 @@ def verdict(root: str | Path, own_format: str, strategy: str, loaded: Any,
                           f"Refusing to start from step 0 beside them (metrics.jsonl and the step folders"
                           f"{', on the mirror too,' if mirror is not None else ''} would be overwritten); nothing "
                           f"was written. {how}")
-    newest = max(c["created_unix"] or 0.0 for c in foreign)
-    mine_time = (loaded.manifest or {}).get("created_unix") or 0.0
-    if newest > mine_time:
+    if any(_saved_after(c, loaded.manifest or {}) for c in foreign):
         return "refuse", (f"--resume auto: {where} hold{'' if mirror is not None else 's'} checkpoints of "
                           f"another format saved after the "
                           f"{own_name} checkpoint {loaded.path.name} (step {loaded.step}) this run would resume "
@@ -143,6 +141,18 @@ def verdict(root: str | Path, own_format: str, strategy: str, loaded: Any,
                           f"was written. {how}")
     return "warn", (f"{where}: resumed from {loaded.path.name}; older checkpoints of another format lie beside "
                     f"it and are ignored:\n{lines}")
+
+
+def _saved_after(c: dict, mine: dict) -> bool:
+    """Whether checkpoint ``c`` (a listing entry) was saved after the manifest ``mine``: by the save
+    sequence, which every format of a folder shares (``checkpoint.io.last_seq``), never by the wall
+    clock (another node's, or one stepped back). Equal sequence numbers come only from folders
+    written before the sequence was shared (or copied together by hand); the save times decide
+    those."""
+    theirs, own = c.get("seq") or 0, mine.get("seq") or 0
+    if theirs != own:
+        return theirs > own
+    return (c.get("created_unix") or 0.0) > (mine.get("created_unix") or 0.0)
 
 
 def resume(checkpoints: Any, state: Any, strategy_name: str) -> Any:

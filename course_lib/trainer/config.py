@@ -74,8 +74,11 @@ def _check_value(where: str, value: Any, kind: type, constraint: Any) -> Any:
     return value
 
 
-def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Merge ``raw`` over the defaults and check every key, type and range. Returns a new dict."""
+def validate(raw: dict[str, Any], *, init_source: bool = True) -> dict[str, dict[str, Any]]:
+    """Merge ``raw`` over the defaults and check every key, type and range. Returns a new dict.
+    ``init_source=False`` leaves ``model.init_from``'s weights unread: a ``--resume auto`` run takes
+    every weight from its own checkpoint, so its source may be gone (the trainer checks it when
+    there is nothing to resume)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"config must be a table of sections, got {type(raw).__name__}")
     cfg = defaults()
@@ -97,7 +100,8 @@ def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
             cfg[section][key] = _check_value(where, value, kind, constraint)
     _cross_checks(cfg)
     mcfg = build_model_config(cfg)  # model keys are checked now, not after files exist
-    _init_from_check(cfg, mcfg)
+    if init_source:
+        _init_from_check(cfg, mcfg)
     _token_file_checks(cfg, mcfg)
     _parallel_checks(cfg, mcfg)
     return cfg
@@ -410,8 +414,10 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
-def load(path: str | Path | None, overrides: list[str] = ()) -> dict[str, dict[str, Any]]:
-    """Read ``path`` (TOML; None = defaults only), apply ``section.key=value`` overrides, validate."""
+def load(path: str | Path | None, overrides: list[str] = (), *,
+         init_source: bool = True) -> dict[str, dict[str, Any]]:
+    """Read ``path`` (TOML; None = defaults only), apply ``section.key=value`` overrides, validate
+    (``init_source``: see :func:`validate`)."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -425,4 +431,4 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> dict[str, dict[s
     for text in overrides:
         section, key, value = parse_override(text)
         raw.setdefault(section, {})[key] = value
-    return validate(raw)
+    return validate(raw, init_source=init_source)

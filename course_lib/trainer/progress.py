@@ -95,12 +95,17 @@ def append_event(out_dir: Path, row: dict, *, enabled: bool) -> None:
 
 
 def run_summary(result, stop_exit_code: int) -> list[str]:
-    """The command line's closing lines for a finished ``TrainResult``: what was trained and where,
+    """The command line's closing lines for a finished ``TrainResult``: what was trained and where
+    (from scratch, from ``model.init_from``'s weights, or resumed from a step),
     the final loss (nats/token), skipped and rolled-back steps, the metrics file, the validation
     loss if any, and, for a run a signal stopped, how to continue (``stop_exit_code``)."""
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
     done = result.steps - result.resumed_from
-    origin = f"resumed from step {result.resumed_from}" if result.resumed_from else "from scratch"
+    source = getattr(result, "init_from", None)  # model.init_from: the weights the run began from
+    if result.resumed_from:
+        origin = f"resumed from step {result.resumed_from}" + (f"; the run began from {source}" if source else "")
+    else:
+        origin = f"from the weights of {source}" if source else "from scratch"
     what = (f"nothing to do: already at step {result.steps}" if done == 0 and result.resumed_from
             else f"trained {done} steps ({origin})")
     where = f"on {result.device}" + (f" ({result.backend})" if result.backend else "")

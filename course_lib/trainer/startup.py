@@ -190,6 +190,70 @@ def check_fresh_mirror(url: str, strategy) -> None:
         raise ConfigError(error)
 
 
+def check_fresh_folder(out_dir: Path, strategy) -> None:
+    """Collective, for a run that does not resume: ConfigError on every rank, before the run writes
+    anything, when ``out_dir/checkpoints`` already holds checkpoints (any format) or quarantined
+    ones (``.corrupt-*``). A fresh run there would start from step 0, rewrite ``metrics.jsonl`` and
+    let retention (``checkpoint.keep_last``) delete the earlier run's checkpoints. Rank 0 looks
+    and broadcasts its verdict (the folder may be on rank 0's disk only)."""
+    from course_lib.checkpoint import io as cio
+
+    error = None
+    if strategy.info.rank == 0:
+        root = Path(out_dir) / "checkpoints"
+        try:
+            held = sorted(p.name for p in cio.list_checkpoint_dirs(root)) + cio.quarantined(root)
+        except OSError as exc:  # cannot tell what it holds: never start over blind
+            held, error = [], f"--out {out_dir}: cannot list {root} ({exc}); nothing was written"
+        if held:
+            shown = ", ".join(held[-5:]) + (f" (and {len(held) - 5} more)" if len(held) > 5 else "")
+            error = (f"--out {out_dir} already holds an earlier run's checkpoints ({len(held)}: {shown}). A run "
+                     f"without --resume would start from step 0 there, rewrite metrics.jsonl and let "
+                     f"checkpoint.keep_last delete them. Continue that run with --resume auto, or start a new "
+                     f"one with a new --out folder (or move {root} away first); nothing was written")
+    error = strategy.broadcast_object(error)
+    if error is not None:
+        raise ConfigError(error)
+
+
+def holds_checkpoints(out_dir: Path, mirror_url: str, strategy) -> bool:
+    """Collective: whether ``--resume auto`` will load a checkpoint or refuse, rather than start
+    from step 0 - true when ``out_dir/checkpoints`` holds a checkpoint folder of any format or a
+    quarantined one, or the mirror (``mirror_url``; "" for none) lists one
+    (``docs/CHECKPOINTS.md`` rules 4 to 6: each of those ends in a load or a refusal, never a fresh
+    start). A mirror that cannot be listed counts as holding none. Rank 0 looks and broadcasts."""
+    from course_lib.checkpoint import io as cio
+
+    held = False
+    if strategy.info.rank == 0:
+        root = Path(out_dir) / "checkpoints"
+        try:
+            held = bool(cio.list_checkpoint_dirs(root) or cio.quarantined(root))
+        except OSError:
+            held = False  # the resume itself reports the folder; the init source is read meanwhile
+        if not held and mirror_url:
+            from course_lib.checkpoint.mirror import as_mirror
+
+            try:
+                held = bool(as_mirror(mirror_url).list())
+            except Exception:  # noqa: BLE001 - unlistable: the resume refuses or warns on its own
+                held = False
+    return bool(strategy.broadcast_object(held))
+
+
+def check_mirror_apart(url: str, root: Path) -> None:
+    """ConfigError when ``checkpoint.mirror`` (``url``) is the local checkpoint folder ``root`` or a
+    folder inside or above it (:func:`course_lib.checkpoint.mirror.check_apart`): every upload
+    would copy a checkpoint onto itself or prune the run's own folders. Every rank computes the
+    same answer from the config and ``--out`` (no file is read), so no collective is needed."""
+    from course_lib.checkpoint.mirror import check_apart
+
+    try:
+        check_apart(url, root)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}; nothing was written") from None
+
+
 def adamw(optim: dict) -> Callable[[Any], torch.optim.Optimizer]:
     """``model -> AdamW`` from ``[optim]`` (lr, betas, eps, weight decay on the model's decayed
     group only), for ``strategy.setup``: the strategy decides which module it is built on."""

@@ -26,11 +26,16 @@ Loading: rank 0 verifies candidates newest first (checksums; every ``rank{R}.pt`
 corrupt one with a warning, and broadcasts the name; every rank then calls ``engine.load_checkpoint``
 on exactly that one and restores its own ``rank{R}.pt``. A ZeRO checkpoint is tied to the world size
 it was saved with: another world size is refused (CheckpointLoadError), never silently resharded.
-DeepSpeed reads its own ``.pt`` files with ``torch.load(weights_only=False)``: the checksums catch
-damage, not a forged file (see ``docs/CHECKPOINTS.md``, "What is trusted").
+DeepSpeed's engine reads its own ``.pt`` files with ``torch.load(weights_only=False)`` when the
+trainer resumes: the checksums catch damage, not a forged file (see ``docs/CHECKPOINTS.md``, "What
+is trusted").
 
 :func:`deepspeed_to_state_dict` turns a checkpoint into a plain ``{name: fp32 tensor}`` state dict
-(DeepSpeed's ``zero_to_fp32``) that loads into a single-process model.
+(DeepSpeed's ``zero_to_fp32``) that loads into a single-process model. It is what ``course ckpt``
+runs on folders from anywhere, so it never unpickles code: every ``.pt`` file is read with
+``torch.load(weights_only=True)``, admitting only :data:`SAFE_GLOBALS` (the three plain data classes
+DeepSpeed pickles into its optimizer files); a file that names anything else is refused
+(:class:`UntrustedPickleError`) unless the caller passes ``trust_pickles=True``.
 """
 from __future__ import annotations
 
@@ -49,6 +54,18 @@ from course_lib.checkpoint.state import LoadResult, capture_rng, restore_rng_sta
 from course_lib.validate import check_int
 
 DS_FORMAT = "course_lib.checkpoint.deepspeed/1"
+#: The only non-tensor classes DeepSpeed's own ``.pt`` files pickle (ZeRO 0-3, fp32 and bf16,
+#: DeepSpeed 0.19; every file listed with ``torch.serialization.get_unsafe_globals_in_checkpoint``):
+#: an IntEnum, a loss-scale holder and a two-int dataclass. Rebuilding them sets attributes only.
+SAFE_GLOBALS = ("deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                "deepspeed.utils.tensor_fragment.fragment_address")
+TRUST_HINT = ("pass trust_pickles=True (course ckpt: --trust-pickles) only for a checkpoint you wrote yourself: "
+              "it unpickles DeepSpeed's files as DeepSpeed does, which runs any code a forged file names")
+
+
+class UntrustedPickleError(CheckpointLoadError):
+    """A DeepSpeed ``.pt`` file names a class or function outside :data:`SAFE_GLOBALS`: refused
+    without ``trust_pickles`` (the message names the file and the global)."""
 MODEL_STATES = "mp_rank_00_model_states.pt"
 
 
@@ -260,18 +277,75 @@ class DeepSpeedCheckpoints:
 
 # ----------------------------------------------------------------------------- conversion
 
-def deepspeed_to_state_dict(checkpoint_path: str | Path) -> dict[str, torch.Tensor]:
+def _safe_globals() -> list:
+    """The classes of :data:`SAFE_GLOBALS`, imported (DeepSpeed is installed when its files are read)."""
+    import importlib
+
+    out = []
+    for dotted in SAFE_GLOBALS:
+        module, name = dotted.rsplit(".", 1)
+        out.append(getattr(importlib.import_module(module), name))
+    return out
+
+
+def load_ds_file(path: str | Path, *, trust_pickles: bool = False, **kwargs: Any) -> Any:
+    """``torch.load`` of one of DeepSpeed's ``.pt`` files: ``weights_only=True`` with
+    :data:`SAFE_GLOBALS` admitted (UntrustedPickleError naming the file and what it asked for
+    otherwise), or, with ``trust_pickles``, full unpickling as DeepSpeed itself does.
+    ``kwargs``: ``map_location``, ``mmap``."""
+    import pickle
+
+    if trust_pickles:
+        return torch.load(path, weights_only=False, **kwargs)
+    with torch.serialization.safe_globals(_safe_globals()):
+        try:
+            return torch.load(path, weights_only=True, **kwargs)
+        except pickle.UnpicklingError as e:
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]  # torch's names the global
+            first = next((ln for ln in lines if "Unsupported" in ln or "WeightsUnpickler" in ln),
+                         lines[0] if lines else type(e).__name__)
+            raise UntrustedPickleError(f"{path}: refused to unpickle it ({first}). DeepSpeed's own files pickle only "
+                                       f"{', '.join(SAFE_GLOBALS)} besides tensors; this one asks for more, so it "
+                                       f"may be forged or from another DeepSpeed version. To load it anyway, "
+                                       f"{TRUST_HINT}", [(Path(path).name, first)]) from None
+
+
+class _SafeTorch:
+    """``torch`` as DeepSpeed's ``zero_to_fp32`` module sees it while :func:`deepspeed_to_state_dict`
+    runs it: every attribute is torch's own except ``load``, which is :func:`load_ds_file`
+    (``zero_to_fp32`` asks for ``weights_only=False`` itself; that argument is replaced)."""
+
+    def __init__(self, trust_pickles: bool):
+        self._trust = trust_pickles
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    def load(self, f: Any, map_location: Any = None, weights_only: Any = None, **kwargs: Any) -> Any:
+        return load_ds_file(f, trust_pickles=self._trust, map_location=map_location, **kwargs)
+
+
+def deepspeed_to_state_dict(checkpoint_path: str | Path, *, trust_pickles: bool = False) -> dict[str, torch.Tensor]:
     """A plain ``{name: fp32 CPU tensor}`` state dict from a deepspeed checkpoint directory
     (verified first), for ``model.load_state_dict(..., strict=True)`` in one process. ZeRO >= 1:
     DeepSpeed's ``zero_to_fp32`` merges the fp32 master partitions of every rank; ZeRO-0: the
-    module weights rank 0 saved."""
+    module weights rank 0 saved. Every ``.pt`` file is read with ``weights_only=True`` and
+    :data:`SAFE_GLOBALS` (UntrustedPickleError for anything else), or with full unpickling when
+    ``trust_pickles`` (only for checkpoints you wrote: a forged file would run code)."""
     path = Path(checkpoint_path)
     manifest = verify_deepspeed(path)
     if manifest.get("zero_stage", 0) >= 1 or any(f.startswith("zero_pp_rank_") for f in manifest["files"]):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from deepspeed.utils import zero_to_fp32
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+        # zero_to_fp32 calls torch.load(..., weights_only=False) on every file it reads: for the
+        # duration of this call its module sees a torch whose load is load_ds_file.
+        real = zero_to_fp32.torch
+        zero_to_fp32.torch = _SafeTorch(trust_pickles)
+        try:
+            state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+        finally:
+            zero_to_fp32.torch = real
     else:
-        state = torch.load(path / MODEL_STATES, map_location="cpu", weights_only=False)["module"]
+        state = load_ds_file(path / MODEL_STATES, trust_pickles=trust_pickles, map_location="cpu")["module"]
     return {k: v.detach().to("cpu", torch.float32).clone() if v.is_floating_point() else v.detach().cpu().clone()
             for k, v in state.items()}
