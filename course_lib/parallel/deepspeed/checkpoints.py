@@ -73,8 +73,11 @@ def _rank_file(rank: int) -> str:
     return f"rank{rank}.pt"
 
 
-def _zero_file(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def _zero_files(rank: int) -> tuple[str, str]:
+    """The names DeepSpeed gives rank ``rank``'s optimizer shard: ``bf16_``-prefixed when the engine
+    runs bf16 (its BF16_Optimizer), plain otherwise; either one is that rank's shard."""
+    plain = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    return plain, "bf16_" + plain
 
 
 def _ds_dirs(root: Path) -> tuple[list[tuple[int, str, dict]], dict[str, str]]:
@@ -127,9 +130,9 @@ def verify_deepspeed(path: Path, manifest: dict | None = None) -> dict:
     stage = manifest.get("zero_stage", 0)
     # ZeRO-3 writes each rank's module partition, the others rank 0's whole module.
     needed += [f"zero_pp_rank_{r}_{MODEL_STATES}" for r in range(world)] if stage == 3 else [MODEL_STATES]
-    if any(f.endswith("_optim_states.pt") for f in files) or stage >= 1:
-        needed += [_zero_file(r) for r in range(world)]
     missing = [f for f in needed if f not in files]
+    if any(f.endswith("_optim_states.pt") for f in files) or stage >= 1:
+        missing += [_zero_files(r)[0] for r in range(world) if not any(f in files for f in _zero_files(r))]
     if missing:
         raise CheckpointCorruptError(f"{path}: the manifest lacks {', '.join(missing)}")
     for r in range(world):
