@@ -36,7 +36,10 @@ CONFIGS = {
     "gpt2-3layer": ModelConfig.preset("gpt2-small", vocab_size=515, block_size=96, n_layers=3, n_heads=6, d_model=96),
     # the other Llama switches HF carries: biases on (attention_bias, mlp_bias), multi-query, tied head
     "llama-bias-mqa-tied": ModelConfig.preset("llama-tiny", bias=True, n_kv_heads=1, tie_embeddings=True),
+    # QK-norm (model.qk_norm): Qwen3's q_norm / k_norm, per head before RoPE
+    "qwen3-qk-norm": ModelConfig.preset("llama-tiny", qk_norm=True),
 }
+EXPECTED = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 
 
 def perturbed(cfg: ModelConfig, seed: int = 0) -> TinyGPT:
@@ -70,8 +73,9 @@ def test_logits_and_gradients_equal_the_hf_reference(name):
     cfg = CONFIGS[name]
     model = perturbed(cfg)
     hf = hf_model(cfg, model.state_dict())
-    expected = "LlamaForCausalLM" if name.startswith("llama") else "GPT2LMHeadModel"
-    assert type(hf).__name__ == expected
+    assert type(hf).__name__ == EXPECTED[hf_map.family(cfg)]
+    assert (name.startswith("qwen3"), name.startswith("llama")) == (hf_map.family(cfg) == "qwen3",
+                                                                     hf_map.family(cfg) == "llama")
     ours, theirs, grads, hf_grads = logits_and_grads(model, hf, cfg)
     assert (ours - theirs).abs().max().item() <= LOGIT_ATOL
     assert set(grads) == set(hf_grads)  # every HF parameter has a TinyGPT gradient, and back
@@ -124,6 +128,9 @@ def test_a_wrong_mapping_is_caught(monkeypatch):
     (dict(position="rope"), "model.norm"),          # Llama positions on a GPT-2 body
     (dict(bias=False), "model.bias"),
     (dict(n_kv_heads=2), "model.n_kv_heads"),
+    (dict(logit_softcap=30.0), "model.logit_softcap"),
+    (dict(attn_logit_softcap=50.0), "model.attn_logit_softcap"),
+    (dict(norm="rmsnorm", mlp="swiglu", position="rope", qk_norm=True), "model.bias"),  # Qwen3's MLP has none
 ])
 def test_variants_no_hf_class_expresses_are_refused_by_switch(overrides, named):
     cfg = ModelConfig.preset("tiny", **overrides)
@@ -136,7 +143,7 @@ def test_hf_configs_read_back_as_the_same_model_config():
         fields = hf_map.config_from_hf(hf_model(cfg).config.to_dict())
         back = ModelConfig(**fields)
         for k in ("vocab_size", "block_size", "d_model", "n_layers", "n_heads", "kv_heads", "ffn_dim", "norm", "mlp",
-                  "position", "bias", "tie_embeddings", "norm_eps", "rope_theta"):
+                  "position", "bias", "tie_embeddings", "norm_eps", "rope_theta", "qk_norm"):
             if k == "rope_theta" and cfg.position != "rope":
                 continue
             assert getattr(back, k) == getattr(cfg, k), (k, getattr(back, k), getattr(cfg, k))

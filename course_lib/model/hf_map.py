@@ -4,15 +4,17 @@ Torch-free (the trainer's config check reads it): the name mapping is the only t
 hand; the HF side is ``transformers``' own config classes and ``from_pretrained``
 (:mod:`course_lib.model.hf_weights` moves the tensors).
 
-Two HF classes express TinyGPT:
+Three HF classes express TinyGPT:
 
 | TinyGPT switches | HF class | config |
 | --- | --- | --- |
 | rmsnorm, swiglu, rope, any kv heads, bias on or off, tied or not | ``LlamaForCausalLM`` | ``LlamaConfig`` |
+| the Llama switches with qk_norm (RMSNorm on each head's q and k), bias off | ``Qwen3ForCausalLM`` | ``Qwen3Config`` |
 | layernorm with bias, gelu, learned positions, kv heads = heads, bias on, tied or not | ``GPT2LMHeadModel`` | ``GPT2Config`` |
 
-Anything else (a bounded embedding, a sliding window, no positions, a mix of the two families) has
-no HF class that computes the same function: :func:`hf_unsupported` names the switch.
+Anything else (a bounded embedding, a sliding window, no positions, a mix of the families,
+soft-capped logits) has no HF class that computes the same function: :func:`hf_unsupported` names
+the switch. model.z_loss and model.smooth_swiglu change training only, not the function: they export.
 
 GPT-2 stores its linear layers as ``Conv1D`` with the weight transposed ([in, out]) and q, k, v as
 one fused ``c_attn`` matrix; the mapping says so per tensor (``kind``).
@@ -42,7 +44,9 @@ class Entry:
 
 
 def family(cfg: ModelConfig) -> str:
-    """"llama" or "gpt2": which HF class family the switches call for (see :func:`hf_unsupported`)."""
+    """"llama", "qwen3" or "gpt2": which HF class family the switches call for (see :func:`hf_unsupported`)."""
+    if cfg.qk_norm:
+        return "qwen3"
     return "llama" if cfg.position == "rope" or cfg.norm == "rmsnorm" or cfg.mlp == "swiglu" else "gpt2"
 
 
@@ -55,11 +59,17 @@ def hf_unsupported(cfg: ModelConfig) -> list[str]:
     if cfg.attention_window is not None:
         why.append(f"model.attention_window = {cfg.attention_window} (sliding window): LlamaConfig and GPT2Config "
                    f"carry no window")
-    if family(cfg) == "llama":
+    for key in ("logit_softcap", "attn_logit_softcap"):
+        if getattr(cfg, key) is not None:
+            why.append(f"model.{key} = {getattr(cfg, key)} (soft-capping): LlamaConfig, Qwen3Config and GPT2Config "
+                       f"carry no cap")
+    if family(cfg) in ("llama", "qwen3"):
         wrong = [f"model.{k} = {getattr(cfg, k)!r} (Llama needs {v!r})" for k, v in
                  (("norm", "rmsnorm"), ("mlp", "swiglu"), ("position", "rope")) if getattr(cfg, k) != v]
         if wrong:
             why.append("a mix of GPT-2 and Llama switches: " + ", ".join(wrong))
+        if family(cfg) == "qwen3" and cfg.bias:
+            why.append("model.qk_norm = true with model.bias = true: Qwen3's MLP has no biases")
     else:
         if cfg.position != "learned":
             why.append(f"model.position = {cfg.position!r}: GPT-2 has a learned position table")
@@ -73,6 +83,15 @@ def hf_unsupported(cfg: ModelConfig) -> list[str]:
 
 def hf_config_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
     """``(HF class name, keyword arguments of its config class)`` for ``cfg`` (exportable only)."""
+    if family(cfg) == "qwen3":  # Llama plus q_norm / k_norm; every layer full attention
+        return "Qwen3ForCausalLM", dict(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim,
+            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.block_size,
+            rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            attention_bias=False, use_sliding_window=False, attention_dropout=cfg.dropout,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if family(cfg) == "llama":
         return "LlamaForCausalLM", dict(
             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim,
@@ -95,6 +114,12 @@ def config_from_hf(hf: dict) -> dict:
     setting TinyGPT cannot take (naming the key)."""
     kind = hf.get("model_type")
     tied = bool(hf.get("tie_word_embeddings", kind == "gpt2"))
+    if kind == "qwen3":
+        if hf.get("use_sliding_window", False):
+            raise ValueError("use_sliding_window = true: TinyGPT's qk_norm model attends to every earlier token")
+        if hf.get("attention_bias", False):
+            raise ValueError("attention_bias = true: TinyGPT has one model.bias switch and Qwen3's MLP has no bias")
+        return {**config_from_hf({**hf, "model_type": "llama", "mlp_bias": False}), "qk_norm": True}
     if kind == "llama":
         rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
         if rope.get("rope_type", "default") != "default":
@@ -123,14 +148,14 @@ def config_from_hf(hf: dict) -> dict:
                     n_layers=hf["n_layer"], n_heads=hf["n_head"], n_kv_heads=None,
                     d_ff=hf.get("n_inner") or 4 * hf["n_embd"], norm="layernorm", mlp="gelu", position="learned",
                     bias=True, tie_embeddings=tied, norm_eps=hf.get("layer_norm_epsilon", 1e-5))
-    raise ValueError(f"model_type = {kind!r}: TinyGPT reads 'llama' and 'gpt2' folders only")
+    raise ValueError(f"model_type = {kind!r}: TinyGPT reads 'llama', 'qwen3' and 'gpt2' folders only")
 
 
 def name_map(cfg: ModelConfig) -> list[Entry]:
     """Every tensor of the HF model's state dict (as ``save_pretrained`` writes it: a tied head is
     stored once, as the embedding) and the TinyGPT tensors it comes from."""
     out: list[Entry] = []
-    if family(cfg) == "llama":
+    if family(cfg) in ("llama", "qwen3"):
         out.append(Entry("model.embed_tokens.weight", ("tok_emb.weight",)))
         parts = [("norm1", "input_layernorm"), ("attn.q_proj", "self_attn.q_proj"), ("attn.k_proj", "self_attn.k_proj"),
                  ("attn.v_proj", "self_attn.v_proj"), ("attn.out_proj", "self_attn.o_proj"),
@@ -140,6 +165,9 @@ def name_map(cfg: ModelConfig) -> list[Entry]:
             for ours, theirs in parts:
                 suffixes = ("weight", "bias") if cfg.bias and not ours.startswith("norm") else ("weight",)
                 out += [Entry(f"model.layers.{i}.{theirs}.{s}", (f"blocks.{i}.{ours}.{s}",)) for s in suffixes]
+            if cfg.qk_norm:
+                out += [Entry(f"model.layers.{i}.self_attn.{n}_norm.weight", (f"blocks.{i}.attn.{n}_norm.weight",))
+                        for n in "qk"]
         out.append(Entry("model.norm.weight", ("norm_f.weight",)))
     else:
         out += [Entry("transformer.wte.weight", ("tok_emb.weight",)), Entry("transformer.wpe.weight", ("pos_emb.weight",))]
@@ -182,6 +210,8 @@ def tinygpt_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"blocks.{i}.{n}.weight"] = shape
             if cfg.bias:
                 shapes[f"blocks.{i}.{n}.bias"] = (shape[0],)
+        if cfg.qk_norm:
+            shapes[f"blocks.{i}.attn.q_norm.weight"] = shapes[f"blocks.{i}.attn.k_norm.weight"] = (D,)
     shapes["norm_f.weight"] = (C,)
     if norm_bias:
         shapes["norm_f.bias"] = (C,)

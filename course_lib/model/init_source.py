@@ -27,7 +27,7 @@ CONFIG_KEY = "course_lib.model_config"
 #: ModelConfig fields that change the function a set of weights computes (block_size only with a
 #: learned position table, where it is a shape; RoPE reads any length up to the run's block_size)
 FUNCTION_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "ffn_dim", "norm", "mlp", "position",
-                   "bias", "tie_embeddings", "norm_eps", "rope_theta")
+                   "bias", "tie_embeddings", "norm_eps", "rope_theta", "qk_norm", "logit_softcap", "attn_logit_softcap")
 
 
 def source_kind(path: str | Path) -> str:

@@ -100,7 +100,23 @@ def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
     _init_from_check(cfg, mcfg)
     _token_file_checks(cfg, mcfg)
     _parallel_checks(cfg, mcfg)
+    _stabilizer_checks(cfg, mcfg)
     return cfg
+
+
+def _stabilizer_checks(cfg: dict, mcfg) -> None:
+    """The architecture-level stabilizers (model.qk_norm, z_loss, logit_softcap, attn_logit_softcap,
+    smooth_swiglu) run where TinyGPT's own forward runs: one process or data parallelism. The
+    tensor-, pipeline- and context-parallel models compute attention and the loss in code of their
+    own, which does not have them yet; refused by name rather than silently dropped."""
+    on = mcfg.stabilizers
+    if on and model_parallel_size(cfg) > 1:
+        par = cfg["parallel"]
+        keys = " and ".join(f"parallel.{k} = {par[k]}" for k in ("tp", "pp", "cp") if par[k] > 1)
+        raise ConfigError(f"{', '.join(on)} with {keys}: the architecture-level stabilizers run in TinyGPT's own "
+                          f"forward, under one process or data parallelism (train.strategy single, ddp, zero1, "
+                          f"zero2, fsdp, deepspeed with tp = pp = cp = 1); the model-parallel layouts do not "
+                          f"carry them yet")
 
 
 def _cross_checks(cfg: dict) -> None:
