@@ -239,3 +239,44 @@ def test_the_trainer_logs_z_loss_beside_the_loss_that_includes_it(tmp_path):
 
 def test_presets_leave_the_stabilizers_off():
     assert not any(set(STABILIZERS) & set(p) for p in PRESETS.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_qk_norm_keeps_a_high_lr_run_trainable_and_z_loss_holds_log_z(tmp_path, seed):
+    """Lab 05 section 8's comparison on three seeds: lr 10x the config's, its 10-step warmup, no
+    clipping. Without QK-norm the largest attention score grows past 10x what QK-norm allows and the
+    run ends well behind; z-loss holds log Z lower but leaves the attention scores to grow."""
+    from course_lib.data import BatchStream, MarkovTask
+    from course_lib.train import train
+    from course_lib.trainer.metrics import read_rows
+
+    sets = {"train": {"max_steps": 60, "seed": seed, "progress": False, "peak_flops": 1e12},
+            "data": {"task": "markov", "vocab_size": 64, "seq_len": 32}, "optim": {"lr": 3e-2, "min_lr": 3e-3},
+            "schedule": {"warmup_steps": 10}, "stability": {"max_grad_norm": 0.0, "spike_policy": "warn"}}
+    x, _ = next(BatchStream(MarkovTask(vocab_size=64, seq_len=32, seed=seed), 16, seed=seed + 2))
+    out = {}
+    for name, model in (("none", {}), ("qk", {"qk_norm": True}), ("z", {"z_loss": 1e-3})):
+        net = train(train_config.validate({**sets, "model": {"preset": "tiny", **model}}), tmp_path / name).model.eval()
+        rows = read_rows(tmp_path / name / "metrics.jsonl")
+        scores = []
+
+        def hook(attn, inputs, _):
+            h = inputs[0]
+            B, T, _ = h.shape
+            q = attn.q_proj(h).view(B, T, -1, attn.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(B, T, -1, attn.head_dim).transpose(1, 2)
+            if attn.q_norm is not None:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            s = q @ k.transpose(-1, -2) / math.sqrt(attn.head_dim)
+            scores.append(float(s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), 0).abs().max()))
+
+        for b in net.blocks:
+            b.attn.register_forward_hook(hook)
+        with torch.no_grad():
+            logits = net(x)[0]
+        out[name] = dict(ce=sum(r["loss"] - r.get("z_loss", 0.0) for r in rows[-10:]) / 10, score=max(scores),
+                         log_z=float(torch.logsumexp(logits, -1).mean()))
+    assert out["none"]["score"] > 10 * out["qk"]["score"], out
+    assert out["qk"]["ce"] < out["none"]["ce"] - 0.3, out
+    assert out["z"]["log_z"] < out["none"]["log_z"] and out["z"]["score"] > 10 * out["qk"]["score"], out

@@ -2,7 +2,8 @@
 
     [train]   max_steps, seed, micro_batch, grad_accum, precision, strategy, device, compile, log_every, ...
     [data]    task, seq_len, vocab_size, path, dtype, val_path (task "tokens": a token file, course_lib.data.tokens)
-    [model]   preset plus any ModelConfig field (n_layers, d_model, checkpointing, ...); init_from (an HF
+    [model]   preset plus any ModelConfig field (n_layers, d_model, checkpointing, the stabilizers qk_norm,
+              z_loss, logit_softcap, attn_logit_softcap, smooth_swiglu, embedding_bound, ...); init_from (an HF
               folder or a consolidated .safetensors file: the weights step 0 starts from)
     [optim]   lr, min_lr, weight_decay, beta1, beta2, eps, fused
     [schedule] kind, warmup_steps, warmup_convention, decay_steps
