@@ -242,11 +242,14 @@ def test_presets_leave_the_stabilizers_off():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 def test_qk_norm_keeps_a_high_lr_run_trainable_and_z_loss_holds_log_z(tmp_path, seed):
-    """Lab 05 section 8's comparison on three seeds: lr 10x the config's, its 10-step warmup, no
+    """Lab 05 section 8's comparison on two seeds: lr 10x the config's, its 10-step warmup, no
     clipping. Without QK-norm the largest attention score grows past 10x what QK-norm allows and the
-    run ends well behind; z-loss holds log Z lower but leaves the attention scores to grow."""
+    run ends well behind; z-loss holds log Z lower but leaves the attention scores to grow. Measured
+    (seed 0 / 1): largest score 146 / 171 without, 8.8 / 7.0 with QK-norm, 139 / 186 with z-loss;
+    cross-entropy over the last 10 steps 2.52 / 2.65 without, 1.81 / 1.59 with QK-norm; log Z 6.21 /
+    5.69 without, 5.59 / 5.06 with z-loss."""
     from course_lib.data import BatchStream, MarkovTask
     from course_lib.train import train
     from course_lib.trainer.metrics import read_rows
