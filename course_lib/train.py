@@ -185,12 +185,16 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             local = strategy.forward_backward(batches, autocast=policy.autocast, backward=policy.backward,
                                               on_loss=lambda loss: stabilizer.on_loss(loss, step))
             mean_loss = strategy.global_mean(local)  # every rank decides on the same number
+            aux = _aux_losses(strategy, mcfg)  # {"z_loss": mean over ranks} with model.z_loss > 0
             policy.unscale_(strategy.optimizer)  # clip and measure true gradients, never scaled ones
             scale = policy.scale_tensor()
+            extra = control.extra(scale)  # [scale?, stop flag]
             decision = stabilizer.after_backward(  # the one host read of the step
                 _grads_to_check(strategy), mean_loss, step, optimizer=strategy.optimizer, scaler=policy.scaler,
-                batch=batches[-1], extra=control.extra(scale),  # [scale?, stop flag]
-                reduce_sq=strategy.reduce_grad_sq)
+                batch=batches[-1], extra=extra + list(aux.values()), reduce_sq=strategy.reduce_grad_sq)
+            aux = {k: v if math.isfinite(v) else None  # host values, read with the rest; None: NaN/Inf
+                   for k, v in zip(aux, decision.extra[len(extra):])}
+            decision.extra = decision.extra[:len(extra)]
             lr = scheduler.get_last_lr()[0] * decision.lr_factor
             if decision.rollback:
                 loaded = _roll_back(strategy, policy, checkpoints, state)
@@ -226,7 +230,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             if decision.rollbacks_accepted:
                 append_event(out_dir, {**decision.log_row(), "event": "level_accepted",
                                        "after_rollbacks": decision.rollbacks_accepted}, enabled=strategy.is_writer)
-            log.write(row)
+            log.write({**row, **aux})  # z_loss beside loss (which includes it)
             profiler.step(row)  # after the row: the summary quotes this step's MFU
             skipped += bool(decision.skip)
             if decision.loss is not None and math.isfinite(decision.loss):
@@ -272,6 +276,17 @@ def _agreed_peak(peak: Peak, info) -> Peak:
     dist.all_reduce(rate, op=dist.ReduceOp.MAX)
     return dataclasses.replace(peak, flops=float(rate.item()),
                                detail=peak.detail + f"; the highest of {info.world_size} ranks' measurements")
+
+
+def _aux_losses(strategy, mcfg) -> dict:
+    """The auxiliary loss terms this step's forwards added (``model.z_loss`` > 0: {"z_loss": ...}),
+    each averaged over the data-parallel ranks, on the device; {} when the model adds none."""
+    if not mcfg.z_loss:
+        return {}
+    from course_lib.model import TinyGPT
+
+    model = next(m for m in strategy.model.modules() if isinstance(m, TinyGPT))
+    return {k: strategy.global_mean(v) for k, v in model.pop_aux_losses().items()}
 
 
 def _grads_to_check(strategy):

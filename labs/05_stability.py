@@ -14,22 +14,27 @@
 # 5. **initialisation**: six init schemes, layer by layer and in training;
 # 6. **bounded embeddings**;
 # 7. **a gradient explosion mid-run**: gradients x10 at one step, caught and recovered, next to an
-#    unprotected run.
+#    unprotected run;
+# 8. **architecture levers**: QK-norm and z-loss, the model changes frontier runs make so that the
+#    logits cannot grow out of control in the first place.
 #
 # Every training run here is the kit's trainer, `course_lib.train.train(cfg, out_dir, faults=...)`,
 # the same as `python -m course_lib.train --config labs/configs/tiny-cpu.toml --inject-fault ...`
 # on the command line. The guards live in `course_lib.stability` (the `Stabilizer`, which the
-# trainer calls once per step).
+# trainer calls once per step). Every run here uses sequences of 32 tokens, half the config's 64:
+# each effect shows as clearly, and the lab runs in half the time.
 
 # %% tags=["parameters"]
 SMOKE = False  # True: small sizes, so the automated tests finish quickly
 SEED = 0
-BASE_STEPS = 100  # the config's own run (sections 1, 3, 6)
-HIGH_LR, WARMUP_RUN_STEPS, WARMUP = 3e-2, 100, 30  # section 2: 10x the config's LR
-INIT_STEPS, INIT_LAYERS = 60, 4  # section 5: training curves per init scheme
-FAULT_STEP, FAULT_RUN_STEPS, SAVE_EVERY = 300, 360, 40  # section 7 (SAVE_EVERY: for the rollback run)
-RESUME_CHECK_STEPS = 10  # section 7: steps replayed from a checkpoint to show the resume is exact
+BASE_STEPS = 60  # the config's own run (sections 1, 3, 6)
+HIGH_LR, WARMUP_RUN_STEPS, WARMUP = 3e-2, 60, 30  # section 2: 10x the config's LR (and section 8)
+INIT_STEPS, INIT_LAYERS = 30, 2  # section 5: training curves per init scheme
+FAULT_STEP, FAULT_RUN_STEPS, SAVE_EVERY = 60, 90, 25  # section 7 (SAVE_EVERY: for the rollback run)
+RESUME_CHECK_STEPS = 5  # section 7: steps replayed from a checkpoint to show the resume is exact
 EMBED_BOUND = 0.5  # section 6
+Z_LOSS, LOGIT_EVERY, PROVOKED_WARMUP = 1e-3, 10, 10  # section 8: z-loss coefficient, steps between the
+# logit measurements, the provoked run's warmup (the config's)
 
 # %%
 import json
@@ -60,10 +65,11 @@ from course_lib.train import train
 
 SMOKE = course_lib.smoke(SMOKE)
 if SMOKE:
-    BASE_STEPS, WARMUP_RUN_STEPS, INIT_STEPS, INIT_LAYERS = 40, 45, 16, 4  # WARMUP stays: the first steps match
+    BASE_STEPS, INIT_STEPS, INIT_LAYERS = 40, 16, 2  # sections 2 and 8 keep their size: their effects need it
     FAULT_STEP, FAULT_RUN_STEPS, SAVE_EVERY, RESUME_CHECK_STEPS = 30, 50, 12, 5
 torch.set_num_threads(1)  # a tiny model: one thread is as fast, and every run repeats exactly
 CONFIG = Path(course_lib.__file__).resolve().parent.parent / "labs" / "configs" / "tiny-cpu.toml"
+LAB_SETS = ("data.seq_len=32",)  # on top of the config in every run of this lab
 RUNS = Path(tempfile.mkdtemp(prefix="lab05-"))  # scratch: metrics, checkpoints, diagnostics
 RESUMED_FROM = {}  # run name -> the step it resumed from (0: it started fresh)
 
@@ -74,7 +80,7 @@ def run(name, steps, *sets, faults=(), resume=False):
     run's metrics.jsonl rows (row i is optimizer step i, 0-based, and has "step": i + 1)."""
     overrides = [f"train.max_steps={steps}", f"train.seed={SEED}", "train.progress=false",
                  "train.peak_flops=1e12",  # MFU is not shown here: skip measuring this CPU's peak
-                 *sets]
+                 *LAB_SETS, *sets]
     with warnings.catch_warnings(record=True) as caught:  # one line per run instead of a stderr block
         warnings.simplefilter("always", RuntimeWarning)
         result = train(train_config.load(CONFIG, overrides), RUNS / name, faults=list(faults), resume=resume)
@@ -84,7 +90,7 @@ def run(name, steps, *sets, faults=(), resume=False):
     return read_rows(RUNS / name / "metrics.jsonl")
 
 
-cfg0 = train_config.load(CONFIG)
+cfg0 = train_config.load(CONFIG, list(LAB_SETS))
 print(f"config: {cfg0['data']['task']} task, vocab {cfg0['data']['vocab_size']}, seq {cfg0['data']['seq_len']}, "
       f"batch {cfg0['train']['micro_batch']}, lr {cfg0['optim']['lr']}, warmup {cfg0['schedule']['warmup_steps']}, "
       f"max_grad_norm {cfg0['stability']['max_grad_norm']}, spike policy {cfg0['stability']['spike_policy']!r}")
@@ -183,9 +189,8 @@ warm_runs = {
     "no warmup, clip 1.0": ("schedule.warmup_steps=0", "stability.max_grad_norm=1.0"),
     f"warmup {WARMUP}, no clipping": (f"schedule.warmup_steps={WARMUP}", "stability.max_grad_norm=0"),
 }
-warm = {name: run(f"warm{i}", WARMUP_RUN_STEPS, f"optim.lr={HIGH_LR}", f"optim.min_lr={HIGH_LR / 10}",
-                  "stability.spike_policy=warn", *sets)
-        for i, (name, sets) in enumerate(warm_runs.items())}
+HIGH_LR_SETS = (f"optim.lr={HIGH_LR}", f"optim.min_lr={HIGH_LR / 10}", "stability.spike_policy=warn")
+warm = {name: run(f"warm{i}", WARMUP_RUN_STEPS, *HIGH_LR_SETS, *sets) for i, (name, sets) in enumerate(warm_runs.items())}
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), layout="constrained")
 plots.plot_curves(ax1, {n: [r["loss"] for r in rows] for n, rows in warm.items()}, smooth=5,
                   title=f"loss at lr {HIGH_LR:g}", refs={"uniform guess ln(vocab)": math.log(task.vocab_size)})
@@ -510,11 +515,11 @@ print("mean loss over the run: " + ", ".join(f"{s} {v:.3f}" for s, v in sorted(i
 # `zero_out_proj`) learn at about the same speed here. `kaiming` and `xavier` are far
 # behind from the first steps and barely clip (their gradients are an order of magnitude smaller,
 # as the layer plot showed): their large residual stream has to be worn down before the blocks'
-# contributions count. `small` does a little better than the GPT-style inits
-# on this shallow model (its larger embeddings give the first steps more to work with), but its
-# residual stream grew 3.5x over 8 blocks in the plot above. At 4 blocks the residual scaling
-# makes little difference to the speed; it is what keeps the stream flat in a 48- or 96-block
-# model, where that growth compounds.
+# contributions count. `small` keeps up with the GPT-style inits on this shallow model (its larger
+# embeddings give the first steps more to work with), but its residual stream grew several-fold
+# over 8 blocks (the growth line above). At 2 blocks the residual scaling makes little difference
+# to the speed; it is what keeps the stream flat in a 48- or 96-block model, where that growth
+# compounds.
 #
 # ## 6. Bounded embeddings
 #
@@ -548,7 +553,7 @@ print(f"training with embedding_bound={EMBED_BOUND} ended {gap_b:+.4f} nats from
 
 def trained_model(bound):
     """The config run's final weights in a model with embedding bound `bound`, output layer untied."""
-    overrides = [f"model.embedding_bound={bound}"] if bound else []
+    overrides = [*LAB_SETS, *([f"model.embedding_bound={bound}"] if bound else [])]
     net = TinyGPT(train_config.build_model_config(train_config.load(CONFIG, overrides)))
     CheckpointManager(RUNS / "base" / "checkpoints", writer=False).load(model=net, restore_rng=False)
     net.lm_head.weight = torch.nn.Parameter(net.tok_emb.weight.detach().clone())  # untie (see below)
@@ -721,6 +726,130 @@ check(abs(statistics.fmean(excess["rollback"])) < 0.05, "after the rollback the 
 # the step but shrinks it for a while: for a run that is drifting rather than spiking. `rollback`
 # is for damage already done (a spike the detector saw too late, a loss that will not come back):
 # it needs checkpoints, which is lab 07.
+#
+# ## 8. Architecture levers: QK-norm and z-loss
+#
+# Sections 1-7 guard the optimizer step: clip it, warm it up, skip it, roll it back. Frontier
+# runs also change the model, so that the quantities that blow up cannot grow in the first place.
+# Two kinds of logit grow without limit in a transformer:
+#
+# * **attention scores** `q . k / sqrt(D)`: q and k are both linear in the weights, so a score
+#   grows like the *square* of their size. A few huge scores make the softmax one-hot (attention
+#   entropy collapse): its gradient vanishes and the layer stops learning. **QK-norm**
+#   (`model.qk_norm = true`, as in Qwen3, Gemma 3 and OLMo-2) passes each head's q and k through an
+#   RMSNorm before the product, so their length no longer depends on the weights.
+# * **output logits**: cross-entropy does not change when every logit of a token moves by the same
+#   amount, so nothing holds the normaliser `log Z = logsumexp(logits)` in place. **z-loss**
+#   (`model.z_loss = c`, PaLM used 1e-4) adds `c x mean(log Z^2)` to the loss, pulling log Z toward 0.
+#
+# The provoked run is section 2's high LR (10x the config's, no clipping) with the config's own
+# short warmup (10 steps) instead of section 2's 30: too short for this LR. We train it three
+# times, without a lever and with each, and measure both logits on one fixed batch at every
+# checkpoint (saved every `LOGIT_EVERY` steps).
+#
+# **Predict first.** With QK-norm, a normalised q has RMS 1 per channel, so its length is fixed;
+# the norm's weight (one per channel, starting at 1) can then stretch it. Before running the next
+# cells: with every norm weight at 1 and the head size `D` of this model (64 channels over 4 heads),
+# what is the largest score `|q . k| / sqrt(D)` QK-norm allows? And how large will the largest score
+# of the run *without* it be at its end?
+
+# %%
+MY_CEILING_AT_INIT = None  # your prediction: a number (the largest |q.k|/sqrt(D) with QK-norm, weights 1)
+MY_SCORE_WITHOUT = None  # your prediction: the largest attention score at the end of the run without QK-norm
+
+# %%
+PROVOKED = (*HIGH_LR_SETS, f"schedule.warmup_steps={PROVOKED_WARMUP}", "stability.max_grad_norm=0",
+            f"checkpoint.save_every={LOGIT_EVERY}", f"checkpoint.keep_last={WARMUP_RUN_STEPS // LOGIT_EVERY + 1}")
+run_dir = {"no lever": "provoked", "QK-norm": "qknorm", f"z-loss {Z_LOSS:g}": "zloss"}
+levers = {name: run(d, WARMUP_RUN_STEPS, *PROVOKED, *extra) for (name, d), extra in
+          zip(run_dir.items(), ((), ("model.qk_norm=true",), (f"model.z_loss={Z_LOSS}",)))}
+x_probe, _ = next(BatchStream(task, 16, seed=SEED + 2))  # one fixed batch, never trained on
+
+
+def logits_at_checkpoints(name):
+    """Per checkpoint of run `name`: (step, largest |q.k|/sqrt(D) of any block, head and position,
+    mean log Z of the output logits) on x_probe, and the QK-norm ceiling sqrt(D) max|w_q| max|w_k|."""
+    sets = [*LAB_SETS] + (["model.qk_norm=true"] if name == "qknorm" else [])
+    net = TinyGPT(train_config.build_model_config(train_config.load(CONFIG, sets))).eval()
+    manager = CheckpointManager(RUNS / name / "checkpoints", writer=False)
+    out = []
+    for step in range(LOGIT_EVERY, WARMUP_RUN_STEPS + 1, LOGIT_EVERY):
+        manager.load(model=net, restore_rng=False, only=f"step_{step:09d}")
+        scores, ceilings = [], []
+
+        def hook(attn, inputs, _):
+            h = inputs[0]
+            B, T, _ = h.shape
+            D = attn.head_dim
+            q = attn.q_proj(h).view(B, T, -1, D).transpose(1, 2)
+            k = attn.k_proj(h).view(B, T, -1, D).transpose(1, 2)
+            if attn.q_norm is not None:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+                ceilings.append(math.sqrt(D) * float(attn.q_norm.weight.abs().max() * attn.k_norm.weight.abs().max()))
+            s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+            scores.append(float(s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), 0).abs().max()))
+
+        hooks = [b.attn.register_forward_hook(hook) for b in net.blocks]
+        with torch.no_grad():
+            logits, _ = net(x_probe)
+        for h in hooks:
+            h.remove()
+        out.append(dict(step=step, score=max(scores), log_z=float(torch.logsumexp(logits, -1).mean()),
+                        ceiling=max(ceilings) if ceilings else None))
+    return out
+
+
+logit_growth = {name: logits_at_checkpoints(d) for name, d in run_dir.items()}
+head_dim = train_config.build_model_config(cfg0).head_dim
+print(f"{'run':<14} {'loss, mean of last 10':>22} {'largest attention score':>24} {'mean log Z':>11}   (at step "
+      f"{WARMUP_RUN_STEPS})")
+lever_end = {}
+for name, rows in levers.items():
+    g = logit_growth[name][-1]
+    lever_end[name] = statistics.fmean(r["loss"] - r.get("z_loss", 0.0) for r in rows[-10:])
+    print(f"{name:<14} {lever_end[name]:>22.3f} {g['score']:>24.1f} {g['log_z']:>11.2f}")
+print(f"(the loss column is the cross-entropy: a z-loss run logs z_loss beside a loss that includes it)")
+
+# %%
+fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4), layout="constrained")
+plots.plot_curves(ax1, {n: [r["loss"] - r.get("z_loss", 0.0) for r in rows] for n, rows in levers.items()}, smooth=5,
+                  title=f"cross-entropy at lr {HIGH_LR:g}", refs={"config run (section 1)": statistics.fmean(
+                      r["loss"] for r in base[-10:])})
+for name, g in logit_growth.items():
+    ax2.semilogy([p["step"] for p in g], [p["score"] for p in g], "o-", label=name)
+    ax3.plot([p["step"] for p in g], [p["log_z"] for p in g], "o-", label=name)
+ax2.set(xlabel="optimizer step", ylabel="largest |q . k| / sqrt(D)", title="attention logits")
+ax3.set(xlabel="optimizer step", ylabel="mean log Z = logsumexp(logits)", title="output logits")
+for ax in (ax2, ax3):
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+plt.show()
+
+# %%
+without, with_qk = logit_growth["no lever"][-1]["score"], logit_growth["QK-norm"]
+for guess, what, value in ((MY_CEILING_AT_INIT, "the QK-norm ceiling with weights 1", math.sqrt(head_dim)),
+                           (MY_SCORE_WITHOUT, "the largest score without QK-norm", without)):
+    print(f"{what}: you predicted {guess if guess is not None else '(nothing entered)'}, the kit says {value:.1f}")
+check(all(p["score"] <= p["ceiling"] * (1 + 1e-5) for p in with_qk),
+      "with QK-norm no score may exceed sqrt(D) x max|w_q| x max|w_k|: the normalised q and k have a fixed length")
+check(without > 10 * max(p["score"] for p in with_qk),
+      "without QK-norm the attention logits should grow at least 10x larger than with it")
+check(lever_end["QK-norm"] < lever_end["no lever"] - 0.3,
+      "with QK-norm the high-LR run should end well below (0.3 nats) the same run without it")
+zl, none = logit_growth[f"z-loss {Z_LOSS:g}"], logit_growth["no lever"]
+check(zl[-1]["log_z"] < none[-1]["log_z"], "at the end z-loss should hold log Z below the run without it")
+check(zl[-1]["score"] > 10 * max(p["score"] for p in with_qk),
+      "z-loss acts on the output logits only: its attention scores should grow as without a lever")
+
+# %% [markdown]
+# **What you should see:** without QK-norm the largest attention score climbs by orders of
+# magnitude while the LR is high (middle panel, log scale); the softmax rows it feeds are one-hot,
+# and the loss (left) falls slowly. With QK-norm the scores stay under their ceiling
+# (`sqrt(D)` = 4 at init, stretched only as far as the norm weights grow) and the same LR trains
+# well. z-loss acts on the *output* side only: log Z (right) stays below the run without a lever
+# (in 60 steps it pulls it down only a little; its job is the slow drift of a long run), and it does
+# nothing for the attention scores, whose growth is what slowed this run. Each lever targets one logit; a frontier recipe (OLMo-2, for example) uses both,
+# together with the warmup, clipping and skipping of the sections above.
 #
 # ## Where next
 #

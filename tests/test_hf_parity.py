@@ -47,9 +47,11 @@ CONFIGS = {
     "llama-wide-heads": ModelConfig.preset("llama-tiny", attn_head_dim=24),
     # experts (course_lib/model/moe.py): 4 SwiGLU experts, top 2, dropless, vs MixtralForCausalLM
     "mixtral-moe-tiny": ModelConfig.preset("moe-tiny", moe_experts=4),
+    # QK-norm (model.qk_norm): Qwen3's q_norm / k_norm, per head before RoPE
+    "qwen3-qk-norm": ModelConfig.preset("llama-tiny", qk_norm=True),
 }
-HF_CLASS = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "tiny": "GPT2LMHeadModel",
-            "gpt2": "GPT2LMHeadModel"}
+HF_CLASS = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "tiny": "GPT2LMHeadModel", "gpt2": "GPT2LMHeadModel"}
 
 
 def perturbed(cfg: ModelConfig, seed: int = 0) -> TinyGPT:
@@ -84,6 +86,8 @@ def test_logits_and_gradients_equal_the_hf_reference(name):
     model = perturbed(cfg)
     hf = hf_model(cfg, model.state_dict())
     assert type(hf).__name__ == HF_CLASS[name.split("-")[0]]
+    assert (name.startswith("qwen3"), name.startswith("mixtral")) == (hf_map.family(cfg) == "qwen3",
+                                                                       hf_map.family(cfg) == "mixtral")
     ours, theirs, grads, hf_grads = logits_and_grads(model, hf, cfg)
     assert (ours - theirs).abs().max().item() <= LOGIT_ATOL
     assert set(grads) == set(hf_grads)  # every HF parameter has a TinyGPT gradient, and back
@@ -140,6 +144,10 @@ def test_a_wrong_mapping_is_caught(monkeypatch):
     (dict(preset="moe-tiny", moe_shared_experts=1), "model.moe_shared_experts"),
     (dict(preset="moe-tiny", moe_capacity_factor=1.25), "model.moe_capacity_factor"),
     (dict(preset="moe-tiny", moe_bias_update_rate=1e-3), "model.moe_bias_update_rate"),
+    (dict(logit_softcap=30.0), "model.logit_softcap"),
+    (dict(attn_logit_softcap=50.0), "model.attn_logit_softcap"),
+    (dict(norm="rmsnorm", mlp="swiglu", position="rope", qk_norm=True), "model.bias"),  # Qwen3's MLP has none
+    (dict(preset="moe-tiny", qk_norm=True), "model.qk_norm"),  # Mixtral has no QK-norm
 ])
 def test_variants_no_hf_class_expresses_are_refused_by_switch(overrides, named):
     cfg = ModelConfig.preset(overrides.pop("preset", "tiny"), **overrides)
@@ -153,7 +161,7 @@ def test_hf_configs_read_back_as_the_same_model_config():
         back = ModelConfig(**fields)
         for k in ("vocab_size", "block_size", "d_model", "n_layers", "n_heads", "kv_heads", "ffn_dim", "norm", "mlp",
                   "position", "bias", "tie_embeddings", "norm_eps", "rope_theta", "rope_linear_factor", "moe_experts",
-                  "moe_top_k", "expert_dim", "moe_aux_loss_coef"):
+                  "moe_top_k", "expert_dim", "moe_aux_loss_coef", "qk_norm"):
             if k.startswith("rope") and cfg.position != "rope":
                 continue
             assert getattr(back, k) == getattr(cfg, k), (k, getattr(back, k), getattr(cfg, k))

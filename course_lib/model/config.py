@@ -111,6 +111,21 @@ class ModelConfig:
     embedding_bound: float | None = None
     embedding_bound_mode: str = "tanh"
     attention_window: int | None = None  # None: full causal; w: each token sees itself + w-1 before
+    # Architecture-level stabilizers, all off by default (lab 05 section 8; layers.py, tinygpt.py):
+    # qk_norm: RMSNorm (weight [head_dim], eps norm_eps) on each head's q and k before RoPE and the
+    #   scores (Qwen3, Gemma 3, OLMo-2 style), so q.k cannot grow with the q/k weights.
+    # z_loss: coefficient c; the loss gains c * mean(logsumexp(logits)^2) over the scored tokens
+    #   (PaLM: 1e-4), pulling log Z toward 0 so the logits cannot drift off together.
+    # logit_softcap / attn_logit_softcap: None or cap > 0; logits (or attention scores, after the
+    #   1/sqrt(D)) -> cap * tanh(x / cap) (Gemma 2: 30 and 50): bounded by cap, identity near 0.
+    # smooth_swiglu: SwiGLU's output divided per channel by its absolute max (over the batch's
+    #   tokens, no gradient) before the down projection, whose weight columns are multiplied by it:
+    #   the same function, a down-projection input bounded by 1 in every channel (FP8 outliers).
+    qk_norm: bool = False
+    z_loss: float = 0.0
+    logit_softcap: float | None = None
+    attn_logit_softcap: float | None = None
+    smooth_swiglu: bool = False
     checkpointing: str = "none"  # none | full | selective
     checkpoint_every: int | None = None  # selective only: checkpoint whole blocks 0, k, 2k, ...
     offload_activations: bool = False
@@ -162,6 +177,7 @@ class ModelConfig:
         _check_choice("embedding_bound_mode", self.embedding_bound_mode, ("tanh", "clamp"))
         if self.attention_window is not None:
             _check_int("attention_window", self.attention_window, 1)
+        self._check_stabilizers()
         _check_choice("checkpointing", self.checkpointing, CHECKPOINTING)
         if self.checkpoint_every is not None:
             _check_int("checkpoint_every", self.checkpoint_every, 1)
@@ -206,6 +222,24 @@ class ModelConfig:
     def expert_dim(self) -> int:
         """Hidden width of one routed (or shared) expert."""
         return self.moe_ffn_dim if self.moe_ffn_dim is not None else self.ffn_dim
+
+    def _check_stabilizers(self) -> None:
+        for name in ("qk_norm", "smooth_swiglu"):
+            _check_bool(name, getattr(self, name))
+        _check_float("z_loss", self.z_loss, 0.0)
+        for name in ("logit_softcap", "attn_logit_softcap"):
+            if getattr(self, name) is not None:
+                _check_float(name, getattr(self, name), 0.0, lo_open=True)
+        if self.smooth_swiglu and self.mlp != "swiglu":
+            raise ValueError(f"smooth_swiglu applies to mlp='swiglu' only (it rescales SwiGLU's output); "
+                             f"got mlp={self.mlp!r}")
+
+    @property
+    def stabilizers(self) -> list[str]:
+        """The architecture-level stabilizers switched on, as ``model.KEY = value`` strings."""
+        on = {"qk_norm": self.qk_norm, "z_loss": self.z_loss or None, "logit_softcap": self.logit_softcap,
+              "attn_logit_softcap": self.attn_logit_softcap, "smooth_swiglu": self.smooth_swiglu}
+        return [f"model.{k} = {'true' if v is True else v}" for k, v in on.items() if v]
 
     @property
     def kv_heads(self) -> int:

@@ -4,18 +4,20 @@ Torch-free (the trainer's config check reads it): the name mapping is the only t
 hand; the HF side is ``transformers``' own config classes and ``from_pretrained``
 (:mod:`course_lib.model.hf_weights` moves the tensors).
 
-Two HF classes express TinyGPT:
+Three HF classes express TinyGPT:
 
 | TinyGPT switches | HF class | config |
 | --- | --- | --- |
 | rmsnorm, swiglu, rope (plain or linearly scaled), any kv heads, bias on or off, tied or not | ``LlamaForCausalLM`` | ``LlamaConfig`` |
+| the Llama switches with qk_norm (RMSNorm on each head's q and k), bias off | ``Qwen3ForCausalLM`` | ``Qwen3Config`` |
 | layernorm with bias, gelu, learned positions, kv heads = heads, bias on, tied or not | ``GPT2LMHeadModel`` | ``GPT2Config`` |
 | the Llama switches with experts (softmax top-k, normalised, no shared experts, dropless) | ``MixtralForCausalLM`` | ``MixtralConfig`` |
 
-Anything else (a bounded embedding, a sliding window, no positions, a mix of the two families) has
-no HF class that computes the same function: :func:`hf_unsupported` names the switch. The other
-way (``model.init_from`` of an HF folder), :data:`FUNCTION_KEYS` lists every ``config.json`` key
-transformers' code reads and whether :func:`config_from_hf` reads it or refuses it by name.
+Anything else (a bounded embedding, a sliding window, no positions, a mix of the families,
+soft-capped logits) has no HF class that computes the same function: :func:`hf_unsupported` names
+the switch. model.z_loss and model.smooth_swiglu change training only, not the function: they export.
+The other way (``model.init_from`` of an HF folder), :data:`FUNCTION_KEYS` lists every ``config.json``
+key transformers' Llama and GPT-2 code reads and whether :func:`config_from_hf` reads it or refuses it.
 
 GPT-2 stores its linear layers as ``Conv1D`` with the weight transposed ([in, out]) and q, k, v as
 one fused ``c_attn`` matrix; the mapping says so per tensor (``kind``). Mixtral's files (what
@@ -50,9 +52,11 @@ class Entry:
 
 
 def family(cfg: ModelConfig) -> str:
-    """"mixtral", "llama" or "gpt2": which HF class family the switches call for (see :func:`hf_unsupported`)."""
+    """"mixtral", "qwen3", "llama" or "gpt2": which HF class family the switches call for (see :func:`hf_unsupported`)."""
     if cfg.moe_experts is not None:
         return "mixtral"
+    if cfg.qk_norm:
+        return "qwen3"
     return "llama" if cfg.position == "rope" or cfg.norm == "rmsnorm" or cfg.mlp == "swiglu" else "gpt2"
 
 
@@ -65,6 +69,10 @@ def hf_unsupported(cfg: ModelConfig) -> list[str]:
     if cfg.attention_window is not None:
         why.append(f"model.attention_window = {cfg.attention_window} (sliding window): LlamaConfig and GPT2Config "
                    f"carry no window")
+    for key in ("logit_softcap", "attn_logit_softcap"):
+        if getattr(cfg, key) is not None:
+            why.append(f"model.{key} = {getattr(cfg, key)} (soft-capping): LlamaConfig, Qwen3Config and GPT2Config "
+                       f"carry no cap")
     if family(cfg) == "mixtral":
         for key, want, why_not in (
                 ("moe_score", "softmax", "Mixtral's router is a softmax"),
@@ -73,14 +81,17 @@ def hf_unsupported(cfg: ModelConfig) -> list[str]:
                 ("moe_shared_experts", 0, "Mixtral has no shared experts"),
                 ("moe_first_dense", 0, "every Mixtral layer has experts"),
                 ("moe_bias_update_rate", None, "Mixtral's router has no selection bias"),
-                ("moe_capacity_factor", None, "Mixtral is dropless")):
+                ("moe_capacity_factor", None, "Mixtral is dropless"),
+                ("qk_norm", False, "Mixtral has no QK-norm")):
             if getattr(cfg, key) != want:
                 why.append(f"model.{key} = {getattr(cfg, key)!r}: {why_not} (MixtralForCausalLM needs {want!r})")
-    if family(cfg) in ("llama", "mixtral"):
+    if family(cfg) in ("llama", "qwen3", "mixtral"):
         wrong = [f"model.{k} = {getattr(cfg, k)!r} (Llama needs {v!r})" for k, v in
                  (("norm", "rmsnorm"), ("mlp", "swiglu"), ("position", "rope")) if getattr(cfg, k) != v]
         if wrong:
             why.append("a mix of GPT-2 and Llama switches: " + ", ".join(wrong))
+        if family(cfg) == "qwen3" and cfg.bias:
+            why.append("model.qk_norm = true with model.bias = true: Qwen3's MLP has no biases")
     else:
         if cfg.position != "learned":
             why.append(f"model.position = {cfg.position!r}: GPT-2 has a learned position table")
@@ -100,9 +111,22 @@ def hf_config_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
             num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
             head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.block_size,
             rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, sliding_window=None,
+            rope_parameters=({"rope_type": "default", "rope_theta": cfg.rope_theta} if cfg.rope_linear_factor == 1.0
+                             else {"rope_type": "linear", "rope_theta": cfg.rope_theta,
+                                   "factor": cfg.rope_linear_factor}), sliding_window=None,
             attention_dropout=cfg.dropout, num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
             router_aux_loss_coef=cfg.moe_aux_loss_coef, router_jitter_noise=0.0, output_router_logits=False,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if family(cfg) == "qwen3":  # Llama plus q_norm / k_norm; every layer full attention
+        return "Qwen3ForCausalLM", dict(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim,
+            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.block_size,
+            rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+            rope_parameters=({"rope_type": "default", "rope_theta": cfg.rope_theta} if cfg.rope_linear_factor == 1.0
+                             else {"rope_type": "linear", "rope_theta": cfg.rope_theta,
+                                   "factor": cfg.rope_linear_factor}),
+            attention_bias=False, use_sliding_window=False, attention_dropout=cfg.dropout,
             bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if family(cfg) == "llama":
         return "LlamaForCausalLM", dict(
@@ -201,8 +225,8 @@ def config_from_hf(hf: dict) -> dict:
     setting TinyGPT does not compute (naming the key and its value; :data:`FUNCTION_KEYS` lists
     every key that changes what the weights compute and what happens to it)."""
     kind = hf.get("model_type")
-    if kind not in ("llama", "mixtral", "gpt2"):
-        raise ValueError(f"model_type = {kind!r}: TinyGPT reads 'llama', 'mixtral' and 'gpt2' folders only")
+    if kind not in ("llama", "qwen3", "mixtral", "gpt2"):
+        raise ValueError(f"model_type = {kind!r}: TinyGPT reads 'llama', 'qwen3', 'mixtral' and 'gpt2' folders only")
     if hf.get("quantization_config"):
         method = (hf["quantization_config"] or {}).get("quant_method", "?") if isinstance(
             hf["quantization_config"], dict) else "?"
@@ -217,6 +241,12 @@ def config_from_hf(hf: dict) -> dict:
         return {**llama, "d_ff": None, "moe_experts": hf["num_local_experts"], "moe_top_k": hf["num_experts_per_tok"],
                 "moe_ffn_dim": hf["intermediate_size"],
                 "moe_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0))}
+    if kind == "qwen3":
+        if hf.get("use_sliding_window", False):
+            raise ValueError("use_sliding_window = true: TinyGPT's qk_norm model attends to every earlier token")
+        if hf.get("attention_bias", False):
+            raise ValueError("attention_bias = true: TinyGPT has one model.bias switch and Qwen3's MLP has no bias")
+        return {**config_from_hf({**hf, "model_type": "llama", "mlp_bias": False}), "qk_norm": True}
     if kind == "llama":
         theta, linear = _llama_rope(hf)
         if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
@@ -253,17 +283,20 @@ def name_map(cfg: ModelConfig) -> list[Entry]:
     """Every tensor of the HF model's state dict (as ``save_pretrained`` writes it: a tied head is
     stored once, as the embedding) and the TinyGPT tensors it comes from."""
     out: list[Entry] = []
-    if family(cfg) in ("llama", "mixtral"):
+    if family(cfg) in ("llama", "qwen3", "mixtral"):
         out.append(Entry("model.embed_tokens.weight", ("tok_emb.weight",)))
         parts = [("norm1", "input_layernorm"), ("attn.q_proj", "self_attn.q_proj"), ("attn.k_proj", "self_attn.k_proj"),
                  ("attn.v_proj", "self_attn.v_proj"), ("attn.out_proj", "self_attn.o_proj"),
                  ("norm2", "post_attention_layernorm")]
-        if family(cfg) == "llama":
+        if family(cfg) in ("llama", "qwen3"):
             parts += [("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj")]
         for i in range(cfg.n_layers):
             for ours, theirs in parts:
                 suffixes = ("weight", "bias") if cfg.bias and not ours.startswith("norm") else ("weight",)
                 out += [Entry(f"model.layers.{i}.{theirs}.{s}", (f"blocks.{i}.{ours}.{s}",)) for s in suffixes]
+            if cfg.qk_norm:
+                out += [Entry(f"model.layers.{i}.self_attn.{n}_norm.weight", (f"blocks.{i}.attn.{n}_norm.weight",))
+                        for n in "qk"]
             if family(cfg) == "mixtral":  # as save_pretrained writes it: one tensor per expert
                 moe = f"model.layers.{i}.block_sparse_moe"
                 out.append(Entry(f"{moe}.gate.weight", (f"blocks.{i}.mlp.router.proj.weight",)))
@@ -326,6 +359,8 @@ def tinygpt_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"blocks.{i}.{n}" + ("" if n.startswith("mlp.experts") else ".weight")] = shape
             if cfg.bias:
                 shapes[f"blocks.{i}.{n}.bias"] = (shape[0],)
+        if cfg.qk_norm:
+            shapes[f"blocks.{i}.attn.q_norm.weight"] = shapes[f"blocks.{i}.attn.k_norm.weight"] = (D,)
     shapes["norm_f.weight"] = (C,)
     if norm_bias:
         shapes["norm_f.bias"] = (C,)

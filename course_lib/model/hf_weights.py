@@ -33,7 +33,7 @@ def hf_config(cfg: ModelConfig):
         raise ValueError("no Hugging Face class expresses this TinyGPT: " + "; ".join(why))
     tf = require_transformers()
     cls_name, kwargs = hf_config_kwargs(cfg)
-    config_cls = {"LlamaForCausalLM": tf.LlamaConfig, "MixtralForCausalLM": tf.MixtralConfig}.get(cls_name, tf.GPT2Config)
+    config_cls = getattr(tf, cls_name.replace("LMHeadModel", "Config").replace("ForCausalLM", "Config"))
     config = config_cls(**kwargs)
     config.architectures = [cls_name]
     return getattr(tf, cls_name), config

@@ -29,7 +29,8 @@ CONFIG_KEY = "course_lib.model_config"
 FUNCTION_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "head_dim", "ffn_dim", "norm", "mlp",
                    "position", "bias", "tie_embeddings", "norm_eps", "rope_theta", "rope_linear_factor", "moe_experts", "moe_top_k",
                    "expert_dim", "moe_shared_experts", "moe_first_dense", "moe_score", "moe_norm_topk",
-                   "moe_route_scale")
+                   "moe_route_scale", "qk_norm", "logit_softcap",
+                   "attn_logit_softcap")
 
 
 def source_kind(path: str | Path) -> str:

@@ -106,6 +106,11 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
         self.window = cfg.attention_window
         self.use_rope = cfg.position == "rope"
+        # QK-norm (ModelConfig.qk_norm): one RMSNorm over the head dimension, shared by the heads
+        # (Qwen3's q_norm / k_norm), applied before RoPE. None: off.
+        self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.softcap = cfg.attn_logit_softcap
         # Set by TinyGPT.set_memory_strategy: recompute the attention core in backward.
         self.recompute_core = False
         self._mask_cache: dict[tuple[int, str], torch.Tensor] = {}
@@ -130,16 +135,32 @@ class Attention(nn.Module):
             k = k.repeat_interleave(group, dim=1)  # query head h reads k/v head h // group
             v = v.repeat_interleave(group, dim=1)
         dropout_p = self.dropout if self.training else 0.0
+        if self.softcap is not None:
+            return self._capped_core(q, k, v, dropout_p)
         if self.window is None:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         mask = self._mask(q.shape[-2], q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+    def _capped_core(self, q, k, v, dropout_p: float) -> torch.Tensor:
+        """Attention with soft-capped scores (Gemma 2): s = cap * tanh(q k^T / sqrt(D) / cap), then
+        the causal (or window) mask and softmax. Written out: SDPA has no hook between the scores
+        and the softmax. The [B, H, T, T] scores are materialised, so this path is for small T."""
+        T = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        scores = self.softcap * torch.tanh(scores / self.softcap)
+        allowed = (self._mask(T, q.device) if self.window is not None
+                   else torch.ones(T, T, dtype=torch.bool, device=q.device).tril())
+        att = torch.softmax(scores.masked_fill(~allowed, float("-inf")).float(), dim=-1).to(q.dtype)
+        return F.dropout(att, dropout_p, self.training) @ v
 
     def forward(self, x: torch.Tensor, cos=None, sin=None) -> torch.Tensor:
         B, T, _ = x.shape
         D = self.head_dim
         q = self.q_proj(x).view(B, T, -1, D).transpose(1, 2)  # [B, H, T, D]
         k = self.k_proj(x).view(B, T, -1, D).transpose(1, 2)  # [B, Hkv, T, D]
+        if self.q_norm is not None:  # per head, over D: |q| and |k| are pinned to ~sqrt(D) * weight
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).view(B, T, -1, D).transpose(1, 2)
         core = self.core if self.cp_core is None else self.cp_core
         if self.recompute_core and torch.is_grad_enabled():
@@ -165,7 +186,18 @@ class MLP(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Llama MLP: down(silu(gate(x)) * up(x)); three matrices, so F is ~2/3 of the GELU width."""
+    """Llama MLP: down(silu(gate(x)) * up(x)); three matrices, so F is ~2/3 of the GELU width.
+
+    ``smooth=True`` is Smooth-SwiGLU (Fishman et al. 2024, "Scaling FP8 training to trillion-token
+    LLMs"). Late in long runs the gate and up weights of a channel can align, and silu(g) * u then
+    grows like a square: a few channels of the down projection's input carry outliers hundreds of
+    times the rest, and one per-tensor FP8 scale sized for them flushes every other channel to
+    zero. Smooth-SwiGLU divides each channel h_i by s_i = max over the batch's tokens of |h_i| (a
+    constant, no gradient) and multiplies column i of the down weight by s_i:
+    down(h) = (W diag(s)) (h / s) + b. The function and its gradients are unchanged (up to
+    rounding); what changes is that the down GEMM's input lies in [-1, 1] in every channel, so an
+    FP8 cast of it loses nothing to one outlier channel.
+    """
 
     def __init__(self, cfg) -> None:
         super().__init__()
@@ -174,9 +206,23 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
         self.down.is_residual_projection = True
         self.dropout = cfg.dropout
+        self.smooth = cfg.smooth_swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(self.down(F.silu(self.gate(x)) * self.up(x)), self.dropout, self.training)
+        h = F.silu(self.gate(x)) * self.up(x)
+        if self.smooth:
+            s = smooth_scale(h)
+            y = F.linear(h / s, self.down.weight * s, self.down.bias)
+        else:
+            y = self.down(h)
+        return F.dropout(y, self.dropout, self.training)
+
+
+def smooth_scale(h: torch.Tensor) -> torch.Tensor:
+    """Smooth-SwiGLU's per-channel scale of ``h`` [..., F]: max |h| over every token, shape [F],
+    detached (a constant, as an FP8 scale is), a channel that is all zero given 1 (nothing to scale)."""
+    s = h.detach().abs().amax(dim=tuple(range(h.dim() - 1)))
+    return torch.where(s > 0, s, torch.ones_like(s))
 
 
 class Block(nn.Module):

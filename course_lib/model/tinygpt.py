@@ -214,17 +214,50 @@ class TinyGPT(nn.Module):
                 else:
                     x = block(x, cos, sin)
             logits = self.lm_head(self.norm_f(x))
+            if self.cfg.logit_softcap is not None:  # Gemma 2: every logit in (-cap, cap)
+                cap = self.cfg.logit_softcap
+                logits = cap * torch.tanh(logits / cap)
             loss = None
             if targets is not None:
                 loss = F.cross_entropy(
                     logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100
                 )
+                if self.cfg.z_loss > 0:
+                    loss = loss + self._z_loss(logits, targets)
             if self._moe:  # read here, outside any checkpointed block (a recompute must not count twice)
                 aux = collect_aux(self._moe, self.training)
                 self.moe_aux_loss = None if aux is None else aux.detach()
                 if loss is not None and aux is not None and self.training:
                     loss = loss + aux
         return logits, loss
+
+    def _z_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """z_loss * mean(logsumexp(logits)^2) over the scored tokens (targets != -100), in float32.
+        log Z = logsumexp is the softmax's normaliser: cross-entropy is blind to a shift of every
+        logit by the same amount, this term is not, so the logits cannot drift off together. The
+        value is also kept (detached, summed over this step's micro-batches) for the metrics:
+        :meth:`pop_aux_losses`."""
+        lse = torch.logsumexp(logits.float(), dim=-1)
+        scored = targets != -100
+        term = self.cfg.z_loss * (lse.square() * scored).sum() / scored.sum().clamp_min(1)
+        if torch.is_grad_enabled():  # a training forward: counted for the step's metrics row
+            done = term.detach()
+            self._aux = {"z_loss": done if self._aux is None else self._aux["z_loss"] + done}
+            self._aux_count += 1
+        return term
+
+    #: z-loss terms of the forwards since the last pop_aux_losses (None: none yet)
+    _aux: dict[str, torch.Tensor] | None = None
+    _aux_count: int = 0
+
+    def pop_aux_losses(self) -> dict[str, torch.Tensor]:
+        """The auxiliary loss terms added to the loss since the last call, each the mean over the
+        training forwards (micro-batches) in between, as 0-dim tensors on the device (no host read);
+        empty when none was added. Resets. The trainer logs them (``z_loss``) beside ``loss``,
+        which includes them: the cross-entropy is ``loss - z_loss``."""
+        aux, n = self._aux or {}, max(self._aux_count, 1)
+        self._aux, self._aux_count = None, 0
+        return {k: v / n for k, v in aux.items()}
 
     def _bound(self, emb: torch.Tensor) -> torch.Tensor:
         b = self.cfg.embedding_bound

@@ -2,7 +2,8 @@
 
     [train]   max_steps, seed, micro_batch, grad_accum, precision, strategy, device, compile, log_every, ...
     [data]    task, seq_len, vocab_size, path, dtype, val_path (task "tokens": a token file, course_lib.data.tokens)
-    [model]   preset plus any ModelConfig field (n_layers, d_model, checkpointing, ...); init_from (an HF
+    [model]   preset plus any ModelConfig field (n_layers, d_model, checkpointing, the stabilizers qk_norm,
+              z_loss, logit_softcap, attn_logit_softcap, smooth_swiglu, embedding_bound, ...); init_from (an HF
               folder or a consolidated .safetensors file: the weights step 0 starts from)
     [optim]   lr, min_lr, weight_decay, beta1, beta2, eps, fused
     [schedule] kind, warmup_steps, warmup_convention, decay_steps
@@ -104,7 +105,23 @@ def validate(raw: dict[str, Any], *, init_source: bool = True) -> dict[str, dict
         _init_from_check(cfg, mcfg)
     _token_file_checks(cfg, mcfg)
     _parallel_checks(cfg, mcfg)
+    _stabilizer_checks(cfg, mcfg)
     return cfg
+
+
+def _stabilizer_checks(cfg: dict, mcfg) -> None:
+    """The architecture-level stabilizers (model.qk_norm, z_loss, logit_softcap, attn_logit_softcap,
+    smooth_swiglu) run where TinyGPT's own forward runs: one process or data parallelism. The
+    tensor-, pipeline- and context-parallel models compute attention and the loss in code of their
+    own, which does not have them yet; refused by name rather than silently dropped."""
+    on = mcfg.stabilizers
+    if on and model_parallel_size(cfg) > 1:
+        par = cfg["parallel"]
+        keys = " and ".join(f"parallel.{k} = {par[k]}" for k in ("tp", "pp", "cp") if par[k] > 1)
+        raise ConfigError(f"{', '.join(on)} with {keys}: the architecture-level stabilizers run in TinyGPT's own "
+                          f"forward, under one process or data parallelism (train.strategy single, ddp, zero1, "
+                          f"zero2, fsdp, deepspeed with tp = pp = cp = 1); the model-parallel layouts do not "
+                          f"carry them yet")
 
 
 def _cross_checks(cfg: dict) -> None:
