@@ -100,6 +100,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
 
         model.load_state_dict(load_init_state(cfg["model"]["init_from"], mcfg), strict=True)
     model = model.to(device)
+    fp8 = _fp8_convert(cfg, model, device)  # train.precision = "fp8": Linear layers swapped before any wrapper
     # From here each rank draws its own random numbers (dropout masks): replicas that drew the
     # same masks on different data would be correlated for no reason. Checkpoints keep each rank's
     # generator, so a resume continues every rank's own stream.
@@ -135,6 +136,11 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             start, last_loss = loaded.step, loaded.metrics.get("loss")
     if strategy.is_writer:
         _write_run_files(out_dir, cfg, strategy)
+        if fp8 is not None:  # which layers run FP8, by which path, and whether it is emulated
+            from course_lib.precision.fp8_model import describe
+
+            (out_dir / "fp8.json").write_text(json.dumps(fp8, indent=2) + "\n")
+            print(describe(fp8), flush=True)
     # Rows are buffered (train.metrics_flush_s) and always flushed before a checkpoint is taken:
     # a crash loses only rows the resumed run rewrites anyway. A roll-back reopens the log.
     open_log = functools.partial(MetricsLog, out_dir / "metrics.jsonl", tensorboard=t["tensorboard"],
@@ -251,6 +257,19 @@ def _agreed_peak(peak: Peak, info) -> Peak:
     dist.all_reduce(rate, op=dist.ReduceOp.MAX)
     return dataclasses.replace(peak, flops=float(rate.item()),
                                detail=peak.detail + f"; the highest of {info.world_size} ranks' measurements")
+
+
+def _fp8_convert(cfg: dict, model, device) -> dict | None:
+    """``train.precision = "fp8"``: swap the model's Linear layers for FP8 ones (``[fp8]``: recipe,
+    backend, the layers kept in high precision) in place, before the strategy wraps the model, and
+    return the conversion's report (None for other precisions)."""
+    if cfg["train"]["precision"] != "fp8":
+        return None
+    from course_lib.precision.fp8_model import convert_for_training
+
+    f8 = cfg["fp8"]
+    return convert_for_training(model, recipe=f8["recipe"], backend=f8["backend"], keep=f8["keep"],
+                                fsdp_all_gather=f8["fsdp_all_gather"], device=device)
 
 
 def _grads_to_check(strategy):
