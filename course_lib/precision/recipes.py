@@ -171,8 +171,9 @@ class AmaxHistory:
 
 def quantization_error(x: torch.Tensor, recipe: str | Recipe, role: str = "input") -> dict:
     """How far a trip through ``recipe``'s FP8 moves ``x`` (2-D, float32 math): relative error
-    ``||x - q(x)|| / ||x||``, the share of nonzero values that became zero (underflow), and the share
-    that hit +-max (saturated)."""
+    ``||x - q(x)|| / ||x||`` (dominated by the largest values), the median of each nonzero value's
+    own relative error (what the typical, small values suffer), the share of nonzero values that
+    became zero (underflow), and the share that hit +-max (saturated)."""
     r = get_recipe(recipe) if isinstance(recipe, str) else recipe
     q = quantize(x, r.fmt(role), r.block(role), scale_kind=r.scale_kind)
     back = dequantize(q)
@@ -181,5 +182,6 @@ def quantization_error(x: torch.Tensor, recipe: str | Recipe, role: str = "input
     top = fp8_max(r.fmt(role))
     return {"recipe": r.name, "role": role, "format": r.fmt(role),
             "rel_error": float((back - xf).norm() / xf.norm().clamp(min=1e-30)),
+            "median_rel_error": float(((back - xf)[nonzero] / xf[nonzero]).abs().median()) if nonzero.any() else 0.0,
             "underflow": float(((back == 0) & nonzero).sum() / nonzero.sum().clamp(min=1)),
             "saturated": float((q.data.float().abs() == top).sum() / max(xf.numel(), 1))}
