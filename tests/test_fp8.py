@@ -229,3 +229,26 @@ def test_kit_tensorwise_matches_torchao_float8_linear():
     convert_for_training(theirs, recipe="tensorwise", backend="torchao", keep=[])
     x = torch.randn(32, 64)
     torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the accumulator
+def test_round_significand_keeps_the_leading_bits_and_cuts_toward_zero():
+    from course_lib.precision.accumulate import round_significand
+
+    x = torch.tensor([1 + 2.0**-13, 1 + 2.0**-14, -(1 + 2.0**-14), 3 * 2.0**-20], dtype=torch.float64)
+    assert round_significand(x, 14).tolist() == [1 + 2.0**-13, 1.0, -1.0, 3 * 2.0**-20]
+
+
+def test_a_14_bit_accumulator_drifts_with_k_and_promotion_every_128_stops_it():
+    from course_lib.precision.accumulate import accumulate, accumulation_error
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.rand(8, 2048, generator=g), torch.rand(2048, 8, generator=g)
+    exact = a.double() @ b.double()
+    torch.testing.assert_close(accumulate(a, b, bits=52), exact, rtol=1e-12, atol=0)  # enough bits: exact
+    short, long_ = accumulation_error(a[:, :256], b[:256], bits=14), accumulation_error(a, b, bits=14)
+    promoted = accumulation_error(a, b, bits=14, promote_every=128)
+    assert long_ > 3 * short and long_ > 5 * promoted, (short, long_, promoted)
+    assert (accumulate(a, b, bits=14) <= exact).all()  # truncation only ever drops magnitude
+    with pytest.raises(ValueError, match="multiple of chunk"):
+        accumulate(a, b, chunk=4, promote_every=126)
