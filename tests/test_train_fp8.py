@@ -92,9 +92,10 @@ def test_fp8_torchao_backend_trains_like_bf16(tmp_path, bf16_run):
 
 
 # ----------------------------------------------------------------------------- two ranks
-def test_fp8_composes_with_ddp_and_fsdp2_on_two_ranks(tmp_path):
+def test_fp8_composes_with_ddp_and_fsdp2_on_two_ranks(tmp_path, bf16_run):
     """One 2-rank launch: DDP and FSDP2 (with torchao's FP8 all-gather where torchao is installed),
-    each training the global batch of 16; both end where one process with FP8 on that batch ends."""
+    each training the global batch of 16 (8 per rank); both track one process's bf16 run on that
+    batch as closely as one FP8 process does."""
     common = ("train.precision=fp8", "train.peak_flops=1e11", "train.micro_batch=8")
     runs = {"ddp": cfg(*common, "train.strategy=ddp", "fp8.backend=kit"),
             "fsdp": cfg(*common, "train.strategy=fsdp")}
@@ -102,13 +103,11 @@ def test_fp8_composes_with_ddp_and_fsdp2_on_two_ranks(tmp_path):
         runs["fsdp"] = cfg(*common, "train.strategy=fsdp", "fp8.backend=torchao", "fp8.fsdp_all_gather=true")
     calls = [(rank_fns.train_rank, (c, str(tmp_path / name))) for name, c in runs.items()]
     per_rank = run_ranks(rank_fns.several, 2, calls)
-    single = train(cfg("train.precision=fp8", "train.peak_flops=1e11", "train.micro_batch=16", "fp8.backend=kit"),
-                   tmp_path / "single")
+    bf16_losses = losses(bf16_run[1])
     for i, name in enumerate(runs):
         assert [r[i]["steps"] for r in per_rank] == [12, 12], name
         report = json.loads((tmp_path / name / "fp8.json").read_text())
         assert len(report["converted"]) == 12 and report["emulated"], (name, report)
-        # FP8 scales come from each rank's half of the batch, so the curves agree closely, not bitwise
-        for ours, ref in zip(losses(tmp_path / name), losses(tmp_path / "single"), strict=True):
-            assert abs(ours - ref) / ref < 0.02, (name, losses(tmp_path / name), losses(tmp_path / "single"))
+        for ours, ref in zip(losses(tmp_path / name), bf16_losses, strict=True):
+            assert abs(ours - ref) / ref < 0.03, (name, losses(tmp_path / name), bf16_losses)
     assert losses(tmp_path / "ddp")[-1] < losses(tmp_path / "ddp")[0] - 0.5  # it learns
