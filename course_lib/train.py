@@ -117,6 +117,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             model.load_state_dict(load_init_state(init_from, mcfg), strict=True)
         except (ValueError, OSError) as exc:
             raise ConfigError(f"model.init_from = {init_from!r}: {exc}") from None
+    fp8 = _fp8_convert(cfg, model, device)  # train.precision = "fp8": Linear layers swapped before any wrapper
     train_setup.check_faults_reach(stabilizer, strategy, t["strategy"])  # an engine may keep p.grad
     strategy.setup(model, train_setup.adamw(cfg["optim"]))
     if t["compile"]:
@@ -152,6 +153,11 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                               f"model.init_from was not read; run again")
     if strategy.is_writer:
         _write_run_files(out_dir, cfg, strategy)
+        if fp8 is not None:  # which layers run FP8, by which path, and whether it is emulated
+            from course_lib.precision.fp8_model import describe
+
+            (out_dir / "fp8.json").write_text(json.dumps(fp8, indent=2) + "\n")
+            print(describe(fp8), flush=True)
     # Rows are buffered (train.metrics_flush_s) and always flushed before a checkpoint is taken:
     # a crash loses only rows the resumed run rewrites anyway. A roll-back reopens the log.
     open_log = functools.partial(MetricsLog, out_dir / "metrics.jsonl", tensorboard=t["tensorboard"],
@@ -287,6 +293,19 @@ def _aux_losses(strategy, mcfg) -> dict:
 
     model = next(m for m in strategy.model.modules() if isinstance(m, TinyGPT))
     return {k: strategy.global_mean(v) for k, v in model.pop_aux_losses().items()}
+
+
+def _fp8_convert(cfg: dict, model, device) -> dict | None:
+    """``train.precision = "fp8"``: swap the model's Linear layers for FP8 ones (``[fp8]``: recipe,
+    backend, the layers kept in high precision) in place, before the strategy wraps the model, and
+    return the conversion's report (None for other precisions)."""
+    if cfg["train"]["precision"] != "fp8":
+        return None
+    from course_lib.precision.fp8_model import convert_for_training
+
+    f8 = cfg["fp8"]
+    return convert_for_training(model, recipe=f8["recipe"], backend=f8["backend"], keep=f8["keep"],
+                                fsdp_all_gather=f8["fsdp_all_gather"], device=device)
 
 
 def _grads_to_check(strategy):

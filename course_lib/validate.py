@@ -101,7 +101,7 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "seed": (int, 0, (0, None)),
         "micro_batch": (int, 16, (1, None)),       # sequences per rank per micro-batch
         "grad_accum": (int, 1, (1, None)),         # micro-batches per optimizer step
-        "precision": (str, "fp32", ("fp32", "bf16", "fp16")),
+        "precision": (str, "fp32", ("fp32", "bf16", "fp16", "fp8")),  # fp8: see [fp8]
         "strategy": (str, "single", None),         # choices: course_lib.parallel.registry (trainer.config adds them)
         "device": (str, "auto", ("auto", "cpu", "cuda")),
         "log_every": (int, 10, (1, None)),         # progress-bar refresh, in steps
@@ -188,6 +188,15 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "mode": (str, "disabled", ("disabled", "offline", "online")),  # offline: no network, files in OUT/wandb/
         "project": (str, "course-kit", None),
         "name": (str, "", None),                   # "" = the output folder's name
+    },
+    "fp8": {  # read when train.precision = "fp8" (course_lib.precision.fp8_model)
+        # tensorwise | rowwise (torchao or the kit) | delayed | blockwise | mxfp8 (the kit's own)
+        "recipe": (str, "tensorwise", ("tensorwise", "rowwise", "delayed", "blockwise", "mxfp8")),
+        "backend": (str, "auto", ("auto", "torchao", "kit")),  # auto: torchao where installed and it has the recipe
+        # Linear layers left in high precision, by name, dotted part or pattern (embeddings and norms
+        # are not Linear layers and always stay): the output head and an MoE router by default
+        "keep": (list, ["lm_head", "router"], None),
+        "fsdp_all_gather": (bool, False, None),    # fsdp + torchao tensorwise: all-gather weights in FP8
     },
     "model": {
         "preset": (str, "tiny", None),             # plus any ModelConfig field, checked there

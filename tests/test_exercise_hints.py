@@ -129,6 +129,8 @@ FORBIDDEN = {
     "13_online_softmax": ["torch.maximum(lse_a, lse_b)", "lse_a - safe", "safe + torch.log", "w_a + w_b",
                           "logaddexp", "torch.sigmoid", "exp(lse_a) + exp(lse_b)", "exp(lse_a - lse)",
                           "lse_a - lse", "online_softmax_update", "subtract the max"],
+    "15_fp8_blockwise": ["amax / E4M3_MAX", "/ 448", "amax(dim", "repeat_interleave", "functional.pad",
+                         "reshape(rows, tiles", "-(-cols", "unsqueeze(-1)", "torch.where(amax"],
 }
 EXERCISES = sorted(p.stem for p in (ROOT / "solutions").glob("[0-9][0-9]_*.py"))
 

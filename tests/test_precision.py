@@ -98,7 +98,7 @@ def test_helper_argument_errors():
 # ----------------------------------------------------------------------------- policies
 def test_make_policy_validates_arguments():
     with pytest.raises(ValueError, match="precision"):
-        make_policy("fp8")
+        make_policy("fp4")
     with pytest.raises(ValueError, match="device"):
         make_policy("fp32", "meta")
     with pytest.raises(ValueError, match="init_scale"):

@@ -91,7 +91,7 @@ def test_bf16_autocast_trains_within_a_band_of_fp32(tmp_path, clean40):
     (["--set", "trian.seed=1"], "unknown config section [trian]"),
     (["--set", "train.micro_batch=2.5"], "train.micro_batch must be int, got float"),
     (["--set", "optim.lr=-1"], "optim.lr must be >= 0.0"),
-    (["--set", "train.precision=fp8"], "train.precision must be one of fp32, bf16, fp16"),
+    (["--set", "train.precision=fp4"], "train.precision must be one of fp32, bf16, fp16, fp8"),
     (["--set", "schedule.warmup_steps=500"], "schedule.warmup_steps (500) must be <= train.max_steps"),
     (["--set", "model.n_heads=5"], "[model]"),
     (["--set", "model.flavour=1"], "unknown model config key"),

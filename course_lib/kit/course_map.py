@@ -13,12 +13,13 @@ from course_lib.kit import catalog, notebooks
 from course_lib.kit.doctor import _split_stamps
 
 #: lab stem -> (exercise stem in exercises/, what the exercise asks). Exercise numbers follow the
-#: exercises' own order, so lab 13's exercise is 12, lab 15's is 13, and labs 03, 06, 12 and 14
-#: have none.
+#: exercises' own order, so lab 13's exercise is 12, lab 15's is 13, lab 03's is 15 (FP8, added
+#: after them), and labs 06, 12 and 14 have none.
 EXERCISES: dict[str, tuple[str, str]] = {
     "00_orientation": ("00_ring_allreduce", "ring all-reduce from send/recv"),
     "01_memory": ("01_memory_budget", "memory budget of a 7B model with AdamW"),
     "02_flops_mfu": ("02_zero_stages", "the ZeRO stage table (sharding, memory, communication)"),
+    "03_mixed_precision": ("15_fp8_blockwise", "FP8 quantization in DeepSeek-V3's 1 x 128 tiles, scales and all"),
     "04_checkpointing_accumulation": ("04_custom_attention", "a custom attention pattern, checkpointed and benchmarked"),
     "05_stability": ("05_gradient_policy", "clipping analysis and a gradient-explosion policy"),
     "07_checkpoints": ("07_atomic_checkpoint", "atomic save and retention, killed mid-save"),

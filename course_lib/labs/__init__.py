@@ -24,6 +24,7 @@ module                            used by
 ``exercise10_tp_linear``          exercise 10's checks
 ``exercise11_one_f_one_b``        exercise 11's checks (deadlock simulator, gloo run)
 ``exercise13_online_softmax``     exercise 13's partials, checks and one-process ring
+``exercise15_fp8_blockwise``      exercise 15's checks of the 1 x 128 FP8 quantizer against the library's
 ``plots``                         every lab's shared matplotlib helpers (draw on a given Axes)
 ``plots_memory``                  lab 01's stacked memory bars
 ``widgets``                       lab 01's memory calculator (sliders in, bytes per rank out)

@@ -12,6 +12,7 @@
     [checkpoint] save_every, keep_last, async_save, mirror, format
     [profile] enabled, wait, warmup, active, top_ops (torch.profiler around chosen steps)
     [wandb]   mode (disabled | offline | online), project, name (Weights & Biases, course_lib.trainer.wandb_log)
+    [fp8]     recipe, backend, keep, fsdp_all_gather (read when train.precision = "fp8"; course_lib.precision.fp8_model)
     [parallel] bucket_mb, reshard_after_forward, cpu_offload, zero_stage, offload_optimizer,
               offload_param (read by the strategy named in train.strategy);
               dp, tp, pp, pp_schedule, virtual_stages, pp_split, sequence_parallel, cp (model parallelism:
@@ -54,6 +55,11 @@ def _suggest(word: str, options) -> str:
 
 
 def _check_value(where: str, value: Any, kind: type, constraint: Any) -> Any:
+    if kind is list and constraint is None:  # an array of names (fp8.keep)
+        if isinstance(value, list) and all(isinstance(v, str) and v for v in value):
+            return list(value)
+        raise ConfigError(f"{where} must be an array of non-empty strings (e.g. [\"lm_head\", \"router\"]); "
+                          f"got {type(value).__name__} {value!r}")
     if kind is list:  # one of the named choices, or an array of ints (counts checked in _parallel_checks)
         ints = isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
         if value in constraint or ints:
@@ -106,6 +112,7 @@ def validate(raw: dict[str, Any], *, init_source: bool = True) -> dict[str, dict
     _token_file_checks(cfg, mcfg)
     _parallel_checks(cfg, mcfg)
     _stabilizer_checks(cfg, mcfg)
+    _fp8_checks(cfg)
     return cfg
 
 
@@ -122,6 +129,33 @@ def _stabilizer_checks(cfg: dict, mcfg) -> None:
                           f"forward, under one process or data parallelism (train.strategy single, ddp, zero1, "
                           f"zero2, fsdp, deepspeed with tp = pp = cp = 1); the model-parallel layouts do not "
                           f"carry them yet")
+
+
+def _fp8_checks(cfg: dict) -> None:
+    """``train.precision = "fp8"`` with ``[fp8]``: a recipe and backend that can run (torchao
+    installed when asked for by name), and the layouts it composes with (data parallelism)."""
+    t, f8 = cfg["train"], cfg["fp8"]
+    if t["precision"] != "fp8":
+        if f8["fsdp_all_gather"]:
+            raise ConfigError(f"fp8.fsdp_all_gather = true needs train.precision = 'fp8' (got {t['precision']!r})")
+        return
+    from course_lib.precision.fp8_model import resolve_backend
+
+    try:
+        backend = resolve_backend(f8["backend"], f8["recipe"])
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if t["strategy"] == "deepspeed":
+        raise ConfigError("train.precision = 'fp8' does not compose with train.strategy = 'deepspeed' here (the "
+                          "engine casts the model itself); use 'ddp', 'zero1', 'zero2' or 'fsdp'")
+    if model_parallel_size(cfg) > 1:
+        raise ConfigError(f"train.precision = 'fp8' runs with data parallelism only (parallel.tp = pp = cp = 1; got "
+                          f"tp x pp x cp = {model_parallel_size(cfg)}): FP8 Linear layers under tensor/pipeline/"
+                          f"context parallelism are not built here")
+    if f8["fsdp_all_gather"] and (t["strategy"] != "fsdp" or backend != "torchao" or f8["recipe"] != "tensorwise"):
+        raise ConfigError(f"fp8.fsdp_all_gather = true needs train.strategy = 'fsdp', fp8.recipe = 'tensorwise' and "
+                          f"torchao (fp8.backend 'torchao' or 'auto' with torchao installed); got strategy "
+                          f"{t['strategy']!r}, recipe {f8['recipe']!r}, backend {backend!r}")
 
 
 def _cross_checks(cfg: dict) -> None:

@@ -98,12 +98,15 @@ def peak_flops(cfg: dict, device: torch.device):
         # fp32 runs on TF32 tensor cores only when torch is allowed to (set_float32_matmul_precision
         # "high"/"medium"); otherwise the matmuls are true fp32 and MFU divides by the fp32 peak.
         fp32 = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-        dtype = {"fp32": fp32, "bf16": "bf16", "fp16": "fp16"}[cfg["train"]["precision"]]
+        # fp8: MFU against the bf16 peak, as torchtitan reports it (FP8's peak is twice that, and
+        # the layers kept in bf16 could never reach it)
+        dtype = {"fp32": fp32, "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}[cfg["train"]["precision"]]
         for key, acc in hardware.ACCELERATORS.items():  # first entry of the chip family (e.g. h100)
             if key.split("-")[0] in name:
                 return Peak(acc.peak_flops(dtype), "datasheet", f"{key} datasheet, dense {dtype}")
         return Peak(0.0, "datasheet", f"no datasheet for {name!r}: set train.peak_flops")
     # fp16 on a CPU is a loss-scaling demonstration whose matmuls run on the fp32 units: fp32's peak.
+    # fp8 on a CPU is emulated: its GEMMs run on the fp32 units (kit) or torch's CPU scaled_mm
     dtype = torch.bfloat16 if cfg["train"]["precision"] == "bf16" else torch.float32
     threads = torch.get_num_threads()
     flops, detail = stamped_peak(dtype, threads)

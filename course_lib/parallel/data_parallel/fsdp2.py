@@ -41,7 +41,7 @@ class FSDP2(Distributed):
             raise ConfigError(f"train.strategy = 'fsdp' shards the model block by block, but "
                               f"{type(model).__name__} has no non-empty `blocks` ModuleList to shard")
         par, precision = self.cfg["parallel"], self.cfg["train"]["precision"]
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(precision)
         options = {"mesh": init_device_mesh(self.device.type, (self.info.world_size,)),
                    "reshard_after_forward": par["reshard_after_forward"]}
         if dtype is not None:

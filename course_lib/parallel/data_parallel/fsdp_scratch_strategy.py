@@ -32,7 +32,7 @@ class FSDPScratch(Distributed):
     def setup(self, model: nn.Module, make_optimizer) -> None:
         base = make_optimizer(model)  # grouped on the original shapes
         named = groups_by_name(base, model)
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg["train"]["precision"])
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(self.cfg["train"]["precision"])
         self.module = SimpleFSDP(model, compute_dtype=dtype, find_unused_parameters=False)  # no host read
         self.model = model  # the same tree, its weights now the shards (checkpoint names unchanged)
         self.optimizer = type(base)(groups_for(named, model), **constructor_kwargs(base))
