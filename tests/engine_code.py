@@ -40,3 +40,26 @@ def torchtitan(module: str):
     """A torchtitan submodule, e.g. ``torchtitan("config.manager")``, imported from the wheel."""
     torchtitan_package()
     return importlib.import_module(f"torchtitan.{module}")
+
+
+def without_triton():
+    """Let torchtitan's MoE models import on a CPU machine: ``torchtitan.models.moe.kernels`` imports
+    triton (a GPU compiler torch's CPU wheel does not bring) to define the GPU kernel behind
+    ``generate_permute_indices``, which nothing on the meta device calls. When triton is not
+    installed, that one module is registered as a stand-in whose ``generate_permute_indices``
+    raises if called (triton itself is not faked: torch would take a fake for the real one);
+    with triton present, nothing."""
+    import importlib.util
+    import types
+
+    torchtitan_package()
+    name = "torchtitan.models.moe.kernels"
+    if name in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+    kernels = types.ModuleType(name)
+
+    def generate_permute_indices(*args, **kwargs):
+        raise RuntimeError("torchtitan's MoE permutation kernel needs triton (a GPU); this CPU test only builds "
+                           "the model on the meta device")
+    kernels.generate_permute_indices = generate_permute_indices
+    sys.modules[name] = kernels

@@ -109,3 +109,29 @@ def test_the_table_says_why_the_step_peak_differs_from_the_total(capsys):
     assert "step peak = what is live at the start of backward" in out and "no gradients yet" in out
     assert main(["--model", "gpt2-small", "--pp", "2", "--micro-batches", "4"]) == 0
     assert "the gradients summed so far" in capsys.readouterr().out
+
+
+def test_moe_model_rows_are_the_moe_estimators(capsys):
+    from course_lib.estimate import (alltoall_bytes_per_layer, expected_tokens_off_rank, moe_flops_per_token,
+                                     moe_model_state_bytes, moe_preset)
+
+    r = _json(capsys, ["--moe-model", "mixtral-8x7b", "--tp", "2", "--ep", "4", "--etp", "1", "--dp", "4",
+                       "--zero-stage", "1", "--seq", "4096", "--imbalance", "2"])
+    mx = moe_preset("mixtral-8x7b", seq_len=4096)
+    states = moe_model_state_bytes(mx, zero_stage=1, dp=4, tp=2, ep=4, etp=1)
+    b = r["per_rank_bytes"]
+    assert b["params"] == states.params and b["optimizer"] == states.optimizer and r["layout"]["edp"] == 2
+    assert r["model"]["moe"]["active_params"] == mx.active_params() and r["model"]["num_params"] == mx.num_params()
+    assert r["flops"]["per_token_moe"] == moe_flops_per_token(mx)
+    a2a = alltoall_bytes_per_layer(tokens_off_rank=expected_tokens_off_rank(4096, 2, 4), d_model=4096, ep=4,
+                                   n_experts=8)
+    assert r["moe"]["alltoall"]["per_layer_bytes"] == a2a.total
+    assert r["moe"]["spike"]["busiest_tokens"] > r["moe"]["spike"]["mean_tokens"]
+    assert main(["--moe-model", "deepseek-v3", "--pp", "16", "--dp", "128", "--ep", "64", "--zero-stage", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "37,552,282,624 active per token" in out and "expert-data-parallel=2" in out
+    for argv, words in ((["--moe-model", "mixtral-8x7b", "--ep", "3", "--dp", "3"], "must divide n_experts"),
+                        (["--model", "gpt2-small", "--ep", "2"], "--ep and --etp need --moe-model"),
+                        (["--moe-model", "mixtral-8x7b", "--tp", "4", "--etp", "2", "--dp", "2"], "--etp must be 1 or --tp")):
+        assert main(argv) == 2
+        assert words in capsys.readouterr().err

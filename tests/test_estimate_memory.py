@@ -39,7 +39,8 @@ def test_playbook_table(params, without_gb, with_gb):
 
 def test_recipe_bytes_per_param_and_the_rule_of_thumbs_omission():
     assert {n: r.bytes_per_param for n, r in RECIPES.items()} == {
-        "mixed-adam": 16, "mixed-adam-fp32-grads": 20, "fp32-adam": 16, "fp32-sgd-momentum": 12, "bf16-adam-no-master": 12}
+        "mixed-adam": 16, "mixed-adam-fp32-grads": 20, "fp32-adam": 16, "fp32-sgd-momentum": 12, "bf16-adam-no-master": 12,
+        "fp8-params-adam": 15}
     # The 2 + 2 + 8 rule of thumb differs from the ZeRO paper by exactly the fp32 master copy.
     rule, zero = model_state_bytes(7e9, recipe="bf16-adam-no-master"), model_state_bytes(7e9, recipe="mixed-adam")
     assert zero.total - rule.total == pytest.approx(4 * 7e9)

@@ -8,7 +8,9 @@ literature disagrees the assumption is an argument naming the source (recipe="mi
 Modules: shapes (ModelShape, presets, parameter counts) - memory (model state, ZeRO) -
 ds_estimator (DeepSpeed's estimator) - activations (Korthikanti et al.) - flops (FLOPs, MFU,
 days) - hardware (peak FLOP/s table) - comm (collectives, ZeRO/TP traffic, alpha-beta) -
-pipeline (bubble) - units (GB vs GiB formatting) - cli (`course estimate`).
+pipeline (bubble) - moe (mixture-of-experts: total vs active parameters, FLOPs, expert-parallel
+all-to-all bytes, EP x expert-DP memory, routing spike) - units (GB vs GiB formatting) - cli
+(`course estimate`).
 """
 
 from .activations import (
@@ -32,12 +34,17 @@ from .comm import (
     ring_bytes_per_rank,
     ring_steps,
     tp_comm_bytes_per_layer,
+    ZeroCommBytes,
+    zero_comm_bytes_per_step,
 )
 from .ds_estimator import DeepSpeedEstimate, deepspeed_zero2_estimate, deepspeed_zero3_estimate
 from .flops import flops_per_token, mfu, model_flops_per_iteration, palm_flops_per_token, training_days
 from .hardware import ACCELERATORS, Accelerator, accelerator
 from .memory import (GRAD_ACCUMULATION, RECIPES, ModelStateBytes, PrecisionRecipe, StepPeak, accumulated_grad_bytes,
                      engine_accumulation, model_state_bytes, resolve_recipe, training_step_peak_bytes)
+from .moe import (MLA, MOE_PRESETS, AllToAllBytes, MoEShape, MoEStateBytes, RoutingSpike, alltoall_bytes_per_layer,
+                  alltoall_bytes_per_token, expected_tokens_off_rank, expert_activation_bytes, expert_data_parallel,
+                  moe_flops_per_token, moe_model_state_bytes, moe_preset, routing_spike)
 from .pipeline import bubble_fraction
 from .shapes import PRESETS, ModelShape, default_d_ff
 from .units import BYTE_UNITS, bytes_to, format_bytes, format_seconds, format_si
@@ -53,4 +60,8 @@ __all__ = [
     "palm_flops_per_token",
     "resolve_recipe", "ring_bytes_per_rank", "ring_steps", "tp_comm_bytes_per_layer", "training_days",
     "training_step_peak_bytes", "accumulated_grad_bytes", "engine_accumulation", "GRAD_ACCUMULATION",
+    "ZeroCommBytes", "zero_comm_bytes_per_step",
+    "MLA", "MOE_PRESETS", "AllToAllBytes", "MoEShape", "MoEStateBytes", "RoutingSpike", "alltoall_bytes_per_layer",
+    "alltoall_bytes_per_token", "expected_tokens_off_rank", "expert_activation_bytes", "expert_data_parallel",
+    "moe_flops_per_token", "moe_model_state_bytes", "moe_preset", "routing_spike",
 ]

@@ -2,6 +2,7 @@
 
     course estimate --model llama2-7b --zero-stage 3 --dp 8 --micro-batch 1 --seq 4096
     course estimate --n-layers 12 --d-model 768 --n-heads 12 --vocab-size 50257 --seq-len 1024 --json
+    course estimate --moe-model deepseek-v3 --pp 16 --dp 128 --ep 64 --zero-stage 1 --seq 4096
     python -m course_lib.estimate.cli --model gpt2-small --recompute selective --units GB
 
 `add_arguments(parser)` and `run(args) -> int` plug into the `course` CLI; `main()` runs it alone.
@@ -21,7 +22,10 @@ from .comm import comm_elements_per_step, tp_comm_bytes_per_layer
 from .flops import flops_per_token, model_flops_per_iteration
 from .hardware import ACCELERATORS, accelerator
 from .activations import output_backward_transient_bytes
-from .memory import RECIPES, engine_accumulation, model_state_bytes, resolve_recipe, training_step_peak_bytes
+from .memory import (RECIPES, StepPeak, accumulated_grad_bytes, engine_accumulation, model_state_bytes, resolve_recipe,
+                     training_step_peak_bytes)
+from .moe import (MOE_PRESETS, alltoall_bytes_per_layer, expected_tokens_off_rank, moe_flops_per_token,
+                  moe_model_state_bytes, moe_preset, routing_spike)
 from .pipeline import bubble_fraction
 from .shapes import MLPS, NORMS, PRESETS, ModelShape
 from .units import format_bytes, format_si
@@ -45,6 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--untied-embeddings", action="store_true", default=None, help="separate output matrix")
     m.add_argument("--no-pos-emb", action="store_true", default=None, help="no learned position table (RoPE)")
     m.add_argument("--no-bias", action="store_true", default=None, help="no biases in linears and norms")
+    m.add_argument("--moe-model", choices=sorted(MOE_PRESETS),
+                   help="a published mixture-of-experts shape (instead of --model): total vs active parameters, "
+                        "expert-parallel memory and all-to-all bytes")
+
+    e = parser.add_argument_group("experts (with --moe-model)")
+    e.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides the experts)")
+    e.add_argument("--etp", type=int, default=None, help="expert tensor-parallel degree (default: --tp; 1 or --tp)")
+    e.add_argument("--imbalance", type=float, default=1.0,
+                   help="busiest expert's tokens over the mean, for the activation spike (default 1: balanced)")
 
     t = parser.add_argument_group("training layout")
     t.add_argument("--recipe", default="mixed-adam", choices=sorted(RECIPES),
@@ -91,15 +104,70 @@ def _shape(args) -> ModelShape:
     return ModelShape(**overrides)
 
 
+def _moe(args, out: dict, seq: int, m: int, e: float) -> None:
+    """The MoE rows: parameters total vs active, model state with EP x expert-DP (replacing the
+    dense rows), FLOPs on active parameters, all-to-all bytes and the routing spike."""
+    moe = moe_preset(args.moe_model, seq_len=seq) if args.seq else moe_preset(args.moe_model)
+    etp = args.tp if args.etp is None else args.etp
+    if etp not in (1, args.tp):
+        raise ValueError(f"--etp must be 1 or --tp ({args.tp}), got {etp}")
+    blocks = None
+    if moe.n_layers % args.pp:
+        base, extra = divmod(moe.n_layers, args.pp)
+        blocks = [base + (1 if i < extra else 0) for i in range(args.pp)]
+    states = moe_model_state_bytes(moe, recipe=args.recipe, zero_stage=args.zero_stage, dp=args.dp, tp=args.tp,
+                                   pp=args.pp, ep=args.ep, etp=etp, blocks=blocks)
+    tokens = seq * args.micro_batch // (args.tp if args.sp else 1)
+    off = expected_tokens_off_rank(tokens, moe.top_k, args.ep)
+    a2a = alltoall_bytes_per_layer(tokens_off_rank=off, d_model=moe.d_model, ep=args.ep, n_experts=moe.n_experts,
+                                   bytes_per_element=e, recompute=args.recompute)
+    spike = routing_spike(moe, tokens=tokens, ep=args.ep, etp=etp, max_over_mean=args.imbalance, bytes_per_element=e)
+    moe_layers_per_stage = -(-moe.n_moe_layers // args.pp)
+    b = out["per_rank_bytes"]
+    b.update(params=states.params, grads=states.grads, optimizer=states.optimizer,
+             master_weights=states.dense.master_weights + states.experts.master_weights,
+             optimizer_states=states.dense.optimizer_states + states.experts.optimizer_states)
+    b["total"] = states.total + b["activations"]
+    # the step peak as training_step_peak_bytes, both parts' live gradients under accumulation
+    acc = engine_accumulation(args.zero_stage)
+    live = (accumulated_grad_bytes(states.dense, acc) + accumulated_grad_bytes(states.experts, acc)) if m > 1 else 0.0
+    peak = StepPeak(states.total - states.grads + live + b["activations"] + b["output_transient"], states.total)
+    b.update(step_peak=peak.peak, step_peak_at=peak.where)
+    strategy = out["comm"]["dp_strategy"]
+    out["comm"]["dp_bytes_per_rank_per_step"] = (
+        comm_elements_per_step(states.dense.num_params, strategy, world_size=args.dp).bytes_per_rank(2)
+        + comm_elements_per_step(states.experts.num_params, strategy, world_size=states.edp).bytes_per_rank(2))
+    out["model"]["moe"] = {"preset": args.moe_model, "num_params": moe.num_params(),
+                           "active_params": moe.active_params(), "n_experts": moe.n_experts, "top_k": moe.top_k,
+                           "expert_d_ff": moe.expert_d_ff, "n_moe_layers": moe.n_moe_layers}
+    out["layout"].update(ep=args.ep, etp=etp, edp=states.edp)
+    out["flops"]["per_token_moe"] = moe_flops_per_token(moe, seq_len=seq)
+    out["moe"] = {
+        "expert_params_per_rank": states.experts.num_params, "dense_params_per_rank": states.dense.num_params,
+        "alltoall": {"tokens_per_micro_batch": tokens, "tokens_off_rank": off, "dispatch_bytes": a2a.dispatch,
+                     "combine_bytes": a2a.combine, "counts_bytes": a2a.counts, "per_layer_bytes": a2a.total,
+                     "bytes_per_rank_per_step": a2a.total * moe_layers_per_stage * m},
+        "spike": {"imbalance": args.imbalance, "mean_tokens": spike.mean_tokens, "busiest_tokens": spike.busiest_tokens,
+                  "mean_bytes": spike.mean_bytes, "busiest_bytes": spike.busiest_bytes}}
+
+
 def estimate(args) -> dict:
     """All numbers for `args` as a JSON-ready dict (bytes, FLOPs); raises ValueError on bad input."""
-    shape = _shape(args)
+    moe_model = getattr(args, "moe_model", None)
+    if moe_model is not None and args.model is not None:
+        raise ValueError("give --model or --moe-model, not both")
+    if moe_model is None and (getattr(args, "ep", 1) != 1 or getattr(args, "etp", None) is not None):
+        raise ValueError("--ep and --etp need --moe-model")
+    shape = _shape(args) if moe_model is None else MOE_PRESETS[moe_model].active_equivalent()
+    if moe_model is not None and shape.n_layers % args.pp:
+        # activations of the busiest stage: stages of ceil(n_layers / pp) blocks (the first ones)
+        shape = dataclasses.replace(shape, n_layers=-(-shape.n_layers // args.pp) * args.pp)
     recipe = resolve_recipe(args.recipe)
     seq = shape.seq_len if args.seq is None else args.seq
     m = args.pp if args.micro_batches is None else args.micro_batches
     e = args.activation_bytes if args.activation_bytes is not None else (2 if recipe.param_bytes <= 2 else 4)
     schedule = "interleaved" if args.virtual_stages > 1 else "1f1b"
-    rank_params = shape.params_on_busiest_rank(tp=args.tp, pp=args.pp)
+    rank_params = shape.params_on_busiest_rank(tp=args.tp, pp=args.pp) if moe_model is None else 0
     states = model_state_bytes(rank_params, recipe=recipe, zero_stage=args.zero_stage, dp=args.dp)
     layer_kwargs = dict(
         seq_len=seq, micro_batch=args.micro_batch, d_model=shape.d_model, n_heads=shape.n_heads, tp=args.tp,
@@ -148,6 +216,12 @@ def estimate(args) -> dict:
                  "tp_bytes_per_rank_per_step": tp_layer.bytes_per_rank * (shape.n_layers // args.pp) * m},
         "bubble_fraction_of_ideal": bubble_fraction(args.pp, m, schedule=schedule, virtual_stages=args.virtual_stages),
     }
+    if moe_model is not None:
+        _moe(args, out, seq, m, e)
+        total = out["per_rank_bytes"]["total"]
+        out["model"]["preset"] = moe_model
+        out["model"]["num_params"] = out["model"]["moe"]["num_params"]
+        out["model"]["params_on_busiest_rank"] = out["moe"]["expert_params_per_rank"] + out["moe"]["dense_params_per_rank"]
     if args.device:
         dev = accelerator(args.device)
         out["device"] = {"name": dev.name, "memory_bytes": dev.memory_bytes, "fits": total <= dev.memory_bytes,
@@ -206,6 +280,24 @@ def _text(r: dict, unit: str) -> str:
         f" tensor parallel {format_bytes(cm['tp_bytes_per_rank_per_step'], unit)}",
         f"  pipeline bubble: {r['bubble_fraction_of_ideal']:.1%} of the ideal step time",
     ]
+    if "moe" in r:
+        mo, mm, a, sp = r["moe"], md["moe"], r["moe"]["alltoall"], r["moe"]["spike"]
+        lines += [
+            "",
+            f"  experts: {mm['n_experts']} per MoE block ({mm['n_moe_layers']} blocks), top-{mm['top_k']}, width"
+            f" {mm['expert_d_ff']}; parameters {mm['num_params']:,} total, {mm['active_params']:,} active per token",
+            f"  layout: ep={lay['ep']} etp={lay['etp']} expert-data-parallel={lay['edp']}; per rank"
+            f" {mo['expert_params_per_rank']:,.0f} expert + {mo['dense_params_per_rank']:,.0f} other parameters",
+            f"  FLOPs per token (6 x active + attention): {format_si(fl['per_token_moe'], 'FLOP')}",
+            f"  all-to-all per MoE block and micro-batch ({a['tokens_per_micro_batch']:,} tokens,"
+            f" {a['tokens_off_rank']:,.0f} copies off-rank): dispatch {format_bytes(a['dispatch_bytes'], 'auto')},"
+            f" combine {format_bytes(a['combine_bytes'], 'auto')}, counts {a['counts_bytes']:,.0f} B;"
+            f" forward + backward {format_bytes(a['per_layer_bytes'], 'auto')};"
+            f" per step {format_bytes(a['bytes_per_rank_per_step'], unit)}",
+            f"  routing spike at {sp['imbalance']:g}x the mean expert load: the busiest rank's experts save"
+            f" {format_bytes(sp['busiest_bytes'], 'auto')} per block vs {format_bytes(sp['mean_bytes'], 'auto')}"
+            f" balanced ({sp['busiest_tokens'] / sp['mean_tokens']:.2f}x)",
+        ]
     if "device" in r:
         d = r["device"]
         verdict = "fits" if d["fits"] else "does NOT fit"

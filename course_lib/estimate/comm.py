@@ -94,6 +94,57 @@ def comm_elements_per_step(num_params, strategy: str, *, world_size: int | None 
 
 
 @dataclass(frozen=True)
+class ZeroCommBytes:
+    """Data-parallel / ZeRO traffic of one optimizer step, **bytes sent per rank**, split by
+    collective: the gradient reduction and the parameter all-gathers."""
+
+    reduce: float          # gradient all-reduce (DDP) or reduce-scatter (ZeRO), bytes per rank
+    gather: float          # parameter all-gathers, bytes per rank
+    scales: float          # FP8 scale traffic (an amax all-reduce per gathered tensor), bytes per rank
+    unit: str = "bytes sent per rank per step"
+
+    @property
+    def total(self) -> float:
+        """reduce + gather + scales, bytes per rank."""
+        return self.reduce + self.gather + self.scales
+
+
+def zero_comm_bytes_per_step(num_params, strategy: str, *, world_size: int, reduce_bytes_per_element: float = 2,
+                             gather_bytes_per_element: float = 2, micro_batches: int = 1,
+                             fp8_tensors: int = 0) -> ZeroCommBytes:
+    """Bytes each data-parallel rank sends per optimizer step, gradients and parameters apart, so
+    that each can travel in its own precision (ring collectives over ``world_size`` ranks).
+
+    * reduce: DDP all-reduces the gradients, 2(n-1)/n Psi g; ZeRO-1/2/3 reduce-scatter them,
+      (n-1)/n Psi g (g = ``reduce_bytes_per_element``: 2 bf16, 4 fp32);
+    * gather: ZeRO-1/2 all-gather the updated weights once, (n-1)/n Psi w; ZeRO-3 (FSDP)
+      all-gathers them for forward and again for backward of every micro-batch,
+      2 x micro_batches x (n-1)/n Psi w (w = ``gather_bytes_per_element``: 2 for bf16, **1 for
+      FP8 all-gather** - torchao's ``enable_fsdp_float8_all_gather``, Megatron's
+      ``--fp8-param-gather``: the weight shard is cast to float8 before the gather);
+    * scales: with FP8 gathers and tensorwise scaling each gathered weight needs its global
+      amax: one fp32 all-reduce per weight tensor per gather (torchao's
+      ``precompute_float8_dynamic_scale_for_fsdp`` batches them into one), 2(n-1)/n x 4 bytes x
+      ``fp8_tensors`` per gather.
+
+    ZeRO-2's per-micro-batch reduce-scatters (DeepSpeed) are the caller's: pass the step's
+    reduce as micro_batches x one. Bytes per rank (floats)."""
+    check_count("num_params", num_params)
+    check_choice("strategy", strategy, STRATEGIES)
+    check_int("world_size", world_size, 1)
+    check_number("reduce_bytes_per_element", reduce_bytes_per_element, 0, lo_open=True)
+    check_number("gather_bytes_per_element", gather_bytes_per_element, 0, lo_open=True)
+    check_int("micro_batches", micro_batches, 1)
+    check_int("fp8_tensors", fp8_tensors, 0)
+    phase = (world_size - 1) / world_size
+    reduce = (2 if strategy == "ddp" else 1) * phase * num_params * reduce_bytes_per_element
+    gathers = 0 if strategy == "ddp" else (2 * micro_batches if strategy == "zero3" else 1)
+    gather = gathers * phase * num_params * gather_bytes_per_element
+    scales = gathers * 2 * phase * 4 * fp8_tensors
+    return ZeroCommBytes(float(reduce), float(gather), float(scales))
+
+
+@dataclass(frozen=True)
 class TensorParallelComm:
     """Tensor-parallel activation traffic of one layer and one micro-batch (forward + backward)."""
 

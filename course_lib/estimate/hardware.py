@@ -62,6 +62,10 @@ ACCELERATORS: dict[str, Accelerator] = {
     "h100-pcie-80gb": Accelerator(
         "NVIDIA H100 PCIe 80GB", 756.5e12, 756.5e12, 378e12, 51e12, 80,
         _NV.format("H100") + " (PCIe): BF16/FP16 1,513 and TF32 756 TFLOPS with sparsity, halved; FP32 51"),
+    "h800-sxm5-80gb": Accelerator(
+        "NVIDIA H800 SXM5 80GB", 989.5e12, 989.5e12, 494.5e12, 67e12, 80,
+        "NVIDIA H800 (SXM), the H100's export variant: the same tensor cores (BF16/FP16 1,979 and TF32 989 TFLOPS with "
+        "sparsity, halved; FP32 67), 80GB, NVLink cut to 400 GB/s (DeepSeek-V3, arXiv 2412.19437, Sec. 3.1 and 3.2.2)"),
     "h200-sxm-141gb": Accelerator(
         "NVIDIA H200 SXM 141GB", 989.5e12, 989.5e12, 494.5e12, 67e12, 141,
         _NV.format("H200") + " (SXM): BF16/FP16 1,979 and TF32 989 TFLOPS with sparsity, halved; FP32 67; 141GB"),

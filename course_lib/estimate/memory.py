@@ -9,6 +9,12 @@ The literature disagrees on bytes per parameter, so the recipe is an explicit, n
 | ``fp32-adam`` | 4 + 4 + 0 + 8 | 16 | Ultra-Scale Playbook: full precision, m_params + m_grad + m_opt |
 | ``fp32-sgd-momentum`` | 4 + 4 + 0 + 4 | 12 | one fp32 momentum buffer (torch.optim.SGD, momentum > 0) |
 | ``seed`` | 2 + 2 + 0 + 8 | 12 | a widely quoted rule of thumb; it leaves out the fp32 master copy |
+| ``fp8-params-adam`` | 1 + 2 + 4 + 8 | 15 | FP8 weights kept and gathered in FP8 (Megatron ``--fp8-param-gather``), bf16 grads, fp32 master + Adam |
+
+FP8 *compute* alone (torchao's float8 linears, Transformer Engine without ``--fp8-param-gather``)
+keeps the weights in bf16/fp32 and casts them per matmul: the model state is the bf16 recipe's;
+the saving is in the all-gathers (``comm.zero_comm_bytes_per_step`` with a 1-byte gather) and in
+the activations the FP8 linears save.
 
 ZeRO stages shard over the data-parallel degree `dp` exactly as the ZeRO paper's Figure 1:
 stage 1 shards the optimizer state (master weights and moments, the paper's K), stage 2 also the
@@ -66,6 +72,11 @@ RECIPES: dict[str, PrecisionRecipe] = {
         4, 4, 0, 4, "fp32-sgd-momentum", "fp32 weights and grads plus one fp32 momentum buffer (torch.optim.SGD)"),
     "bf16-adam-no-master": PrecisionRecipe(
         2, 2, 0, 8, "bf16-adam-no-master", "a widely quoted 2 + 2 + 8 rule of thumb; omits the fp32 master copy the ZeRO paper counts"),
+    "fp8-params-adam": PrecisionRecipe(
+        1, 2, 4, 8, "fp8-params-adam",
+        "FP8 (E4M3) weights stored and all-gathered in FP8 (Megatron-LM --fp8-param-gather with Transformer "
+        "Engine; torchao's FSDP float8 all-gather moves the same 1 byte per parameter): params 1 + bf16 grads 2 + "
+        "fp32 master 4 + Adam 8 = 15"),
 }
 
 

@@ -45,6 +45,8 @@ from course_lib.estimate import (activation_breakdown_per_layer, activation_byte
                                  output_backward_transient_bytes, resolve_recipe, tp_comm_bytes_per_layer,
                                  training_step_peak_bytes)
 from course_lib.estimate.activations import activation_bytes_per_layer
+from course_lib.estimate.memory import StepPeak, accumulated_grad_bytes
+from course_lib.estimate.moe import alltoall_bytes_per_layer, expected_tokens_off_rank, moe_model_state_bytes
 from course_lib.estimate.stage_split import even_blocks
 from course_lib.planner.spec import JobSpec
 from course_lib.planner.stages import compact_counts, in_flight_layers, rank_blocks, stage_imbalance
@@ -66,6 +68,13 @@ class Layout:
     grad_accum: int  # micro-batches per optimizer step per data-parallel rank
     virtual_stages: int = 1  # stages per pipeline rank: > 1 is interleaved 1F1B (Narayanan et al. 2021)
     split: tuple = ()        # blocks per stage (pp x virtual_stages ints); () = as even as possible
+    ep: int = 1              # expert-parallel degree (MoE): each rank holds n_experts / ep experts per block
+    etp: int = 1             # expert tensor-parallel degree: 1 or tp (Megatron and torchtitan allow no other)
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: ranks holding the same experts, tp cp dp / (ep etp)."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
 
     @property
     def schedule(self) -> str:
@@ -91,7 +100,8 @@ class Layout:
         explicit split show on pp: ``pp16v2[7,8*14,7]``."""
         pp = f"pp{self.pp}" + (f"v{self.virtual_stages}" if self.virtual_stages > 1 else "") \
             + (f"[{compact_counts(self.split)}]" if self.split else "")
-        return (f"tp{self.tp} {pp} dp{self.dp} cp{self.cp} Z{self.zero_stage} "
+        experts = f" ep{self.ep}" + (f" etp{self.etp}" if self.etp > 1 else "") if self.ep > 1 or self.etp > 1 else ""
+        return (f"tp{self.tp} {pp} dp{self.dp} cp{self.cp}{experts} Z{self.zero_stage} "
                 f"rc={self.recompute} mb{self.micro_batch}x{self.grad_accum}")
 
 
@@ -263,8 +273,43 @@ def _transient(spec: JobSpec, lay: Layout, memo: dict) -> float:
     return cached(memo, ("transient", lay.tp, lay.cp, lay.micro_batch, lay.zero_stage == 3, lay.recompute), make)
 
 
+def moe_states(spec: JobSpec, lay: Layout):
+    """The MoE model state of the busiest pipeline rank (``estimate.moe_model_state_bytes``: the
+    non-expert part ZeRO-sharded over dp x cp, the experts over ep x etp and ZeRO-sharded over the
+    expert-data-parallel group), the rank's blocks taken in depth order (the dense blocks first)."""
+    memo = job_cache(spec)
+
+    def make():
+        _, per_rank = _rank_params(spec, lay, memo)
+        recipe = resolve_recipe(spec.recipe)
+        options = [moe_model_state_bytes(spec.moe, recipe=recipe, zero_stage=lay.zero_stage, dp=lay.dp, tp=lay.tp,
+                                         pp=lay.pp, cp=lay.cp, ep=lay.ep, etp=lay.etp, stage=r, blocks=list(per_rank))
+                   for r in range(lay.pp)]
+        return max(options, key=lambda st: st.total)
+    return cached(memo, ("moe_states", lay.tp, lay.pp, lay.virtual_stages, lay.split, lay.cp, lay.dp, lay.ep, lay.etp,
+                         lay.zero_stage), make)
+
+
+def _moe_memory(spec: JobSpec, lay: Layout, memo: dict) -> tuple[dict, float]:
+    """``_memory`` for a mixture-of-experts job: the same parts, the states from ``moe_states``
+    and their live gradients summed part by part (each part has its own sharding group)."""
+    st = moe_states(spec, lay)
+    acts = _busiest_activations(spec, lay, memo)
+    transient = _transient(spec, lay, memo)
+    acc = engine_accumulation(lay.zero_stage)
+    live = (accumulated_grad_bytes(st.dense, acc) + accumulated_grad_bytes(st.experts, acc)) if lay.grad_accum > 1 else 0.0
+    peak = StepPeak(st.total - st.grads + live + acts + transient, st.total)
+    memory = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": acts,
+              "transient": transient, "accumulated_grads": live, "peak": peak.peak, "peak_at": peak.where,
+              "expert_params": st.experts.num_params, "dense_params": st.dense.num_params}
+    return memory, st.dense.num_params + st.experts.num_params
+
+
 def _memory(spec: JobSpec, lay: Layout, memo: dict) -> tuple[dict, float]:
     """(memory dict of ``evaluate``, parameters on the busiest rank), keyed by the whole layout."""
+    if spec.moe is not None:
+        return cached(memo, ("memory", lay), lambda: _moe_memory(spec, lay, memo))
+
     def make():
         recipe = resolve_recipe(spec.recipe)
         rank_params, _ = _rank_params(spec, lay, memo)
@@ -341,27 +386,82 @@ def evaluate(spec: JobSpec, lay: Layout) -> Candidate:
         pp_s = 2 * message * m * lay.virtual_stages / bw["pp"]
     bubble = cached(memo, ("bubble", lay.pp, m, lay.virtual_stages), lambda: bubble_fraction(
         lay.pp, m, schedule=lay.schedule, virtual_stages=lay.virtual_stages)) if lay.pp > 1 else 0.0
+    groups = [(rank_params, shard_group)]
+    if spec.moe is not None:  # the experts reduce over their own (expert-data-parallel) group
+        groups = [(memory["dense_params"], shard_group), (memory["expert_params"], lay.edp)]
+    # FP8 all-gather (weights kept in FP8): the gathered bytes per parameter are 1, not 2
+    gather_bytes = 1 if spec.fp8_param_gather else 2
     dp_bytes = 0.0
-    if shard_group > 1:
-        def comm(strategy):
-            return cached(memo, ("dp_comm", rank_params, strategy, shard_group), lambda: comm_elements_per_step(
-                rank_params, strategy, world_size=shard_group).bytes_per_rank(2))
+    for params, group in groups:
+        if group <= 1:
+            continue
         strategy = "ddp" if lay.zero_stage == 0 else f"zero{lay.zero_stage}"
-        one_pass = comm("zero1") / 2
+        one_pass = cached(memo, ("dp_comm", params, group), lambda: comm_elements_per_step(
+            params, "zero1", world_size=group).bytes_per_rank(2) / 2)
+        gather = one_pass * gather_bytes / 2
         if lay.zero_stage == 3:
-            dp_bytes = 3 * one_pass * m          # reduce-scatter + 2 all-gathers, every micro-batch
+            dp_bytes += one_pass * m + 2 * gather * m  # reduce-scatter + 2 all-gathers, every micro-batch
         elif lay.zero_stage == 2:
-            dp_bytes = one_pass * m + one_pass   # reduce-scatter per micro-batch, one all-gather
+            dp_bytes += one_pass * m + gather          # reduce-scatter per micro-batch, one all-gather
+        elif lay.zero_stage == 1:
+            dp_bytes += one_pass + gather
         else:
-            dp_bytes = comm(strategy)
+            dp_bytes += 2 * one_pass                   # all-reduce
     dp_s = dp_bytes / bw["dp"]
-    dp_exposed = max(0.0, dp_s - spec.overlap * compute)
+    ep_s, ep_links = expert_alltoall_seconds(spec, lay, layers_on_rank=_moe_layers_on_busiest(spec, lay, per_rank)) \
+        if spec.moe is not None and lay.ep > 1 else (0.0, "-")
+    # DP/ZeRO traffic and the expert all-to-alls overlap with compute (Megatron's
+    # --overlap-moe-expert-parallel-comm, DeepSeek-V3's DualPipe): together, up to `overlap` of it
+    dp_exposed = max(0.0, dp_s + ep_s - spec.overlap * compute)
     busy = compute + tp_s + cp_s + pp_s
     bubble_s = bubble * busy
     time = {"compute": compute, "recompute": (hw_flops - model_flops) / ideal * imbalance,
             "stage_imbalance": imbalance,
             "tp": tp_s, "cp": cp_s, "pp": pp_s, "bubble": bubble_s, "bubble_fraction": bubble,
-            "dp_total": dp_s, "dp_exposed": dp_exposed, "step": busy + bubble_s + dp_exposed}
-    return Candidate(lay, memory, time, spec.usable_bytes, spec.global_batch_tokens, model_flops,
-                     {k: ("inter-node" if v else "NVLink") if getattr(lay, k) > 1 else "-" for k, v in links.items()},
-                     counts)
+            "dp_total": dp_s, "ep": ep_s, "dp_exposed": dp_exposed, "step": busy + bubble_s + dp_exposed}
+    link_names = {k: ("inter-node" if v else "NVLink") if getattr(lay, k) > 1 else "-" for k, v in links.items()}
+    link_names["ep"] = ep_links
+    return Candidate(lay, memory, time, spec.usable_bytes, spec.global_batch_tokens, model_flops, link_names, counts)
+
+
+def _moe_layers_on_busiest(spec: JobSpec, lay: Layout, per_rank) -> int:
+    """MoE blocks on the pipeline rank with the most of them (blocks in depth order, dense first)."""
+    out, first = 0, 0
+    for n in per_rank:
+        out = max(out, sum(spec.moe.is_moe_layer(i) for i in range(first, first + n)))
+        first += n
+    return out
+
+
+def expert_alltoall_seconds(spec: JobSpec, lay: Layout, *, layers_on_rank: int) -> tuple[float, str]:
+    """Seconds of expert-parallel all-to-all per step on the busiest rank, and the link it uses.
+
+    Bytes: ``estimate.alltoall_bytes_per_layer`` with uniform routing
+    (``expected_tokens_off_rank`` of the rank's tokens: seq / cp x micro-batch, / tp under sequence
+    parallelism), per MoE block and micro-batch; the dispatch in FP8 for an FP8 plan (DeepSeek-V3
+    Sec. 3.3.2 dispatches FP8, combines BF16). EP ranks are folded onto tp x cp x dp with stride
+    etp, so ep etp / gpus-per-node nodes hold the group; copies to a rank on another node cross
+    the network, the rest NVLink, both at once: time = max(network bytes / its bandwidth, NVLink
+    bytes / its bandwidth). With node-limited routing (``moe_node_limit`` M) a token crosses the
+    network once per destination node, to at most M nodes: its network copies are
+    min(expected distinct nodes of its top_k experts, M) x (nodes - 1) / nodes."""
+    moe = spec.moe
+    tokens = spec.seq // lay.cp * lay.micro_batch // (lay.tp if lay.sequence_parallel else 1)
+    off = expected_tokens_off_rank(tokens, moe.top_k, lay.ep)
+    dispatch_bytes = 1 if spec.precision == "fp8" else 2
+    a = alltoall_bytes_per_layer(tokens_off_rank=off, d_model=moe.d_model, ep=lay.ep, n_experts=moe.n_experts,
+                                 recompute=lay.recompute)
+    # the dispatch (forward, and its recomputation) in the plan's dispatch precision
+    total = a.total - a.dispatch * (2 - dispatch_bytes) / 2 * (2 if lay.recompute == "full" else 1)
+    per_node = max(1, min(lay.ep, spec.gpus_per_node // lay.etp))
+    nodes = -(-lay.ep // per_node)
+    if nodes == 1:
+        return total * layers_on_rank * lay.grad_accum / spec.intra_node_bytes_per_s, "NVLink"
+    off_node = (lay.ep - per_node) / (lay.ep - 1)  # of the off-rank copies, the share on other nodes
+    if spec.moe_node_limit is not None:
+        distinct = nodes * (1 - (1 - 1 / nodes) ** moe.top_k)
+        copies = min(distinct, spec.moe_node_limit) * (nodes - 1) / nodes
+        off_node = min(off_node, copies / (moe.top_k * (lay.ep - 1) / lay.ep))
+    network = total * off_node * layers_on_rank * lay.grad_accum / spec.inter_node_bytes_per_s
+    nvlink = total * (1 - off_node) * layers_on_rank * lay.grad_accum / spec.intra_node_bytes_per_s
+    return max(network, nvlink), "inter-node"

@@ -23,7 +23,7 @@ GPU_ALIASES: dict[str, str] = {
     "a100": "a100-sxm4-80gb", "a100-80gb": "a100-sxm4-80gb", "a100-sxm-80gb": "a100-sxm4-80gb",
     "a100-40gb": "a100-sxm4-40gb", "a100-sxm-40gb": "a100-sxm4-40gb",
     "h100": "h100-sxm5-80gb", "h100-80gb": "h100-sxm5-80gb", "h100-sxm": "h100-sxm5-80gb",
-    "h100-pcie": "h100-pcie-80gb",
+    "h100-pcie": "h100-pcie-80gb", "h800": "h800-sxm5-80gb", "h800-80gb": "h800-sxm5-80gb",
     "h200": "h200-sxm-141gb", "h200-141gb": "h200-sxm-141gb",
     "v100": "v100-sxm2-32gb", "v100-32gb": "v100-sxm2-32gb",
 }
@@ -63,6 +63,10 @@ INTERCONNECTS: dict[str, Interconnect] = {
         "DGX H100-like: NVLink 4 + 8x NDR InfiniBand", 450 * GB, 8 * 400e9 / 8 / 8,
         "NVIDIA H100 datasheet: NVLink 900 GB/s per GPU (-> 450 GB/s each way); DGX H100 user guide: "
         "8x 400 Gb/s NDR ConnectX-7 per node -> 50 GB/s per GPU"),
+    "h800-nvlink-ndr": Interconnect(
+        "H800 nodes: NVLink at 400 GB/s + 8x NDR InfiniBand", 200 * GB, 8 * 400e9 / 8 / 8,
+        "DeepSeek-V3 (arXiv 2412.19437) Sec. 3.1: H800 nodes of 8 GPUs on NVLink/NVSwitch, InfiniBand between "
+        "nodes; H800 NVLink 400 GB/s per GPU (-> 200 GB/s each way); Sec. 3.2.2: IB 50 GB/s per GPU"),
     "pcie-100gbe": Interconnect(
         "PCIe Gen4 servers + one 100 GbE NIC per node", 32 * GB, 100e9 / 8 / 8,
         "PCIe 4.0 x16: 32 GB/s each way (PCI-SIG); 100 Gb/s Ethernet = 12.5 GB/s per node, "
@@ -72,6 +76,8 @@ INTERCONNECTS: dict[str, Interconnect] = {
 
 def default_interconnect(gpu_key: str) -> str:
     """The preset a cluster of ``gpu_key`` GPUs most likely has (SXM boards come in NVLink nodes)."""
+    if gpu_key.startswith("h800"):
+        return "h800-nvlink-ndr"
     if gpu_key.startswith(("h100-sxm", "h200")):
         return "h100-nvlink-ndr"
     if gpu_key.startswith(("a100", "v100")):

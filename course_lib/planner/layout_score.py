@@ -11,6 +11,8 @@ The text is comma-separated fields, any order, each at most once:
 * ``tp8`` ``pp16`` ``dp128`` ``cp2`` - degrees (tp, pp, cp default 1; dp defaults to what is left
   of --gpus; tp x pp x dp x cp must equal --gpus);
 * ``v4`` - virtual stages per pipeline rank (interleaved 1F1B);
+* ``ep64`` ``etp1`` - expert-parallel and expert tensor-parallel degrees (mixture-of-experts
+  models only; etp is 1 or tp);
 * ``zero1`` (or ``z1``), ``recompute=full`` (or ``rc=full``; none | selective | full), ``mb2``
   (micro-batch, sequences per rank);
 * ``split=5:6*10:5`` blocks per stage (``N*k`` repeats N k times; or ``even`` / ``balanced``).
@@ -26,11 +28,12 @@ from dataclasses import dataclass, field
 from course_lib.estimate import format_bytes
 from course_lib.estimate.stage_split import check_counts
 from course_lib.planner.costs import RECOMPUTE, Candidate, Layout, evaluate
-from course_lib.planner.search import MICRO_BATCHES, VIRTUAL_STAGES, Plan, rank, search, stage_splits, why_lost, why_not_fit
+from course_lib.planner.search import (MICRO_BATCHES, VIRTUAL_STAGES, Plan, expert_parallel_sizes, rank, search,
+                                      stage_splits, why_lost, why_not_fit)
 from course_lib.planner.spec import JobSpec, PlanError
 from course_lib.planner.stages import balanced_counts, compact_counts
 
-_INT_FIELD = re.compile(r"^(tp|pp|dp|cp|v|mb|zero|z)(\d+)$")
+_INT_FIELD = re.compile(r"^(tp|pp|dp|cp|v|mb|zero|z|ep|etp)(\d+)$")
 _KEYED = re.compile(r"^(recompute|rc|split)[=:]?(.+)$")
 _NAMES = {"z": "zero"}
 
@@ -68,7 +71,8 @@ def parse_layout(text: str) -> dict:
         else:
             k = _KEYED.match(raw)
             if not k:
-                raise _fail(f"unknown field {raw!r}; fields: tpN ppN dpN cpN vN mbN zeroN recompute=none|selective|full "
+                raise _fail(f"unknown field {raw!r}; fields: tpN ppN dpN cpN vN mbN zeroN epN etpN "
+                            "recompute=none|selective|full "
                             f"split=N:N:...|even|balanced")
             name = "recompute" if k.group(1) in ("recompute", "rc") else "split"
             value = k.group(2).lstrip("=")
@@ -125,6 +129,16 @@ def candidate_layouts(spec: JobSpec, fields: dict) -> list[Layout]:
             raise _fail(f"zero{fields['zero']} with dp x cp = 1: nothing to shard over")
         zeros = [0]
     rcs = [fields["recompute"]] if "recompute" in fields else list(RECOMPUTE)
+    experts = expert_parallel_sizes(spec, tp, cp, dp)
+    if ("ep" in fields or "etp" in fields) and spec.moe is None:
+        raise _fail("ep/etp: only for a mixture-of-experts --model")
+    if "ep" in fields or "etp" in fields:
+        want = [(e, t) for e, t in experts if e == fields.get("ep", e) and t == fields.get("etp", t)]
+        if not want:
+            raise _fail(f"ep{fields.get('ep', '?')} etp{fields.get('etp', '?')}: the rules allow (ep, etp) in "
+                        f"{experts} here (ep divides the {spec.moe.n_experts} experts, etp is 1 or tp, ep x etp "
+                        f"divides tp x cp x dp = {tp * cp * dp}, ep a multiple of cp, or of tp x cp when etp = 1)")
+        experts = want
     out, why = [], []
     for v in vs:
         stages = pp * v
@@ -154,7 +168,8 @@ def candidate_layouts(spec: JobSpec, fields: dict) -> list[Layout]:
             for s in splits:
                 for z in zeros:
                     for rc in rcs:
-                        out.append(Layout(tp, pp, dp, cp, z, rc, mb, m, v, s))
+                        for ep, etp in experts:
+                            out.append(Layout(tp, pp, dp, cp, z, rc, mb, m, v, s, ep, etp))
     if not out:
         raise _fail("; ".join(dict.fromkeys(why)) or "no layout matches")
     return out
@@ -243,7 +258,7 @@ def score_layout(spec: JobSpec, layout, plan: Plan | None = None) -> LayoutScore
     if fields is not None:
         lay = pick.layout
         for name, value in (("mb", lay.micro_batch), ("zero", lay.zero_stage), ("recompute", lay.recompute),
-                            ("v", lay.virtual_stages)):
+                            ("v", lay.virtual_stages)) + ((("ep", lay.ep), ("etp", lay.etp)) if spec.moe else ()):
             if name not in fields and len(cands) > 1:
                 chosen[name] = value
         if "split" not in fields and lay.pp > 1 and lay.split:

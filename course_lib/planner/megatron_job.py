@@ -17,6 +17,16 @@ What ``validate_args`` and the model need beyond the layout, and so the file car
   (``--rotary-base``, default 10,000; Llama 3 uses 500,000), the vocabulary unpadded where tp
   divides it (:func:`vocab_divisor`);
 * batch: micro-batch and global batch; Megatron derives accumulation = global / (micro x dp).
+* mixture of experts (:func:`megatron_moe_args`): ``--num-experts``, ``--moe-ffn-hidden-size``,
+  ``--moe-router-topk``, shared experts, which blocks are dense (``--moe-layer-freq``), the
+  ``alltoall`` dispatcher, grouped GEMMs, the router's balancing (an auxiliary loss; DeepSeek-V3's
+  sigmoid scores with the loss-free expert bias, a small sequence-wise loss and node-limited
+  groups), ``--expert-model-parallel-size`` and ``--expert-tensor-parallel-size``; the model's
+  attention as Megatron names it (``--kv-channels``, ``--qk-layernorm``, ``--multi-latent-attention``).
+* FP8 (:func:`megatron_fp8_args`): ``--fp8-format hybrid`` (E4M3 forward, E5M2 gradients) and
+  ``--fp8-recipe`` (tensorwise, delayed, blockwise, mxfp8; rowwise is torchao's and has no
+  Megatron recipe), ``--fp8-param-gather`` for FP8 weights (validate_args: with the distributed
+  optimizer or Megatron-FSDP only).
   The distributed optimizer is ZeRO-1, Megatron-FSDP's ``optim_grads[_params]`` ZeRO-2/3;
   recomputation "selective" is the planner's (attention core).
 """
@@ -122,15 +132,77 @@ def megatron_layout_args(spec: JobSpec, c: Candidate) -> list[str]:
     return args
 
 
+#: Auxiliary load-balancing loss coefficient written for MoE plans: Megatron's help text
+#: recommends 1e-2 as a start (GShard / Switch Transformer's loss); DeepSeek-V3 (arXiv 2412.19437,
+#: Sec. 4.2) uses a sequence-wise loss of 1e-4 beside its loss-free expert bias.
+AUX_LOSS_COEFF = 1e-2
+DEEPSEEK_AUX_LOSS_COEFF = 1e-4
+#: FP8 recipes Megatron-LM core_v0.14.0 accepts (arguments.py L1224-1227)
+MEGATRON_FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")
+
+
+def megatron_moe_args(spec: JobSpec, c: Candidate) -> list[str]:
+    """The mixture-of-experts flags (see the module's docstring); [] for a dense model."""
+    moe, lay = spec.moe, c.layout
+    if moe is None:
+        return []
+    args = [f"--num-experts {moe.n_experts}", f"--moe-ffn-hidden-size {moe.expert_d_ff}",
+            f"--moe-router-topk {moe.top_k}", f"--expert-model-parallel-size {lay.ep}",
+            f"--expert-tensor-parallel-size {lay.etp}", "--moe-token-dispatcher-type alltoall", "--moe-grouped-gemm"]
+    if moe.mtp_layers:  # DeepSeek-V3 trains with its multi-token-prediction module
+        args.append(f"--mtp-num-layers {moe.mtp_layers}")
+    if moe.n_shared_experts:
+        args.append(f"--moe-shared-expert-intermediate-size {moe.n_shared_experts * moe.shared_width}")
+    if moe.n_dense_layers:
+        args.append(f"--moe-layer-freq ([0]*{moe.n_dense_layers}+[1]*{moe.n_moe_layers})")
+    if moe.mla is not None:  # DeepSeek-V3's router: sigmoid scores, loss-free bias, groups = nodes
+        args += ["--moe-router-score-function sigmoid", "--moe-router-enable-expert-bias",
+                 "--moe-router-load-balancing-type seq_aux_loss", f"--moe-aux-loss-coeff {DEEPSEEK_AUX_LOSS_COEFF}",
+                 "--moe-router-topk-scaling-factor 2.5", "--moe-router-dtype fp32"]
+        if spec.moe_node_limit is not None:
+            groups = max(1, lay.ep * lay.etp // spec.gpus_per_node)
+            if moe.n_experts % groups == 0 and spec.moe_node_limit <= groups:
+                args += [f"--moe-router-num-groups {groups}", f"--moe-router-group-topk {spec.moe_node_limit}"]
+    else:
+        args += ["--moe-router-load-balancing-type aux_loss", f"--moe-aux-loss-coeff {AUX_LOSS_COEFF}"]
+    return args
+
+
+def megatron_fp8_args(spec: JobSpec) -> list[str]:
+    """The FP8 flags for an FP8 plan ([] for bf16); ValueError for a recipe Megatron has not."""
+    if spec.precision != "fp8":
+        return []
+    if spec.fp8_recipe not in MEGATRON_FP8_RECIPES:
+        raise ValueError(f"fp8_recipe: Megatron-LM {MEGATRON_VERSION} has no {spec.fp8_recipe!r} recipe "
+                         f"(it has {', '.join(MEGATRON_FP8_RECIPES)})")
+    args = ["--fp8-format hybrid", f"--fp8-recipe {spec.fp8_recipe}"]
+    if spec.fp8_param_gather:
+        args.append("--fp8-param-gather")
+    return args
+
+
 def megatron_args(spec: JobSpec, c: Candidate, ck: CheckpointPlan | None = None) -> list[str]:
     """Megatron-LM (``pretrain_gpt.py``) arguments for the plan: the layout's flags, the model's
     shape, the optimizer and schedule (one flag with its value per item)."""
-    sh = spec.shape
+    sh, moe = spec.shape, spec.moe
     args = megatron_layout_args(spec, c)
-    args += [f"--max-position-embeddings {spec.seq}", f"--num-layers {sh.n_layers}", f"--hidden-size {sh.d_model}", f"--ffn-hidden-size {sh.ffn_dim}",
-             f"--num-attention-heads {sh.n_heads}"]
-    if sh.kv_heads != sh.n_heads:
-        args += ["--group-query-attention", f"--num-query-groups {sh.kv_heads}"]
+    heads = moe.n_heads if moe else sh.n_heads
+    ffn = (moe.d_ff or moe.expert_d_ff) if moe else sh.ffn_dim
+    args += [f"--max-position-embeddings {spec.seq}", f"--num-layers {sh.n_layers}", f"--hidden-size {sh.d_model}", f"--ffn-hidden-size {ffn}",
+             f"--num-attention-heads {heads}"]
+    kv_heads = moe.kv_heads if moe else sh.kv_heads
+    if moe is not None and moe.mla is not None:
+        m = moe.mla
+        args += ["--multi-latent-attention", f"--kv-lora-rank {m.kv_lora_rank}", f"--qk-head-dim {m.qk_nope_head_dim}",
+                 f"--qk-pos-emb-head-dim {m.qk_rope_head_dim}", f"--v-head-dim {m.v_head_dim}"]
+        if m.q_lora_rank:
+            args.append(f"--q-lora-rank {m.q_lora_rank}")
+    elif kv_heads != heads:
+        args += ["--group-query-attention", f"--num-query-groups {kv_heads}"]
+    if moe is not None and moe.mla is None and moe.head_dim is not None and moe.head_dim * heads != moe.d_model:
+        args.append(f"--kv-channels {moe.head_dim}")
+    if moe is not None and moe.qk_norm:
+        args.append("--qk-layernorm")
     args += [f"--vocab-size {sh.vocab_size}", f"--make-vocab-size-divisible-by {vocab_divisor(spec, c)}",
              f"--position-embedding-type {'learned_absolute' if sh.learned_pos_emb else 'rope'}"]
     if not sh.learned_pos_emb:  # Megatron's default base is 10,000: Llama 3's 500,000 must be said
@@ -146,6 +218,7 @@ def megatron_args(spec: JobSpec, c: Candidate, ck: CheckpointPlan | None = None)
         args.append("--untie-embeddings-and-output-weights")
     if spec.attention == "flash":
         args.append("--attention-backend flash")
+    args += megatron_moe_args(spec, c) + megatron_fp8_args(spec)
     lr = learning_rate(spec)
     args += ["--bf16", f"--lr {lr}", f"--min-lr {round(lr / 10, 12)}", "--lr-decay-style cosine",
              f"--lr-warmup-iters {warmup_steps(spec)}", f"--train-iters {train_steps(spec)}", "--weight-decay 0.1",

@@ -32,12 +32,22 @@ def plan_files(plan: Plan, out_dir: str | Path, *, mirror: str = "", validate_ds
     ck = checkpoint_plan(spec, best)
     toml_path = f"{out}/train.toml"
     train_out = f"runs/{spec.model_name}-{spec.gpus}gpu"
-    files = {"train.toml": trainer_toml(spec, best, ck, mirror),
-             "fsdp_settings.json": json.dumps(fsdp_settings(spec, best), indent=2) + "\n",
-             "megatron_args.txt": megatron_args_text(spec, best, ck, out)}  # the engines people run at scale
-    if not torchtitan_unsupported(spec):  # else plan.md says why there is no torchtitan file
+    files = {"megatron_args.txt": megatron_args_text(spec, best, ck, out)}  # the engines people run at scale
+    if spec.moe is not None:
+        # A mixture-of-experts plan is for the engines that train one at scale (Megatron-LM,
+        # torchtitan): the kit's trainer files would describe its dense stand-in, so none are written.
+        if not torchtitan_unsupported(spec, best):
+            files["torchtitan.toml"] = torchtitan_toml(spec, best, ck, out)
+            files["torchtitan_model.py"] = torchtitan_model_py(spec, best)
+        files["budget.json"] = json.dumps(budget(spec, best, ck), indent=2) + "\n"
+        files["plan.md"] = plan_markdown(plan, ck, json.loads(files["budget.json"]), sorted(files) + ["plan.md"], out,
+                                         f"runs/{spec.model_name}-{spec.gpus}gpu")
+        return files
+    files.update({"train.toml": trainer_toml(spec, best, ck, mirror),
+                  "fsdp_settings.json": json.dumps(fsdp_settings(spec, best), indent=2) + "\n"})
+    if not torchtitan_unsupported(spec, best):  # else plan.md says why there is no torchtitan file
         files["torchtitan.toml"] = torchtitan_toml(spec, best, ck, out)
-        files["torchtitan_model.py"] = torchtitan_model_py(spec)
+        files["torchtitan_model.py"] = torchtitan_model_py(spec, best)
     deepspeed_runs_it = deepspeed_supports(best)
     if deepspeed_runs_it:  # DeepSpeed runs data parallelism here; no script for a layout it cannot start
         files["ds_config.json"] = json.dumps(deepspeed_json(spec, best, validate=validate_ds), indent=2) + "\n"

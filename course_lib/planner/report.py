@@ -55,9 +55,37 @@ def breakdown(spec: JobSpec, c: Candidate) -> list[str]:
                      f"bubble {t['bubble_fraction']:.1%} of the ideal step")
     lines.append(f"step {c.step_s:.2f} s = (compute {t['compute']:.2f} [recompute {t['recompute']:.2f}] + tp {t['tp']:.2f} "
                  f"+ cp {t['cp']:.2f} + pp sends {t['pp']:.2f}) x (1 + bubble {t['bubble_fraction']:.3f}) "
-                 f"+ exposed dp {t['dp_exposed']:.2f} (of {t['dp_total']:.2f}); {c.tokens_per_s:,.0f} tokens/s, "
-                 f"modelled MFU {c.mfu(spec):.1%}")
+                 f"+ exposed dp {t['dp_exposed']:.2f} (of {t['dp_total']:.2f}"
+                 + (f" + expert all-to-all {t['ep']:.2f} over {c.links['ep']}" if spec.moe is not None else "")
+                 + f"); {c.tokens_per_s:,.0f} tokens/s, modelled MFU {c.mfu(spec):.1%}")
     return lines
+
+
+def experts_section(spec: JobSpec, c: Candidate) -> list[str]:
+    """plan.md's "Experts" for a mixture-of-experts plan: the fold of ep x etp onto the ranks, what
+    one GPU holds, the all-to-all (``estimate.alltoall_bytes_per_layer``) and its time."""
+    from course_lib.estimate import alltoall_bytes_per_layer, expected_tokens_off_rank
+
+    moe, lay, m = spec.moe, c.layout, c.memory
+    tokens = spec.seq // lay.cp * lay.micro_batch // (lay.tp if lay.sequence_parallel else 1)
+    off = expected_tokens_off_rank(tokens, moe.top_k, lay.ep)
+    a = alltoall_bytes_per_layer(tokens_off_rank=off, d_model=moe.d_model, ep=lay.ep, n_experts=moe.n_experts)
+    return ["## Experts", "",
+            f"- {moe.n_experts} experts per MoE block ({moe.n_moe_layers} of {moe.n_layers} blocks), top-{moe.top_k}"
+            + (f", {moe.n_shared_experts} shared" if moe.n_shared_experts else "")
+            + f": {moe.num_params() / 1e9:.1f}B parameters, {moe.active_params() / 1e9:.1f}B active per token "
+            "(MFU counts the active ones).",
+            f"- ep {lay.ep} x etp {lay.etp} folded onto tp {lay.tp} x cp {lay.cp} x dp {lay.dp} = "
+            f"{lay.tp * lay.cp * lay.dp} ranks per stage: expert-data-parallel {lay.edp}; each GPU holds "
+            f"{moe.n_experts // lay.ep} experts per block, {m['expert_params'] / 1e9:.2f}B expert + "
+            f"{m['dense_params'] / 1e9:.2f}B other parameters.",
+            f"- all-to-all per MoE block and micro-batch ({tokens:,} tokens, {off:,.0f} copies to other ranks when "
+            f"routing is even): dispatch {format_bytes(a.dispatch, 'auto')} + combine {format_bytes(a.combine, 'auto')}"
+            f" forward, {format_bytes(a.backward, 'auto')} backward, {a.counts:,.0f} B of counts; "
+            f"{c.time['ep']:.2f} s per step over {c.links['ep']}"
+            + (f" (node-limited routing: at most {spec.moe_node_limit} nodes per token)" if spec.moe_node_limit else "")
+            + ", hidden with the DP traffic behind up to "
+            f"{spec.overlap:.0%} of the compute (`--overlap`)."]
 
 
 def _dimension_reasons(spec: JobSpec, c: Candidate, plan: Plan) -> list[str]:
@@ -107,7 +135,9 @@ def _dimension_reasons(spec: JobSpec, c: Candidate, plan: Plan) -> list[str]:
 def megatron_flags(spec: JobSpec, c: Candidate) -> str:
     """The layout as Megatron-LM command-line flags (one code line in Markdown): degrees, virtual
     stages and uneven splits, sharding, recomputation, batch (``engines.megatron_layout_args``)."""
-    return (f"Megatron-LM ({MEGATRON_VERSION}): `{' '.join(megatron_layout_args(spec, c))} --bf16` "
+    experts = ([f"--expert-model-parallel-size {c.layout.ep}", f"--expert-tensor-parallel-size {c.layout.etp}"]
+               if spec.moe is not None else [])
+    return (f"Megatron-LM ({MEGATRON_VERSION}): `{' '.join(megatron_layout_args(spec, c) + experts)} --bf16` "
             "(every argument, with the model's shape and the schedule: `megatron_args.txt`)")
 
 
@@ -117,28 +147,32 @@ def start_commands(spec: JobSpec, c: Candidate, files: list[str], plan_dir: str,
     every = " on every node" if spec.nodes > 1 else ""
     rdzv = "RDZV_HOST=<first node> " if spec.nodes > 1 else ""
     out = ["## How to start it", "", "From the kit's root (the scripts name the plan's files by this path); what you "
-           "provide follows each command.", "",
-           f"- **this kit's trainer, torchrun**{every}: `{rdzv}bash {d}/launch_torchrun.sh`. Provide: the data "
+           "provide follows each command.", ""]
+    if spec.moe is None:
+        out += [f"- **this kit's trainer, torchrun**{every}: `{rdzv}bash {d}/launch_torchrun.sh`. Provide: the data "
            "(`[data]` in train.toml: the bundled text, or your corpus with `course data prepare`); checkpoints go to "
            f"`{train_out}`.",
            f"- **the same under SLURM**: `mkdir -p {train_out} && sbatch {d}/job.sbatch` (SLURM opens the job's log "
            f"in `{train_out}` before the script runs, so the folder must exist first); it requeues itself at the "
            "time limit."]
-    if "launch_deepspeed.sh" in files:
+    if spec.moe is not None:
+        pass  # the kit's trainer, DeepSpeed and accelerate files are not written for MoE plans
+    elif "launch_deepspeed.sh" in files:
         out.append(f"- **DeepSpeed**: `bash {d}/launch_deepspeed.sh`"
                    + (f" on the first host of `{d}/hostfile` (the others reached over ssh/pdsh; the variables the "
                       f"ranks need travel in `{d}/.deepspeed_env`, which the script writes)" if spec.nodes > 1 else "")
                    + ". Provide: the data, as for torchrun.")
     else:
         out.append("- **DeepSpeed**: no script: the kit's DeepSpeed strategy runs data parallelism only (see above).")
-    out.append(f"- **accelerate**{every}: `bash {d}/launch_accelerate.sh`"
-               + (" (under SLURM, or with MASTER_ADDR and NODE_RANK set)" if spec.nodes > 1 else "")
-               + ". Provide: `pip install accelerate`, and the data as for torchrun.")
+    if spec.moe is None:
+        out.append(f"- **accelerate**{every}: `bash {d}/launch_accelerate.sh`"
+                   + (" (under SLURM, or with MASTER_ADDR and NODE_RANK set)" if spec.nodes > 1 else "")
+                   + ". Provide: `pip install accelerate`, and the data as for torchrun.")
     out.append(f"- **Megatron-LM {MEGATRON_VERSION}**{every}"
                + (" (HEAD_NODE = the first node, JOB_ID = one id for all nodes)" if spec.nodes > 1 else "")
                + f": `{megatron_command(spec, c, d)}`. Provide: "
                + "; ".join(f"`{k}`: {v}" for k, v in MEGATRON_INPUTS.items()) + ".")
-    why = torchtitan_unsupported(spec)
+    why = torchtitan_unsupported(spec, c)
     if why:
         out.append(f"- **torchtitan {TORCHTITAN_VERSION}**: no file: {why}.")
     else:
@@ -154,7 +188,8 @@ def plan_markdown(plan: Plan, ck: CheckpointPlan | None, budget: dict | None, fi
     assumptions. ``plan_dir`` and ``train_out`` are the folders the commands name."""
     spec, best = plan.spec, plan.best
     sh = spec.shape
-    lines = [f"# Plan: {spec.model_name} ({sh.num_params() / 1e9:.2f}B parameters) on {spec.gpus} x {spec.gpu_name}",
+    n_params = spec.moe.num_params() if spec.moe is not None else sh.num_params()
+    lines = [f"# Plan: {spec.model_name} ({n_params / 1e9:.2f}B parameters) on {spec.gpus} x {spec.gpu_name}",
              "", f"{spec.nodes} node(s) x {spec.gpus_per_node} GPUs, {spec.tokens:.3g} tokens, sequence {spec.seq}, "
              f"global batch {spec.global_batch} sequences ({spec.global_batch_tokens:,} tokens). "
              f"Searched {plan.n_layouts} layouts, {len(plan.ranked)} fit in "
@@ -171,6 +206,14 @@ def plan_markdown(plan: Plan, ck: CheckpointPlan | None, budget: dict | None, fi
               f"{budget['days']:.1f} days, {budget['gpu_hours']:,.0f} GPU-hours.", "", "Why:", ""]
     lines += _dimension_reasons(spec, best, plan)
     lines += ["", "## Runners-up (one row per distinct layout)", "", "```", table(plan), "```"]
+    if spec.moe is not None:
+        lines += [""] + experts_section(spec, best)
+    if spec.precision == "fp8":
+        lines += ["", "## FP8", "", f"FP8 linears, recipe {spec.fp8_recipe} (Megatron `--fp8-format hybrid "
+                  f"--fp8-recipe {spec.fp8_recipe}`; torchtitan `model.converters = [\"float8\"]`)"
+                  + ("; weights kept and all-gathered in FP8: recipe fp8-params-adam (15 B per parameter) and 1-byte "
+                     "all-gathers" if spec.fp8_param_gather else "; weights in bf16, all-gathers in bf16")
+                  + ". The step time is modelled at the bf16 rate (FP8's speed-up is measured, not assumed)."]
     lay = best.layout
     if lay.tp * lay.pp * lay.cp == 1:
         deepspeed = ("DeepSpeed's JSON (`ds_config.json`) carries the ZeRO stage, batch sizes, precision and "
@@ -181,13 +224,16 @@ def plan_markdown(plan: Plan, ck: CheckpointPlan | None, budget: dict | None, fi
                      f"(tp = pp = cp = 1), and this layout has tp {lay.tp} x pp {lay.pp} x cp {lay.cp}. The kit runs "
                      "it with `launch_torchrun.sh` / `job.sbatch`; DeepSpeed users carry the layout to "
                      "Megatron-DeepSpeed with the flags above.")
-    titan = torchtitan_unsupported(spec)
+    titan = torchtitan_unsupported(spec, best)
     lines += ["", "## The same layout in production frameworks", "", megatron_flags(spec, best), "",
               f"torchtitan ({TORCHTITAN_VERSION}): " + (f"no `torchtitan.toml`: {titan}." if titan else
               "`torchtitan.toml` (`--job.config_file`) carries the same degrees, pipeline schedule and blocks per "
               "stage, recomputation, batch and checkpoint interval; `torchtitan_model.py` registers the plan's model "
               "(shape, vocabulary, RoPE) with torchtitan's Llama code."), "",
               deepspeed + " `fsdp_settings.json` says whether FSDP2 fits the plan."]
+    if spec.moe is not None:
+        lines[-1] = ("The kit's own trainer, DeepSpeed and accelerate files are not written for a mixture-of-experts "
+                     "plan: this plan is for the engines above.")
     lines += [""] + start_commands(spec, best, files, plan_dir, train_out)
     lines += ["", "## Checkpoints", "",
               f"- format: {ck.format_reason}.",
@@ -203,7 +249,10 @@ def plan_markdown(plan: Plan, ck: CheckpointPlan | None, budget: dict | None, fi
               "finished checkpoints are copied there so a lost file system does not lose the run "
               "(the kit mirrors full-format checkpoints).",
               "- resume: every launch script passes `--resume auto`; a restarted or requeued job continues "
-              "from the newest valid checkpoint, e.g. `bash launch_torchrun.sh` again, or SLURM's requeue."]
+              "from the newest valid checkpoint, e.g. `bash launch_torchrun.sh` again, or SLURM's requeue."
+              if spec.moe is None else
+              "- resume: Megatron-LM loads the newest checkpoint under `--load`, torchtitan the newest in its "
+              "checkpoint folder; run the same command again."]
     mem = budget["memory_gib_per_gpu"]
     lines += ["", "## Resource budget", "",
               "| per GPU | GiB |", "| --- | ---: |"]

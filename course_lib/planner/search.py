@@ -13,6 +13,11 @@ Rules a layout must follow (each one a reason real frameworks refuse the alterna
 * dp = gpus / (tp pp cp), and the global batch (sequences) is a multiple of dp x micro_batch;
 * pipeline parallelism composes with ZeRO-0/1 only (Megatron's distributed optimizer and
   DeepSpeed's pipeline engine shard optimizer state, not gradients or weights, across pipelines).
+* mixture-of-experts models add expert parallelism: ep divides the experts, etp is tp or 1
+  (what Megatron-Core and torchtitan 0.2.0 build), and ep x etp divides tp x cp x dp - the expert
+  layers fold onto the same ranks (Parallel Folding; Megatron's validate_args); the rest of those
+  ranks are expert-data-parallel. torchtitan also asks ep to be a multiple of cp (etp = tp) or of
+  tp x cp (etp = 1), which the search requires too, so one plan suits both engines.
 
 Ranking: modelled step time (see costs.py); ties (within 0.5%) go to the simpler layout (fewer
 model-parallel ranks), then the larger micro-batch (bigger matmuls, fewer launches), then the lower
@@ -93,14 +98,34 @@ def layouts(spec: JobSpec, *, recomputes=RECOMPUTE, micro_batches=MICRO_BATCHES,
                                 if dp * cp == 1 and zero > 0:
                                     continue  # nothing to shard over
                                 for rc in recomputes:
-                                    out.append(Layout(tp, pp, dp, cp, zero, rc, mb, m, v, split))
+                                    for ep, etp in expert_parallel_sizes(spec, tp, cp, dp):
+                                        out.append(Layout(tp, pp, dp, cp, zero, rc, mb, m, v, split, ep, etp))
+    return out
+
+
+def expert_parallel_sizes(spec: JobSpec, tp: int, cp: int, dp: int) -> list[tuple[int, int]]:
+    """(ep, etp) pairs for a MoE job on a tp x cp x dp replica (see the module's rules); [(1, 1)]
+    for a dense model."""
+    moe = spec.moe
+    if moe is None:
+        return [(1, 1)]
+    out = []
+    for etp in sorted({1, tp}):
+        if etp > 1 and moe.expert_d_ff % etp:
+            continue
+        for ep in _divisors(moe.n_experts):
+            if (tp * cp * dp) % (ep * etp):
+                continue
+            if ep % (cp if etp == tp else tp * cp):  # torchtitan's ParallelDims
+                continue
+            out.append((ep, etp))
     return out
 
 
 def _rank_key(c: Candidate):
     lay = c.layout
     return (round(c.step_s, 6), lay.tp * lay.pp * lay.cp, lay.virtual_stages, -lay.micro_batch, lay.zero_stage,
-            c.memory_total)
+            lay.ep, c.memory_total)
 
 
 def rank(cands: list[Candidate]) -> list[Candidate]:
@@ -129,10 +154,11 @@ def distinct(cands: list[Candidate], n: int) -> list[Candidate]:
 
 def _idea(lay: Layout) -> tuple:
     """What makes two layouts different ideas (the table's rows): all but micro-batch and dp."""
-    return (lay.tp, lay.pp, lay.cp, lay.zero_stage, lay.recompute, lay.virtual_stages, lay.split)
+    return (lay.tp, lay.pp, lay.cp, lay.zero_stage, lay.recompute, lay.virtual_stages, lay.split, lay.ep, lay.etp)
 
 
 _TERMS = {"compute": "compute", "recompute": "recomputation", "tp": "TP traffic", "cp": "CP ring traffic",
+          "ep": "expert all-to-all",
           "pp": "pipeline sends", "bubble": "pipeline bubble", "dp_exposed": "exposed DP/ZeRO traffic"}
 
 

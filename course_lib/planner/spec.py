@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from course_lib.estimate import ACCELERATORS, PRESETS, RECIPES, ModelShape
+from course_lib.estimate import ACCELERATORS, MOE_PRESETS, PRESETS, RECIPES, ModelShape, MoEShape
 from course_lib.planner.hardware import INTERCONNECTS, default_interconnect, gpu_names, resolve_gpu
 
 # Context-parallel degrees the search tries (and the batch check must allow): defined here, the
@@ -23,6 +23,10 @@ class PlanError(ValueError):
 
 
 ATTENTION = ("eager", "flash")
+#: Matmul precisions a plan can name: "bf16", or "fp8" (FP8 linears: torchtitan's float8 converter,
+#: Megatron's --fp8-format hybrid; the planner models their memory and all-gather bytes, not their speed).
+PRECISIONS = ("bf16", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8", "delayed")
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,16 @@ class JobSpec:
     recipe: str
     attention: str
     batch_note: str = ""
+    # Mixture-of-experts: the published shape (None for a dense model). ``shape`` is then its
+    # active_equivalent() - the dense model that does per token what the MoE does - for the
+    # activation, attention and FLOP terms; parameters and expert traffic come from ``moe``.
+    moe: MoEShape | None = None
+    # DeepSeek-V3's node-limited routing: a token's experts sit on at most this many nodes and each
+    # node receives it once over the network (None: no limit, a copy per expert)
+    moe_node_limit: int | None = None
+    precision: str = "bf16"        # "bf16" or "fp8" (PRECISIONS)
+    fp8_recipe: str = "tensorwise"  # FP8 scaling recipe (FP8_RECIPES) when precision is fp8
+    fp8_param_gather: bool = False  # weights kept and all-gathered in FP8 (1 byte per parameter)
 
     @property
     def nodes(self) -> int:
@@ -101,15 +115,32 @@ def parse_tokens(text) -> float:
         raise ValueError(f"not a token count: {text!r} (e.g. 2e12, 2T, 4M)") from None
 
 
+def _moe_shape(model: str, given: dict) -> MoEShape:
+    import dataclasses as dc
+
+    fields = {f.name for f in dc.fields(MoEShape)}
+    unknown = sorted(set(given) - fields)
+    if unknown:
+        raise PlanError(f"--{unknown[0].replace('_', '-')}: not a field of the MoE shape {model}")
+    try:
+        return dc.replace(MOE_PRESETS[model], **given)
+    except (TypeError, ValueError) as exc:
+        field = str(exc).split(" ", 1)[0].split("(", 1)[0]
+        raise PlanError(f"--{field.replace('_', '-')}: {exc}") from None
+
+
 def _shape(model: str | None, shape_overrides: dict) -> tuple[str, ModelShape]:
     given = {k: v for k, v in (shape_overrides or {}).items() if v is not None}
+    if model in MOE_PRESETS:
+        return model, _moe_shape(model, given).active_equivalent()
     if model is None and not given:
         raise PlanError(f"--model: required (presets: {', '.join(sorted(PRESETS))}), "
                         "or give the shape with --n-layers --d-model --n-heads --vocab-size")
     try:
         if model is not None:
             if model not in PRESETS:
-                raise PlanError(f"--model: unknown model {model!r}; presets: {', '.join(sorted(PRESETS))} "
+                raise PlanError(f"--model: unknown model {model!r}; presets: {', '.join(sorted(PRESETS))}; "
+                                f"mixture-of-experts: {', '.join(sorted(MOE_PRESETS))} "
                                 "(or describe it with --n-layers --d-model --n-heads --vocab-size)")
             return model, dataclasses.replace(PRESETS[model], **given)
         missing = [f"--{k.replace('_', '-')}" for k in ("n_layers", "d_model", "n_heads", "vocab_size")
@@ -132,13 +163,32 @@ def make_spec(*, model: str | None = None, gpu: str, gpus: int, gpus_per_node: i
               gpu_memory_gib: float | None = None, gpu_tflops: float | None = None, mfu: float = 0.5,
               overlap: float = 0.5, headroom: float = 0.10, mtbf_hours: float = 5000.0,
               storage_gbps: float = 10.0, recipe: str = "mixed-adam", attention: str = "eager",
-              shape_overrides: dict | None = None, allow_batch_rounding: bool = False) -> JobSpec:
+              shape_overrides: dict | None = None, allow_batch_rounding: bool = False,
+              moe_node_limit: int | None = None, precision: str = "bf16", fp8_recipe: str = "tensorwise",
+              fp8_param_gather: bool = False) -> JobSpec:
     """Validate the planner's inputs (units as the CLI flags: GiB, TFLOP/s, GB/s, hours) and
     return a JobSpec in base units. Raises PlanError naming the flag; see ``course plan --help``.
+    A mixture-of-experts ``model`` (MOE_PRESETS: deepseek-v3, mixtral-8x7b, ...) makes the search
+    add expert parallelism (ep, etp); ``precision="fp8"`` writes FP8 engine files and, with
+    ``fp8_param_gather``, counts FP8 weights (recipe fp8-params-adam) and 1-byte all-gathers.
     The global batch is kept exactly: one that is not whole sequences or that no layout's
     data-parallel degree divides is refused (``--global-batch-tokens``, with the nearest batches
     that work) unless ``allow_batch_rounding`` (``--round-batch``), and then the note says so."""
     name, shape = _shape(model, shape_overrides or {})
+    moe = _moe_shape(model, {k: v for k, v in (shape_overrides or {}).items() if v is not None}) \
+        if model in MOE_PRESETS else None
+    if precision not in PRECISIONS:
+        raise PlanError(f"--precision: must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+    if fp8_recipe not in FP8_RECIPES:
+        raise PlanError(f"--fp8-recipe: must be one of {', '.join(FP8_RECIPES)}; got {fp8_recipe!r}")
+    if fp8_param_gather and precision != "fp8":
+        raise PlanError("--fp8-param-gather: needs --precision fp8")
+    if fp8_param_gather and recipe == "mixed-adam":
+        recipe = "fp8-params-adam"  # the weights live in FP8: 1 byte each instead of 2
+    if moe_node_limit is not None:
+        if moe is None:
+            raise PlanError("--moe-node-limit: only for a mixture-of-experts --model")
+        _int("--moe-node-limit", moe_node_limit, 1)
     key = resolve_gpu(gpu) if isinstance(gpu, str) else None
     if key is None and (gpu_memory_gib is None or gpu_tflops is None):
         raise PlanError(f"--gpu: unknown GPU {gpu!r}; known: {', '.join(gpu_names())} "
@@ -193,7 +243,8 @@ def make_spec(*, model: str | None = None, gpu: str, gpus: int, gpus_per_node: i
         mfu=_number("--mfu", mfu, 0, 1, lo_open=True), overlap=_number("--overlap", overlap, 0, 1),
         headroom=_number("--headroom", headroom, 0, 0.9), mtbf_hours=_number("--mtbf-hours", mtbf_hours, 0, lo_open=True),
         storage_bytes_per_s=_number("--storage-gbps", storage_gbps, 0, lo_open=True) * 1e9,
-        recipe=recipe, attention=attention, batch_note=note)
+        recipe=recipe, attention=attention, batch_note=note, moe=moe, moe_node_limit=moe_node_limit,
+        precision=precision, fp8_recipe=fp8_recipe, fp8_param_gather=fp8_param_gather)
 
 
 def data_parallel_degrees(shape: ModelShape, seq: int, gpus: int, gpus_per_node: int) -> list[int]:

@@ -27,6 +27,15 @@ How the plan maps:
   names), never its default split (which moves a block off each end stage);
 * recomputation: torchtitan's nearest to the planner's selective is op-level selective
   checkpointing (``selective_ac_option = "op"``).
+* mixture of experts: torchtitan 0.2.0's MoE models are DeepSeek-V3 (MLA, dense blocks first,
+  shared experts, sigmoid router with node-limited groups) and Qwen3 (GQA with QK-norm, softmax
+  router, no pipelining function); the model module registers the matching train spec with the
+  plan's shape, and ``expert_parallel_degree`` / ``expert_tensor_parallel_degree`` carry ep and etp
+  (FSDP2 over dp, never DDP: torchtitan's experts borrow their ranks from ``dp_shard``). A Mixtral
+  plan gets no torchtitan file (no such model there).
+* FP8: ``[model] converters = ["float8"]`` and ``[quantize.linear.float8]`` with the recipe
+  (tensorwise or rowwise; torchao's), FP8 all-gather for FSDP with tensorwise weights kept in FP8,
+  the output head (and a MoE router) left in bf16 through ``filter_fqns``.
 """
 from __future__ import annotations
 
@@ -49,8 +58,37 @@ TORCHTITAN_INPUTS = {
 }
 
 
-def torchtitan_unsupported(spec: JobSpec) -> str:
-    """Why torchtitan 0.2.0's Llama cannot train the plan's model ("" when it can)."""
+#: torchtitan 0.2.0's Float8Linear recipes (config/job_config.py, Float8Linear.recipe_name)
+TORCHTITAN_FP8_RECIPES = ("tensorwise", "rowwise")
+
+
+def moe_family(spec: JobSpec) -> str:
+    """Which torchtitan MoE model the plan's experts are: "deepseek_v3", "qwen3", or "" (none)."""
+    moe = spec.moe
+    if moe is None:
+        return ""
+    if moe.mla is not None:
+        return "deepseek_v3"
+    if moe.qk_norm and moe.head_dim is not None and not moe.n_shared_experts and not moe.n_dense_layers:
+        return "qwen3"
+    return ""
+
+
+def torchtitan_unsupported(spec: JobSpec, c: Candidate | None = None) -> str:
+    """Why torchtitan 0.2.0 cannot train the plan ("" when it can): a model it has no code for, a
+    layout its model cannot take (Qwen3 has no pipelining function), an FP8 recipe it has not."""
+    if spec.precision == "fp8" and spec.fp8_recipe not in TORCHTITAN_FP8_RECIPES:
+        return (f"torchtitan {TORCHTITAN_VERSION}'s float8 linears take the {' or '.join(TORCHTITAN_FP8_RECIPES)} "
+                f"recipe, not {spec.fp8_recipe!r}")
+    if spec.moe is not None:
+        family = moe_family(spec)
+        if not family:
+            return (f"{spec.model_name} is a mixture-of-experts model torchtitan {TORCHTITAN_VERSION} has no code for "
+                    "(its MoE models are DeepSeek-V3 and Qwen3)")
+        if family == "qwen3" and c is not None and c.layout.pp > 1:
+            return (f"torchtitan {TORCHTITAN_VERSION}'s Qwen3 has no pipelining function, and this layout has "
+                    f"pp {c.layout.pp}")
+        return ""
     sh = spec.shape
     differs = [what for what, bad in (
         ("learned position embeddings", sh.learned_pos_emb), (f"{sh.norm} (not RMSNorm)", sh.norm != "rmsnorm"),
@@ -96,13 +134,75 @@ def model_args(spec: JobSpec) -> dict:
 
 def flavor(spec: JobSpec) -> str:
     """The flavor name the module registers: the preset's name, or "plan" for a changed shape."""
-    from course_lib.estimate import PRESETS
+    from course_lib.estimate import MOE_PRESETS, PRESETS
 
+    if spec.moe is not None:
+        return spec.model_name if MOE_PRESETS.get(spec.model_name) == spec.moe else "plan"
     return spec.model_name if PRESETS.get(spec.model_name) == spec.shape else "plan"
 
 
-def torchtitan_model_py(spec: JobSpec) -> str:
-    """``torchtitan_model.py``: registers torchtitan's Llama train spec with the plan's model args."""
+def train_spec_name(spec: JobSpec) -> str:
+    """The name the model module registers: "course_llama", or "course_deepseek_v3" / "course_qwen3"."""
+    return f"course_{moe_family(spec)}" if spec.moe is not None else TRAIN_SPEC_NAME
+
+
+def moe_model_args(spec: JobSpec, c: Candidate | None = None) -> tuple[str, str, dict, dict]:
+    """(torchtitan model package, args class, model-args keywords, MoEArgs keywords) for a MoE plan.
+    Node-limited routing (DeepSeek-V3) becomes ``n_expert_groups`` = the nodes of the EP group and
+    ``n_limited_groups`` = the limit, as in torchtitan's own 671B flavor (8 and 4)."""
+    moe = spec.moe
+    family = moe_family(spec)
+    if family == "deepseek_v3":
+        m = moe.mla
+        groups = limited = 1
+        if spec.moe_node_limit is not None and c is not None:
+            nodes = max(1, c.layout.ep * c.layout.etp // spec.gpus_per_node)
+            if moe.n_experts % nodes == 0 and spec.moe_node_limit <= nodes:
+                groups, limited = nodes, spec.moe_node_limit
+        kw = {"vocab_size": moe.vocab_size, "dim": moe.d_model, "inter_dim": moe.d_ff, "moe_inter_dim": moe.expert_d_ff,
+              "n_layers": moe.n_layers, "n_dense_layers": moe.n_dense_layers, "n_heads": moe.n_heads,
+              "n_expert_groups": groups, "n_limited_groups": limited, "q_lora_rank": m.q_lora_rank,
+              "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+              "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "rope_theta": float(moe.rope_theta)}
+        router = {"num_experts": moe.n_experts, "num_shared_experts": moe.n_shared_experts, "top_k": moe.top_k,
+                  "score_func": "sigmoid", "route_norm": True, "route_scale": 2.5, "score_before_experts": False}
+        return "deepseek_v3", "DeepSeekV3ModelArgs", kw, router
+    kw = {"vocab_size": moe.vocab_size, "dim": moe.d_model, "n_layers": moe.n_layers, "n_heads": moe.n_heads,
+          "n_kv_heads": moe.kv_heads, "head_dim": moe.head_dim, "qk_norm": True, "rope_theta": float(moe.rope_theta),
+          "moe_enabled": True, "moe_inter_dim": moe.expert_d_ff}
+    router = {"num_experts": moe.n_experts, "num_shared_experts": 0, "top_k": moe.top_k, "score_func": "softmax",
+              "route_norm": True, "route_scale": 1.0, "score_before_experts": False}
+    return "qwen3", "Qwen3ModelArgs", kw, router
+
+
+def _moe_model_py(spec: JobSpec, c: Candidate | None) -> str:
+    package, cls, kw, router = moe_model_args(spec, c)
+    args = ", ".join(f"{k}={v!r}" for k, v in kw.items())
+    moe_args = ", ".join(f"{k}={v!r}" for k, v in router.items())
+    return f'''"""torchtitan {TORCHTITAN_VERSION} model generated by `course plan`: {spec.model_name}, exactly as planned.
+
+torchtitan.train imports this module first ([experimental] custom_import in torchtitan.toml; this
+folder must be on PYTHONPATH), then builds train_spec.model_args["{flavor(spec)}"] of "{train_spec_name(spec)}":
+torchtitan's own {package} code with the plan's shape, experts and router.
+"""
+import dataclasses
+
+from torchtitan.models.{package} import get_train_spec
+from torchtitan.models.{package}.model.args import {cls}
+from torchtitan.models.moe import MoEArgs
+from torchtitan.protocols.train_spec import register_train_spec
+
+MODEL_ARGS = {cls}({args}, moe_args=MoEArgs({moe_args}))
+
+register_train_spec("{train_spec_name(spec)}", dataclasses.replace(get_train_spec(), model_args={{"{flavor(spec)}": MODEL_ARGS}}))
+'''
+
+
+def torchtitan_model_py(spec: JobSpec, c: Candidate | None = None) -> str:
+    """``torchtitan_model.py``: registers torchtitan's Llama train spec (a MoE plan: its DeepSeek-V3
+    or Qwen3 train spec) with the plan's model args."""
+    if spec.moe is not None:
+        return _moe_model_py(spec, c)
     kw = ", ".join(f"{k}={v!r}" for k, v in model_args(spec).items())
     return f'''"""torchtitan {TORCHTITAN_VERSION} model generated by `course plan`: {spec.model_name}, exactly as planned.
 
@@ -154,7 +254,8 @@ def torchtitan_batches(c: Candidate) -> dict:
 def _parallelism(spec: JobSpec, c: Candidate) -> dict:
     lay = c.layout
     batches = torchtitan_batches(c)
-    ddp = lay.zero_stage == 0 and lay.tp * lay.pp * lay.cp == 1
+    # DDP only on a 1-D mesh, and never with experts (they borrow their ranks from dp_shard)
+    ddp = lay.zero_stage == 0 and lay.tp * lay.pp * lay.cp == 1 and lay.ep == 1
     reshard = "always" if lay.zero_stage == 3 else "never"
     out = {
         "data_parallel_replicate_degree": (lay.dp if ddp else 1, "DDP (ZeRO-0 on pure data parallelism)" if ddp else ""),
@@ -171,6 +272,9 @@ def _parallelism(spec: JobSpec, c: Candidate) -> dict:
                                               f"local_batch_size / this = {lay.grad_accum} micro-batches per step"
                                               if lay.pp > 1 else ""),
     }
+    if spec.moe is not None:
+        out["expert_parallel_degree"] = (lay.ep, f"{spec.moe.n_experts // lay.ep} experts per rank per MoE block")
+        out["expert_tensor_parallel_degree"] = (lay.etp, f"expert-data-parallel {lay.edp}")
     if lay.pp > 1:
         out["module_fqns_per_model_part"] = (
             torchtitan_fqns_per_stage(spec, c), f"blocks per stage {list(stage_blocks(spec, c))} (the plan's split)")
@@ -181,11 +285,12 @@ def torchtitan_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan) -> dict
     """torchtitan's job config as {section: {key: (value, comment)}} (see module for the mapping)."""
     lay = c.layout
     batches = torchtitan_batches(c)
-    return {
+    sections = {
         "job": {"dump_folder": (f"./outputs/{spec.model_name}-{spec.gpus}gpu", ""),
                 "description": (f"course plan: {spec.model_name} on {spec.gpus} x {spec.gpu_name}, {lay.label()}", "")},
         "experimental": {"custom_import": (MODEL_MODULE, f"{MODEL_MODULE}.py registers the plan's model")},
-        "model": {"name": (TRAIN_SPEC_NAME, "torchtitan's Llama with the plan's model args"),
+        "model": {"name": (train_spec_name(spec), f"torchtitan's {moe_family(spec) or 'Llama'} code with the plan's "
+                                                  "model args"),
                   "flavor": (flavor(spec), f"registered by {MODEL_MODULE}.py: the plan's shape, vocabulary "
                                            f"({spec.shape.vocab_size}) and RoPE base ({spec.shape.rope_theta:g})"),
                   "hf_assets_path": ("./assets/hf/tokenizer", "the tokenizer's files")},
@@ -209,6 +314,19 @@ def torchtitan_sections(spec: JobSpec, c: Candidate, ck: CheckpointPlan) -> dict
                        "interval": (ck.save_every_steps, "Young/Daly (plan.md)"),
                        "keep_latest_k": (ck.keep_last, ""), "async_mode": ("async", "")},
     }
+    if spec.precision == "fp8":
+        sections["model"]["converters"] = (["float8"], "torchao float8 training: nn.Linear -> Float8Linear")
+        gather = spec.fp8_param_gather and spec.fp8_recipe == "tensorwise"
+        keep = ["output"] + (["router.gate"] if spec.moe is not None else [])
+        sections["quantize.linear.float8"] = {
+            "recipe_name": (spec.fp8_recipe, "scaling: one scale per tensor" if spec.fp8_recipe == "tensorwise"
+                            else "one scale per row"),
+            "enable_fsdp_float8_all_gather": (gather, "weights all-gathered in FP8 (1 byte per parameter)" if gather
+                                              else "bf16 all-gather (FP8 gather needs tensorwise weights in FP8)"),
+            "precompute_float8_dynamic_scale_for_fsdp": (gather, "one all-reduce for every weight's amax" if gather
+                                                         else ""),
+            "filter_fqns": (keep, "left in bf16: the output head" + (" and the routers" if spec.moe else ""))}
+    return sections
 
 
 def _toml_value(v) -> str:
@@ -231,7 +349,7 @@ def torchtitan_command(spec: JobSpec, plan_dir: str = ".") -> str:
 
 def torchtitan_toml(spec: JobSpec, c: Candidate, ck: CheckpointPlan, plan_dir: str = ".") -> str:
     """The torchtitan job config text; the caller checks :func:`torchtitan_unsupported` first."""
-    reason = torchtitan_unsupported(spec)
+    reason = torchtitan_unsupported(spec, c)
     if reason:
         raise ValueError(f"model: {reason}")
     lines = [f"# torchtitan {TORCHTITAN_VERSION} job config generated by `course plan`: {spec.model_name} on "
