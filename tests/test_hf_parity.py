@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 
 from course_lib.model import ModelConfig, TinyGPT  # noqa: E402
 from course_lib.model import hf_map  # noqa: E402
-from course_lib.model.hf_weights import from_hf, hf_model, to_hf  # noqa: E402
+from course_lib.model.hf_weights import from_hf, hf_model, to_hf, to_runtime  # noqa: E402
 
 LOGIT_ATOL = 1e-5
 GRAD_REL = 1e-5
@@ -36,7 +36,11 @@ CONFIGS = {
     "gpt2-3layer": ModelConfig.preset("gpt2-small", vocab_size=515, block_size=96, n_layers=3, n_heads=6, d_model=96),
     # the other Llama switches HF carries: biases on (attention_bias, mlp_bias), multi-query, tied head
     "llama-bias-mqa-tied": ModelConfig.preset("llama-tiny", bias=True, n_kv_heads=1, tie_embeddings=True),
+    # experts (course_lib/model/moe.py): 4 SwiGLU experts, top 2, dropless, vs MixtralForCausalLM
+    "mixtral-moe-tiny": ModelConfig.preset("moe-tiny", moe_experts=4),
 }
+HF_CLASS = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "tiny": "GPT2LMHeadModel",
+            "gpt2": "GPT2LMHeadModel"}
 
 
 def perturbed(cfg: ModelConfig, seed: int = 0) -> TinyGPT:
@@ -60,7 +64,7 @@ def logits_and_grads(model, hf, cfg, seed=1):
     hf_loss = torch.nn.functional.cross_entropy(theirs.view(-1, theirs.shape[-1]), tgt.view(-1))
     loss.backward()
     hf_loss.backward()
-    grads = to_hf({n: p.grad for n, p in model.named_parameters()}, cfg)
+    grads = to_runtime(to_hf({n: p.grad for n, p in model.named_parameters()}, cfg), cfg)
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
     return ours, theirs, grads, hf_grads
 
@@ -70,8 +74,7 @@ def test_logits_and_gradients_equal_the_hf_reference(name):
     cfg = CONFIGS[name]
     model = perturbed(cfg)
     hf = hf_model(cfg, model.state_dict())
-    expected = "LlamaForCausalLM" if name.startswith("llama") else "GPT2LMHeadModel"
-    assert type(hf).__name__ == expected
+    assert type(hf).__name__ == HF_CLASS[name.split("-")[0]]
     ours, theirs, grads, hf_grads = logits_and_grads(model, hf, cfg)
     assert (ours - theirs).abs().max().item() <= LOGIT_ATOL
     assert set(grads) == set(hf_grads)  # every HF parameter has a TinyGPT gradient, and back
@@ -124,9 +127,13 @@ def test_a_wrong_mapping_is_caught(monkeypatch):
     (dict(position="rope"), "model.norm"),          # Llama positions on a GPT-2 body
     (dict(bias=False), "model.bias"),
     (dict(n_kv_heads=2), "model.n_kv_heads"),
+    (dict(preset="moe-tiny", moe_score="sigmoid"), "model.moe_score"),
+    (dict(preset="moe-tiny", moe_shared_experts=1), "model.moe_shared_experts"),
+    (dict(preset="moe-tiny", moe_capacity_factor=1.25), "model.moe_capacity_factor"),
+    (dict(preset="moe-tiny", moe_bias_update_rate=1e-3), "model.moe_bias_update_rate"),
 ])
 def test_variants_no_hf_class_expresses_are_refused_by_switch(overrides, named):
-    cfg = ModelConfig.preset("tiny", **overrides)
+    cfg = ModelConfig.preset(overrides.pop("preset", "tiny"), **overrides)
     with pytest.raises(ValueError, match=named.replace(".", r"\.")):
         hf_model(cfg)
 
@@ -136,7 +143,8 @@ def test_hf_configs_read_back_as_the_same_model_config():
         fields = hf_map.config_from_hf(hf_model(cfg).config.to_dict())
         back = ModelConfig(**fields)
         for k in ("vocab_size", "block_size", "d_model", "n_layers", "n_heads", "kv_heads", "ffn_dim", "norm", "mlp",
-                  "position", "bias", "tie_embeddings", "norm_eps", "rope_theta"):
+                  "position", "bias", "tie_embeddings", "norm_eps", "rope_theta", "moe_experts", "moe_top_k",
+                  "expert_dim", "moe_aux_loss_coef"):
             if k == "rope_theta" and cfg.position != "rope":
                 continue
             assert getattr(back, k) == getattr(cfg, k), (k, getattr(back, k), getattr(cfg, k))

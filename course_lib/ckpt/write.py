@@ -137,7 +137,7 @@ def export_hf(source: str | Path, out: str | Path, step: int | None = None) -> t
     from safetensors.torch import save_file
 
     from course_lib.model.hf_map import HF_WEIGHTS
-    from course_lib.model.hf_weights import hf_config, require_transformers, to_hf
+    from course_lib.model.hf_weights import hf_config, require_transformers, to_hf, to_runtime
 
     out = Path(out)
     _refuse_existing(out)
@@ -148,7 +148,7 @@ def export_hf(source: str | Path, out: str | Path, step: int | None = None) -> t
     except ValueError as e:
         raise CkptError(f"cannot export {source}: {e}") from None
     hf_state = to_hf(state, mcfg)
-    _check_against_hf(cls, config, hf_state)
+    _check_against_hf(cls, config, to_runtime(hf_state, mcfg))  # Mixtral: fused as transformers holds it
     tmp = _temp(out)
     try:
         tmp.mkdir()

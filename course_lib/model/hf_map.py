@@ -10,12 +10,16 @@ Two HF classes express TinyGPT:
 | --- | --- | --- |
 | rmsnorm, swiglu, rope, any kv heads, bias on or off, tied or not | ``LlamaForCausalLM`` | ``LlamaConfig`` |
 | layernorm with bias, gelu, learned positions, kv heads = heads, bias on, tied or not | ``GPT2LMHeadModel`` | ``GPT2Config`` |
+| the Llama switches with experts (softmax top-k, normalised, no shared experts, dropless) | ``MixtralForCausalLM`` | ``MixtralConfig`` |
 
 Anything else (a bounded embedding, a sliding window, no positions, a mix of the two families) has
 no HF class that computes the same function: :func:`hf_unsupported` names the switch.
 
 GPT-2 stores its linear layers as ``Conv1D`` with the weight transposed ([in, out]) and q, k, v as
-one fused ``c_attn`` matrix; the mapping says so per tensor (``kind``).
+one fused ``c_attn`` matrix; the mapping says so per tensor (``kind``). Mixtral's files (what
+``save_pretrained`` writes) keep one tensor per expert (``block_sparse_moe.experts.E.w1/w3/w2``: gate,
+up, down); TinyGPT stacks them ([E, F, C]), so each is ``kind="expert"`` with its ``index``. In
+memory transformers fuses them again (``mlp.experts.gate_up_proj``): :func:`mixtral_runtime_names`.
 """
 from __future__ import annotations
 
@@ -33,16 +37,20 @@ HF_CONFIG, HF_WEIGHTS = "config.json", "model.safetensors"
 @dataclass(frozen=True)
 class Entry:
     """One HF tensor: its name, the TinyGPT tensor(s) it is made of, and how.
-    ``kind``: "same" (copied), "T" (transposed: GPT-2's Conv1D) or "qkv" (q, k, v concatenated
-    along the output dim, then transposed: GPT-2's ``c_attn``; ``ours`` lists the three)."""
+    ``kind``: "same" (copied), "T" (transposed: GPT-2's Conv1D), "qkv" (q, k, v concatenated
+    along the output dim, then transposed: GPT-2's ``c_attn``; ``ours`` lists the three) or
+    "expert" (row ``index`` of a stacked expert tensor: Mixtral's per-expert files)."""
 
     hf: str
     ours: tuple[str, ...]
     kind: str = "same"
+    index: int | None = None
 
 
 def family(cfg: ModelConfig) -> str:
-    """"llama" or "gpt2": which HF class family the switches call for (see :func:`hf_unsupported`)."""
+    """"mixtral", "llama" or "gpt2": which HF class family the switches call for (see :func:`hf_unsupported`)."""
+    if cfg.moe_experts is not None:
+        return "mixtral"
     return "llama" if cfg.position == "rope" or cfg.norm == "rmsnorm" or cfg.mlp == "swiglu" else "gpt2"
 
 
@@ -55,7 +63,18 @@ def hf_unsupported(cfg: ModelConfig) -> list[str]:
     if cfg.attention_window is not None:
         why.append(f"model.attention_window = {cfg.attention_window} (sliding window): LlamaConfig and GPT2Config "
                    f"carry no window")
-    if family(cfg) == "llama":
+    if family(cfg) == "mixtral":
+        for key, want, why_not in (
+                ("moe_score", "softmax", "Mixtral's router is a softmax"),
+                ("moe_norm_topk", True, "Mixtral divides the top-k scores by their sum"),
+                ("moe_route_scale", 1.0, "Mixtral does not scale the combine weights"),
+                ("moe_shared_experts", 0, "Mixtral has no shared experts"),
+                ("moe_first_dense", 0, "every Mixtral layer has experts"),
+                ("moe_bias_update_rate", None, "Mixtral's router has no selection bias"),
+                ("moe_capacity_factor", None, "Mixtral is dropless")):
+            if getattr(cfg, key) != want:
+                why.append(f"model.{key} = {getattr(cfg, key)!r}: {why_not} (MixtralForCausalLM needs {want!r})")
+    if family(cfg) in ("llama", "mixtral"):
         wrong = [f"model.{k} = {getattr(cfg, k)!r} (Llama needs {v!r})" for k, v in
                  (("norm", "rmsnorm"), ("mlp", "swiglu"), ("position", "rope")) if getattr(cfg, k) != v]
         if wrong:
@@ -73,6 +92,16 @@ def hf_unsupported(cfg: ModelConfig) -> list[str]:
 
 def hf_config_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
     """``(HF class name, keyword arguments of its config class)`` for ``cfg`` (exportable only)."""
+    if family(cfg) == "mixtral":
+        return "MixtralForCausalLM", dict(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.expert_dim,
+            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.block_size,
+            rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, sliding_window=None,
+            attention_dropout=cfg.dropout, num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
+            router_aux_loss_coef=cfg.moe_aux_loss_coef, router_jitter_noise=0.0, output_router_logits=False,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if family(cfg) == "llama":
         return "LlamaForCausalLM", dict(
             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim,
@@ -95,6 +124,15 @@ def config_from_hf(hf: dict) -> dict:
     setting TinyGPT cannot take (naming the key)."""
     kind = hf.get("model_type")
     tied = bool(hf.get("tie_word_embeddings", kind == "gpt2"))
+    if kind == "mixtral":
+        if hf.get("sliding_window"):
+            raise ValueError(f"sliding_window = {hf['sliding_window']}: TinyGPT's experts preset has full attention")
+        if hf.get("router_jitter_noise"):
+            raise ValueError(f"router_jitter_noise = {hf['router_jitter_noise']}: TinyGPT's router has no jitter")
+        llama = config_from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False})
+        return {**llama, "d_ff": None, "moe_experts": hf["num_local_experts"], "moe_top_k": hf["num_experts_per_tok"],
+                "moe_ffn_dim": hf["intermediate_size"],
+                "moe_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0))}
     if kind == "llama":
         rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
         if rope.get("rope_type", "default") != "default":
@@ -102,8 +140,8 @@ def config_from_hf(hf: dict) -> dict:
         if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
             raise ValueError("attention_bias != mlp_bias: TinyGPT has one model.bias switch")
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-        if head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
-            raise ValueError(f"head_dim = {head_dim} x heads != hidden_size = {hf['hidden_size']}")
+        # attention wider or narrower than the residual stream: TinyGPT's attn_head_dim
+        own_dim = None if head_dim * hf["num_attention_heads"] == hf["hidden_size"] else head_dim
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act = {hf.get('hidden_act')!r}: TinyGPT's SwiGLU uses silu")
         return dict(vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"], d_model=hf["hidden_size"],
@@ -111,7 +149,8 @@ def config_from_hf(hf: dict) -> dict:
                     n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
                     d_ff=hf["intermediate_size"], norm="rmsnorm", mlp="swiglu", position="rope",
                     bias=bool(hf.get("attention_bias", False)), tie_embeddings=tied,
-                    norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(rope.get("rope_theta", 10000.0)))
+                    norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(rope.get("rope_theta", 10000.0)),
+                    attn_head_dim=own_dim)
     if kind == "gpt2":
         if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"activation_function = {hf.get('activation_function')!r}: TinyGPT's GPT-2 MLP is the "
@@ -123,23 +162,29 @@ def config_from_hf(hf: dict) -> dict:
                     n_layers=hf["n_layer"], n_heads=hf["n_head"], n_kv_heads=None,
                     d_ff=hf.get("n_inner") or 4 * hf["n_embd"], norm="layernorm", mlp="gelu", position="learned",
                     bias=True, tie_embeddings=tied, norm_eps=hf.get("layer_norm_epsilon", 1e-5))
-    raise ValueError(f"model_type = {kind!r}: TinyGPT reads 'llama' and 'gpt2' folders only")
+    raise ValueError(f"model_type = {kind!r}: TinyGPT reads 'llama', 'mixtral' and 'gpt2' folders only")
 
 
 def name_map(cfg: ModelConfig) -> list[Entry]:
     """Every tensor of the HF model's state dict (as ``save_pretrained`` writes it: a tied head is
     stored once, as the embedding) and the TinyGPT tensors it comes from."""
     out: list[Entry] = []
-    if family(cfg) == "llama":
+    if family(cfg) in ("llama", "mixtral"):
         out.append(Entry("model.embed_tokens.weight", ("tok_emb.weight",)))
         parts = [("norm1", "input_layernorm"), ("attn.q_proj", "self_attn.q_proj"), ("attn.k_proj", "self_attn.k_proj"),
                  ("attn.v_proj", "self_attn.v_proj"), ("attn.out_proj", "self_attn.o_proj"),
-                 ("norm2", "post_attention_layernorm"), ("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"),
-                 ("mlp.down", "mlp.down_proj")]
+                 ("norm2", "post_attention_layernorm")]
+        if family(cfg) == "llama":
+            parts += [("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj")]
         for i in range(cfg.n_layers):
             for ours, theirs in parts:
                 suffixes = ("weight", "bias") if cfg.bias and not ours.startswith("norm") else ("weight",)
                 out += [Entry(f"model.layers.{i}.{theirs}.{s}", (f"blocks.{i}.{ours}.{s}",)) for s in suffixes]
+            if family(cfg) == "mixtral":  # as save_pretrained writes it: one tensor per expert
+                moe = f"model.layers.{i}.block_sparse_moe"
+                out.append(Entry(f"{moe}.gate.weight", (f"blocks.{i}.mlp.router.proj.weight",)))
+                out += [Entry(f"{moe}.experts.{e}.{w}.weight", (f"blocks.{i}.mlp.experts.{ours}",), "expert", e)
+                        for e in range(cfg.moe_experts) for w, ours in (("w1", "gate"), ("w2", "down"), ("w3", "up"))]
         out.append(Entry("model.norm.weight", ("norm_f.weight",)))
     else:
         out += [Entry("transformer.wte.weight", ("tok_emb.weight",)), Entry("transformer.wpe.weight", ("pos_emb.weight",))]
@@ -171,15 +216,30 @@ def tinygpt_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["pos_emb.weight"] = (cfg.block_size, C)
     norm_bias = cfg.norm == "layernorm" and cfg.bias
     mats = {"attn.q_proj": (q, C), "attn.k_proj": (kv, C), "attn.v_proj": (kv, C), "attn.out_proj": (C, q)}
-    mats.update({"mlp.gate": (F, C), "mlp.up": (F, C), "mlp.down": (C, F)} if cfg.mlp == "swiglu"
-                else {"mlp.up": (F, C), "mlp.down": (C, F)})
+    dense = ({"mlp.gate": (F, C), "mlp.up": (F, C), "mlp.down": (C, F)} if cfg.mlp == "swiglu"
+             else {"mlp.up": (F, C), "mlp.down": (C, F)})
     for i in range(cfg.n_layers):
+        mats = dict(mats)
+        for n in list(mats):
+            if n.startswith("mlp."):
+                del mats[n]
+        if cfg.is_moe_layer(i):
+            E, Fe = cfg.moe_experts, cfg.expert_dim
+            mats.update({"mlp.router.proj": (E, C), "mlp.experts.gate": (E, Fe, C), "mlp.experts.up": (E, Fe, C),
+                         "mlp.experts.down": (E, C, Fe)})
+            if cfg.moe_shared_experts:
+                S = cfg.moe_shared_experts * Fe
+                mats.update({"mlp.shared.gate": (S, C), "mlp.shared.up": (S, C), "mlp.shared.down": (C, S)})
+            if cfg.moe_bias_update_rate is not None:
+                shapes[f"blocks.{i}.mlp.router.expert_bias"] = (E,)  # a buffer, in the state dict
+        else:
+            mats.update(dense)
         for n in ("norm1", "norm2"):
             shapes[f"blocks.{i}.{n}.weight"] = (C,)
             if norm_bias:
                 shapes[f"blocks.{i}.{n}.bias"] = (C,)
         for n, shape in mats.items():
-            shapes[f"blocks.{i}.{n}.weight"] = shape
+            shapes[f"blocks.{i}.{n}" + ("" if n.startswith("mlp.experts") else ".weight")] = shape
             if cfg.bias:
                 shapes[f"blocks.{i}.{n}.bias"] = (shape[0],)
     shapes["norm_f.weight"] = (C,)
@@ -195,13 +255,29 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     out = {}
     for e in name_map(cfg):
         first = ours[e.ours[0]]
-        if e.kind == "T":
+        if e.kind == "expert":
+            out[e.hf] = first[1:]
+        elif e.kind == "T":
             out[e.hf] = first[::-1]
         elif e.kind == "qkv":
             rows = sum(ours[n][0] for n in e.ours)
             out[e.hf] = (first[1], rows) if len(first) == 2 else (rows,)
         else:
             out[e.hf] = first
+    return out
+
+
+def mixtral_runtime_names(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """How ``MixtralForCausalLM`` holds the per-expert file tensors in memory (transformers fuses
+    them when it loads): ``{in-memory name: (how, file names)}``, how = "gate_up" (each expert's w1
+    then w3 along the output dim, stacked over experts), "stack" (w2 stacked) or "same"."""
+    out = {}
+    for i in range(cfg.n_layers):
+        moe, E = f"model.layers.{i}.block_sparse_moe", range(cfg.moe_experts)
+        out[f"model.layers.{i}.mlp.gate.weight"] = ("same", (f"{moe}.gate.weight",))
+        out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = (
+            "gate_up", tuple(f"{moe}.experts.{e}.{w}.weight" for e in E for w in ("w1", "w3")))
+        out[f"model.layers.{i}.mlp.experts.down_proj"] = ("stack", tuple(f"{moe}.experts.{e}.w2.weight" for e in E))
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from course_lib.model.config import ModelConfig
-from course_lib.model.hf_map import hf_config_kwargs, hf_unsupported, name_map
+from course_lib.model.hf_map import family, hf_config_kwargs, hf_unsupported, mixtral_runtime_names, name_map
 
 INSTALL_HINT = ("Hugging Face transformers is not installed; `course ckpt export-hf` and the parity tests need it: "
                 "pip install 'transformers==5.24.0' (or reinstall the kit with its dev extra: ./kit setup)")
@@ -33,7 +33,7 @@ def hf_config(cfg: ModelConfig):
         raise ValueError("no Hugging Face class expresses this TinyGPT: " + "; ".join(why))
     tf = require_transformers()
     cls_name, kwargs = hf_config_kwargs(cfg)
-    config_cls = tf.LlamaConfig if cls_name == "LlamaForCausalLM" else tf.GPT2Config
+    config_cls = {"LlamaForCausalLM": tf.LlamaConfig, "MixtralForCausalLM": tf.MixtralConfig}.get(cls_name, tf.GPT2Config)
     config = config_cls(**kwargs)
     config.architectures = [cls_name]
     return getattr(tf, cls_name), config
@@ -45,13 +45,32 @@ def hf_model(cfg: ModelConfig, state: dict | None = None, dtype: torch.dtype = t
     cls, config = hf_config(cfg)
     model = cls(config).to(dtype).eval()
     if state is not None:
-        model.load_state_dict(to_hf(state, cfg), strict=not cfg.tie_embeddings)
+        hf_state = to_runtime(to_hf(state, cfg), cfg)
+        model.load_state_dict(hf_state, strict=not cfg.tie_embeddings)
         if cfg.tie_embeddings:  # the head is the embedding matrix: nothing else may be missing
-            missing = set(model.state_dict()) - set(to_hf(state, cfg)) - {"lm_head.weight"}
+            missing = set(model.state_dict()) - set(hf_state) - {"lm_head.weight"}
             if missing:
                 raise ValueError(f"the HF model has tensors the mapping does not fill: {sorted(missing)[:5]}")
             model.tie_weights()
     return model
+
+
+def to_runtime(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The file layout (:func:`to_hf`) -> the HF model's in-memory state dict: the same for Llama
+    and GPT-2; Mixtral's per-expert tensors fused the way transformers holds them
+    (:func:`course_lib.model.hf_map.mixtral_runtime_names`)."""
+    if family(cfg) != "mixtral":
+        return hf_state
+    out = dict(hf_state)
+    for name, (how, files) in mixtral_runtime_names(cfg).items():
+        ts = [out.pop(f) for f in files]
+        if how == "gate_up":  # [w1_0, w3_0, w1_1, w3_1, ...] -> [E, 2F, C]
+            out[name] = torch.stack([torch.cat(ts[j:j + 2]) for j in range(0, len(ts), 2)])
+        elif how == "stack":
+            out[name] = torch.stack(ts)
+        else:
+            out[name] = ts[0]
+    return out
 
 
 def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -60,7 +79,9 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
     out = {}
     for e in name_map(cfg):
         ts = [state[n].detach().cpu() for n in e.ours]
-        if e.kind == "T":
+        if e.kind == "expert":
+            out[e.hf] = ts[0][e.index].contiguous()
+        elif e.kind == "T":
             out[e.hf] = ts[0].t().contiguous()
         elif e.kind == "qkv":  # GPT-2's fused c_attn: [C, 3C] (Conv1D: input rows), bias [3C]
             cat = torch.cat(ts, dim=0)
@@ -74,9 +95,12 @@ def from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
     """HF model state dict -> TinyGPT's (the tied head included, as the embedding itself)."""
     out = {}
     q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    experts: dict[str, list] = {}
     for e in name_map(cfg):
         t = hf_state[e.hf]
-        if e.kind == "T":
+        if e.kind == "expert":  # stacked below, in expert order
+            experts.setdefault(e.ours[0], [None] * cfg.moe_experts)[e.index] = t
+        elif e.kind == "T":
             out[e.ours[0]] = t.t().contiguous()
         elif e.kind == "qkv":
             rows = t.t() if t.dim() == 2 else t
@@ -84,6 +108,8 @@ def from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
                 out[name] = part.contiguous()
         else:
             out[e.ours[0]] = t
+    for name, parts in experts.items():
+        out[name] = torch.stack(parts)
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["tok_emb.weight"]
     return out

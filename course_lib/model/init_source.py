@@ -26,8 +26,10 @@ from course_lib.model.hf_map import (HF_CONFIG, HF_WEIGHTS, config_from_hf, hf_s
 CONFIG_KEY = "course_lib.model_config"
 #: ModelConfig fields that change the function a set of weights computes (block_size only with a
 #: learned position table, where it is a shape; RoPE reads any length up to the run's block_size)
-FUNCTION_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "ffn_dim", "norm", "mlp", "position",
-                   "bias", "tie_embeddings", "norm_eps", "rope_theta")
+FUNCTION_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "head_dim", "ffn_dim", "norm", "mlp",
+                   "position", "bias", "tie_embeddings", "norm_eps", "rope_theta", "moe_experts", "moe_top_k",
+                   "expert_dim", "moe_shared_experts", "moe_first_dense", "moe_score", "moe_norm_topk",
+                   "moe_route_scale")
 
 
 def source_kind(path: str | Path) -> str:

@@ -14,6 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from course_lib.model.moe import MoE
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Llama): x / rms(x) * weight, no mean subtraction and no bias.
@@ -91,7 +93,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.kv_heads
-        self.head_dim = cfg.d_model // cfg.n_heads
+        self.head_dim = cfg.head_dim  # d_model // n_heads unless attn_head_dim is set
         self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=cfg.bias)
         self.k_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=cfg.bias)
@@ -174,14 +176,18 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)). ``layer`` (0-based)
+    picks a mixture-of-experts MLP where ``cfg.is_moe_layer(layer)`` (course_lib/model/moe.py)."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, layer: int = 0) -> None:
         super().__init__()
         self.norm1 = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.norm2 = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else MLP(cfg)
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoE(cfg)
+        else:
+            self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos=None, sin=None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin)

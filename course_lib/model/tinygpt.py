@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import types
 
 import torch
 import torch.nn as nn
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.model.layers import Block, RMSNorm, init_linear_, make_norm, rope_tables
+from course_lib.model.moe import Experts, collect_aux, moe_layers
 # The config dataclass and presets live in a torch-free module (config validation imports it).
 from course_lib.model.config import CHECKPOINTING, INIT_SCHEMES, PRESETS, ModelConfig  # noqa: F401
 from course_lib.validate import check_int as _check_int
@@ -59,6 +61,8 @@ class TinyGPT(nn.Module):
     #: (course_lib.parallel.context_parallel.in_trainer) sets this rank's true positions, int64 [T],
     #: which the learned table and the RoPE rows are read at.
     position_ids: torch.Tensor | None = None
+    #: The balancing loss the last forward added (sum over MoE layers, detached); None: none added.
+    moe_aux_loss: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -68,7 +72,8 @@ class TinyGPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self._moe = moe_layers(self.blocks)  # empty for a dense model
         self.norm_f = make_norm(cfg.norm, cfg.d_model, bias=cfg.bias, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -80,7 +85,8 @@ class TinyGPT(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
-        self.reset_parameters()
+        if not self.tok_emb.weight.is_meta:  # on the meta device (counting shapes) there is nothing to draw
+            self.reset_parameters()
         self.set_memory_strategy(cfg.checkpointing, cfg.checkpoint_every, cfg.offload_activations)
 
     # ----------------------------------------------------------------------------- set-up
@@ -97,6 +103,14 @@ class TinyGPT(nn.Module):
                 if module is self.lm_head and cfg.tie_embeddings:
                     continue  # it is the embedding matrix, already drawn above
                 init_linear_(module, cfg.init, cfg.init_std, residual_std, cfg.d_model)
+            elif isinstance(module, Experts):  # stacked [E, out, in]: each expert drawn as one Linear
+                for w, residual in module.matrices():
+                    # kaiming and xavier read fan-in/out from a 2-D shape: one expert at a time;
+                    # the other schemes draw every entry alike, so the whole stack at once
+                    parts = [w[e] for e in range(w.shape[0])] if cfg.init in ("kaiming", "xavier") else [w]
+                    for part in parts:
+                        one = types.SimpleNamespace(weight=part, bias=None, is_residual_projection=residual)
+                        init_linear_(one, cfg.init, cfg.init_std, residual_std, cfg.d_model)
             elif isinstance(module, (nn.LayerNorm, RMSNorm)):
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
@@ -137,6 +151,15 @@ class TinyGPT(nn.Module):
             n -= self.pos_emb.weight.numel()
         return n
 
+    def num_active_params(self) -> int:
+        """Parameters one token passes through (a count): all of them for a dense model; with
+        experts, the router, the shared experts and k of the E routed experts of every MoE layer."""
+        n = self.num_params()
+        for m in self._moe:
+            per_expert = sum(p[0].numel() for p in m.experts.parameters())
+            n -= (m.n_experts - m.top_k) * per_expert
+        return n
+
     def param_groups(self, weight_decay: float) -> list[dict]:
         """Optimizer groups: decay on matrices and embeddings (dim >= 2), none on biases and norms."""
         _check_float("weight_decay", weight_decay, 0.0)
@@ -151,7 +174,9 @@ class TinyGPT(nn.Module):
         """idx, targets: int64 [B, T] token ids with T <= block_size; targets == -100 are ignored.
 
         Returns (logits [B, T, vocab] in the compute dtype, loss or None). The loss is the mean
-        cross-entropy in nats per scored token, computed in float32.
+        cross-entropy in nats per scored token, computed in float32; in training mode a model with
+        experts adds each MoE layer's balancing loss (``moe_aux_loss_coef`` x E sum f_i P_i) and
+        keeps the sum, detached, in ``self.moe_aux_loss``.
         """
         if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"idx must be an int64 tensor [batch, seq], got {tuple(idx.shape)} {idx.dtype}")
@@ -189,6 +214,11 @@ class TinyGPT(nn.Module):
                 loss = F.cross_entropy(
                     logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100
                 )
+            if self._moe:  # read here, outside any checkpointed block (a recompute must not count twice)
+                aux = collect_aux(self._moe, self.training)
+                self.moe_aux_loss = None if aux is None else aux.detach()
+                if loss is not None and aux is not None and self.training:
+                    loss = loss + aux
         return logits, loss
 
     def _bound(self, emb: torch.Tensor) -> torch.Tensor:
