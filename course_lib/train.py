@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from course_lib.model.moe import update_expert_bias
+from course_lib.parallel.expert_parallel.dispatch import all_reduce_load
 from course_lib.trainer import config as train_config
 from course_lib.trainer import profiling, utilization
 from course_lib.trainer import startup as train_setup
@@ -152,6 +154,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                   log_every=t["log_every"], throughput=throughput)
     skipped, rollbacks = 0, 0
     step, saved_at = start, start
+    moe_balance = model.cfg.moe_bias_update_rate is not None
     # A step's time runs from the end of the previous row to the end of its own, so logging and
     # checkpoint policy are inside it: the tokens/s logged is what an outside stopwatch sees.
     t_last = time.perf_counter()
@@ -194,6 +197,8 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                 strategy.skip_step(policy)
             else:
                 strategy.optimizer_step(policy, lr_factor=decision.lr_factor, found_inf=False)
+            if moe_balance:  # DeepSeek-V3's bias from this step's loads, summed over every rank
+                update_expert_bias(strategy.model, all_reduce_load)
             strategy.zero_grad()
             scheduler.step()
             step += 1

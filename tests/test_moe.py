@@ -244,3 +244,30 @@ def test_export_hf_and_init_from_round_trip_through_mixtral(tmp_path):
         assert (loaded(idx)[0] - theirs(input_ids=idx).logits).abs().max().item() <= 1e-5
     with pytest.raises(ValueError, match=r"model\.moe_top_k = 1 vs 2 in the source"):
         check_init_source(tmp_path / "pretrained", dataclasses.replace(cfg, moe_top_k=1))
+
+
+# ----------------------------------------------------------------------------- in the trainer
+def test_the_trainer_trains_experts_with_both_balancers(tmp_path):
+    """A moe-tiny run: the logged loss carries the balancing loss, every expert bias entry moved by
+    +-rate or 0 each step (DeepSeek-V3's update, called by the loop), MFU counts active parameters."""
+    from course_lib.train import train
+    from course_lib.trainer.config import ConfigError
+    from course_lib.trainer.mfu import model_flops_per_token
+    from layout_checks import rows, tiny_cfg
+
+    cfg = tiny_cfg(1, train__max_steps=2, schedule__warmup_steps=1, model__preset="moe-tiny",
+                   model__moe_bias_update_rate=0.01,
+                   model__moe_capacity_factor=1.25)
+    result = train(cfg, tmp_path / "run")
+    assert result.steps == 2 and all(r["loss"] > 0 for r in rows(tmp_path / "run"))
+    steps = torch.stack([m.router.expert_bias for m in moe_lib.moe_layers(result.model)]) / 0.01
+    assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 2  # +-1 or 0 a step
+    assert steps.abs().sum() > 0  # (a layer may come back to 0 after +1, -1)
+    model = result.model
+    assert model.num_active_params() < model.num_params()
+    from course_lib.estimate.flops import palm_flops_per_token
+    c = model.cfg
+    assert model_flops_per_token(model, 64) == palm_flops_per_token(
+        model.num_active_params(), n_layers=c.n_layers, n_heads=c.n_heads, head_dim=c.head_dim, seq_len=64)
+    with pytest.raises(ConfigError, match=r"model\.moe_experts = 8 runs with data parallelism only"):
+        tiny_cfg(1, model__preset="moe-tiny", parallel__tp=2)

@@ -16,6 +16,11 @@ Switches (all on `ModelConfig`):
 | `n_kv_heads` | = `n_heads` | < `n_heads` (grouped-query attention) |
 | `tie_embeddings` | True | False |
 
+Experts: `moe_experts = E` (with `moe_top_k`, `moe_ffn_dim`, ...) replaces the MLP of every block
+from `moe_first_dense` on by a mixture of E SwiGLU experts (course_lib/model/moe.py); in training
+mode the loss then includes the balancing loss. Presets `moe-tiny` (CPU), `mixtral-8x7b`,
+`qwen3-30b-a3b`, `deepseek-v3` (count on the meta device).
+
 Memory strategies, switchable on a built model with `set_memory_strategy` so a lab can compare them
 on the same weights: activation checkpointing `none | full | selective` (always
 `use_reentrant=False`) and offloading saved activations to CPU memory (`save_on_cpu`).

@@ -229,6 +229,9 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
                               f"data parallelism uses every rank started); leave it 0")
         return
     keys = " and ".join(f"parallel.{k} = {par[k]}" for k in ("tp", "pp", "cp") if par[k] > 1)
+    if mcfg.moe_experts is not None:  # stages and TP plans call the blocks themselves: no balancing loss
+        raise ConfigError(f"model.moe_experts = {mcfg.moe_experts} runs with data parallelism only (tp = pp = cp "
+                          f"= 1); got {keys}: pipeline stages and tensor-parallel plans do not carry experts")
     _model_parallel_strategy_check(cfg)
     # FSDP2 over dp on a DTensor-TP model (course_lib.parallel.composed.fsdp_tp); not on pipeline stages.
     fsdp_tp = t["strategy"] == "fsdp" and pp == 1

@@ -127,9 +127,10 @@ class MfuGuard:
 
 def model_flops_per_token(model, seq_len: int) -> float:
     """Training FLOPs per token of TinyGPT ``model`` at ``seq_len`` tokens of context (PaLM's
-    6N + attention count, forward and backward): what MFU multiplies tokens/s by."""
+    6N + attention count, forward and backward): what MFU multiplies tokens/s by. N counts the
+    parameters a token passes through (with experts: k of E, not all of them)."""
     from course_lib.estimate.flops import palm_flops_per_token
 
     mcfg = model.cfg
-    return palm_flops_per_token(model.num_params(), n_layers=mcfg.n_layers, n_heads=mcfg.n_heads,
+    return palm_flops_per_token(model.num_active_params(), n_layers=mcfg.n_layers, n_heads=mcfg.n_heads,
                                 head_dim=mcfg.head_dim, seq_len=seq_len)
