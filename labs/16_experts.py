@@ -16,7 +16,7 @@
 #
 # Ranks are processes on this machine talking over loopback with **gloo** (on GPUs the same code
 # uses NCCL). The lab's rank functions live in `course_lib.labs.lab16_experts`; the MoE layer in
-# `course_lib.model.moe`.
+# `course_lib.model.moe`, expert parallelism in `course_lib.parallel.expert_parallel`.
 
 # %% tags=["parameters"]
 SMOKE = False  # True: small sizes, so the automated tests finish quickly
@@ -180,10 +180,13 @@ check(all(a["dropped"] >= b["dropped"] for rows in cap_rows.values() for a, b in
       "a larger capacity factor should never drop more")
 check(cap_rows["none"][2]["dropped"] > cap_rows["balancing loss"][2]["dropped"],
       "at c = 1.25 the collapsed router should drop more than the balanced one")
+check(all(r["dropped"] > 0 for r in cap_rows["none"][:5]) and cap_rows["none"][5]["dropped"] == 0,
+      "the collapsed router should drop token copies at every factor below 4, none at 4")
+check(cap_rows["none"][2]["tokens with no expert"] > 0, "at c = 1.25 some tokens should lose both their experts")
 
 # %% [markdown]
 # **What you should see:** 40 slots per expert at `c = 1.25`. The collapsed router overflows its
-# two favourite experts at every factor below 4 and drops far more than the balanced one; some
+# few favourite experts at every factor below 4 and drops far more than the balanced one; some
 # tokens lose *both* experts and pass through the block with no MLP at all. Dropless drops
 # nothing. Balance is what makes a capacity factor near 1 affordable.
 
@@ -192,7 +195,8 @@ check(cap_rows["none"][2]["dropped"] > cap_rows["balancing loss"][2]["dropped"],
 #
 # With `EP` ranks each rank holds `E / EP` experts of every MoE layer and its own batch of
 # tokens. The MoE layer sorts its (token, expert) pairs by expert exactly as in one process; then,
-# in place of running the experts, it calls a **dispatcher**:
+# in place of running the experts, it calls a **dispatcher** (`shard_experts(model, ep_group)`
+# keeps each rank's slice of the experts and sets it on every MoE layer):
 #
 # 1. **counts**: one `all_to_all_single` of the count per expert, so every rank learns how many
 #    rows each other rank will send it, per local expert;
@@ -201,10 +205,14 @@ check(cap_rows["none"][2]["dropped"] > cap_rows["balancing loss"][2]["dropped"],
 # 3. the local experts run, one block each;
 # 4. **combine**: undo the permute and send every output back along the same splits.
 #
-# The backward pass is the same exchanges with the splits swapped (`AllToAll.backward`). The code:
+# The backward pass is the same exchanges with the splits swapped (`AllToAll.backward`). The
+# library's code, in the order it runs:
 
 # %%
-for fn in (lab_runs.dispatch, lab_runs.combine, lab_runs.AllToAll, lab_runs.ep_dispatcher):
+from course_lib.parallel import expert_parallel  # noqa: E402
+
+for fn in (expert_parallel.AllToAllDispatcher.__call__, expert_parallel.exchange, expert_parallel.AllToAll,
+           expert_parallel.group_by_local_expert, expert_parallel.ungroup):
     print(inspect.getsource(fn))
 
 # %% [markdown]
@@ -289,6 +297,7 @@ for rank, r in enumerate(ep_results):
           f"{fwd:>11,.0f} {got_bwd:>12,} {bwd:>11,.0f}")
     check(got_bwd == bwd, f"rank {rank}: measured backward bytes should equal the formula")
     check(r["bytes"].get("backward counts", 0) == 0, "the backward needs no counts: the splits are known")
+    check(got_bwd == r["bytes"]["forward rows"], "the backward should send as many row bytes as the forward")
 check(uniform == 65536, "uniform routing: 256 x 2 x 1/2 x 64 x 4 = 65,536 bytes")
 
 # %% [markdown]
@@ -337,7 +346,7 @@ for stage, blocks in enumerate(ds.stage_blocks):
     by_hand = moe_blocks * experts_per_gpu * per_expert
     _, estimated = shape.params_on_rank(pp=lay.pp, ep=lay.ep, etp=lay.etp, stage=stage, blocks=list(ds.stage_blocks))
     check(by_hand == estimated, f"stage {stage}: {by_hand:,} expert parameters by hand, {estimated:,.0f} estimated")
-    if stage in (0, len(ds.stage_blocks) - 1):
+    if stage in (0, 1, len(ds.stage_blocks) - 1):
         print(f"stage {stage:>2}: {blocks} blocks, {moe_blocks} with experts: {moe_blocks} x 4 x 3 x 7168 x 2048 = "
               f"{by_hand / 1e9:.2f}B expert parameters per GPU")
     first += blocks

@@ -1,13 +1,8 @@
 """Lab 16 (experts): a tiny MoE TinyGPT trained three ways (no balancing, the balancing loss, the
-expert bias) with its router's load recorded every step; capacity and dropped tokens; and expert
-parallelism on gloo ranks, its two all-to-alls counted byte by byte and held against one process.
-
-Expert parallelism here is this module's own: :func:`ep_dispatcher` builds the callable the model's
-:class:`~course_lib.model.moe.MoE` calls in place of its local experts (``MoE.dispatcher``): the
-rows the MoE layer already sorted by expert go to the rank holding their expert (the counts first,
-then the rows, both with ``all_to_all_single``), the local experts run, and the outputs come back
-along the same splits. :class:`AllToAll` makes the exchange differentiable: its backward is the same
-exchange with the splits swapped. The lab shows this code on screen.
+expert bias) with its router's load recorded every step; capacity and dropped tokens; and the
+library's expert parallelism (:mod:`course_lib.parallel.expert_parallel`) on gloo ranks, its
+all-to-alls counted byte by byte at ``torch.distributed.all_to_all_single`` and held against one
+process.
 
 Everything a rank returns is plain numbers and tensors; :func:`ep_rank` compares, in the same
 process, the expert-parallel forward and backward with one process running the whole model on every
@@ -21,10 +16,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from course_lib.data.tasks import DEFAULT_TEXT
 from course_lib.model import ModelConfig, TinyGPT
-from course_lib.model.moe import Experts, capacity, keep_mask, moe_layers, update_expert_bias
+from course_lib.model.moe import capacity, keep_mask, moe_layers, update_expert_bias
+from course_lib.parallel.expert_parallel import make_ep_group, shard_experts
 
-TEXT_FILES = ("README.md", "docs/ARCHITECTURE.md", "docs/TESTING.md", "docs/NOTEBOOKS.md", "docs/PLANNING.md")
 
 
 # ============================================================= prediction cells
@@ -47,13 +43,14 @@ def show_prediction(what: str, mine, measured, *, unit: str = "", why: str = "")
 
 
 # ============================================================= data and the model
-def text_tokens(root: Path | None = None) -> torch.Tensor:
-    """The bytes of the kit's own prose (README and docs), as int64 token ids 0..255: real text, so the
-    router has something to specialise on. moe-tiny's vocabulary is the 256 byte values."""
-    root = Path(__file__).resolve().parents[2] if root is None else root
-    data = b"\n".join((root / f).read_bytes() for f in TEXT_FILES if (root / f).exists())
-    if len(data) < 10_000:
-        raise FileNotFoundError(f"the lab's text ({', '.join(TEXT_FILES)} under {root}) holds only {len(data)} bytes")
+def text_tokens(path: Path | None = None) -> torch.Tensor:
+    """The bytes of the kit's training text (``course_lib/data/files/training_notes.txt``, the trainer's
+    byte-level data) as int64 token ids 0..255: real text, so the router has something to specialise
+    on. moe-tiny's vocabulary is the 256 byte values."""
+    path = DEFAULT_TEXT if path is None else Path(path)
+    data = path.read_bytes()
+    if len(data) < 1_000:
+        raise ValueError(f"the lab's text {path} holds only {len(data)} bytes; it needs 1,000 or more")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
@@ -148,68 +145,6 @@ def capacity_rows(net: TinyGPT, factors: list, *, batch_size: int = 4, seq_len: 
 
 
 # ============================================================= expert parallelism
-class AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` of the rows of ``x`` with the given split sizes, differentiable: the
-    gradient of what a rank received travels back to the ranks that sent it, along the same splits."""
-
-    @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group):
-        ctx.splits, ctx.group = (send_splits, recv_splits), group
-        out = x.new_empty(sum(recv_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        send_splits, recv_splits = ctx.splits
-        back = grad.new_empty(sum(send_splits), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
-        return back, None, None, None
-
-
-def dispatch(rows: torch.Tensor, counts: torch.Tensor, group=None):
-    """Send rows sorted by global expert (``counts`` [E]: rows per expert) to the ranks holding their
-    experts (rank r: experts r*E/N ... (r+1)*E/N - 1). Returns (rows here, grouped by local expert;
-    rows per local expert [E/N]; what :func:`combine` needs)."""
-    n = dist.get_world_size(group)
-    e_local = counts.numel() // n
-    got = torch.empty_like(counts)
-    dist.all_to_all_single(got, counts, group=group)  # 1. the counts: got[s, j] rows from rank s for my expert j
-    got = got.view(n, e_local)
-    send, recv = counts.view(n, e_local).sum(1).tolist(), got.sum(1).tolist()
-    arrived = AllToAll.apply(rows, send, recv, group)  # 2. the rows: rank 0's block first, then rank 1's ...
-    blocks = torch.arange(arrived.shape[0]).split(got.flatten().tolist())
-    perm = torch.cat([blocks[s * e_local + j] for j in range(e_local) for s in range(n)])
-    return arrived[perm], got.sum(0), (perm, send, recv)  # 3. one block per local expert
-
-
-def combine(out: torch.Tensor, state, group=None) -> torch.Tensor:
-    """The experts' outputs (in :func:`dispatch`'s order) back to the ranks their rows came from, in
-    the order those ranks sent them."""
-    perm, send, recv = state
-    arrived = torch.empty_like(out).index_copy(0, perm, out)  # undo the grouping by local expert
-    return AllToAll.apply(arrived, recv, send, group)  # the same exchange, splits swapped
-
-
-def ep_dispatcher(local: Experts, group=None):
-    """The ``MoE.dispatcher`` of expert parallelism: ``(rows, counts, experts) -> outputs`` that runs
-    ``local`` (this rank's E/N experts) on the rows every rank sends here."""
-    def run(rows, counts, _all_experts):
-        mine, per_expert, state = dispatch(rows, counts, group)
-        return combine(local(mine, per_expert), state, group)
-    return run
-
-
-def _local_experts(full: Experts, rank: int, n: int) -> Experts:
-    """A copy of rank ``rank``'s slice (experts rank*E/N ...) of ``full``, as its own parameters."""
-    e_local = full.n_local // n
-    local = Experts(e_local, full.gate.shape[2], full.gate.shape[1])
-    with torch.no_grad():
-        for name in ("gate", "up", "down"):
-            getattr(local, name).copy_(getattr(full, name)[rank * e_local:(rank + 1) * e_local])
-    return local
-
-
 class _Wire:
     """Counts, per phase ("forward", "backward"), the bytes ``all_to_all_single`` sends to other
     ranks, split into the count exchange (int64 tensors) and the rows."""
@@ -251,13 +186,10 @@ def ep_rank(rank: int, world_size: int, batch_size: int, seq_len: int) -> dict:
         ref_logits.append(logits.detach())
         ref_losses.append(loss)
     torch.stack(ref_losses).sum().backward()
-    # expert parallelism: the same weights; every MoE layer's experts replaced by this rank's slice
+    # expert parallelism (the library's): the same weights; every MoE layer keeps this rank's experts
     ep = model(cfg)
-    locals_ = []
-    for m in moe_layers(ep):
-        local = _local_experts(m.experts, rank, world_size)
-        locals_.append(local)
-        m.dispatcher = ep_dispatcher(local)
+    group = make_ep_group(world_size)
+    shard_experts(ep, group)
     x, y = batches[rank]
     wire.phase = "forward"
     logits, loss = ep(x, y)
@@ -265,18 +197,19 @@ def ep_rank(rank: int, world_size: int, batch_size: int, seq_len: int) -> dict:
     wire.phase = "backward"
     loss.backward()
     e_local = cfg.moe_experts // world_size
+    keep = group.local_experts(cfg.moe_experts)
     grad_err = 0.0
-    for local, m in zip(locals_, moe_layers(ref)):
+    for mine, m in zip(moe_layers(ep), moe_layers(ref)):
         for name in ("gate", "up", "down"):
-            want = getattr(m.experts, name).grad[rank * e_local:(rank + 1) * e_local]
-            grad_err = max(grad_err, (getattr(local, name).grad - want).abs().max().item())
+            want = getattr(m.experts, name).grad[keep.start:keep.stop]
+            grad_err = max(grad_err, (getattr(mine.experts, name).grad - want).abs().max().item())
     fwd = [c for c in wire.calls if c[0] == "forward"]
     # forward, per MoE layer: the counts, the dispatch's rows, the combine's rows (3 calls)
     per_layer = [{"received counts": torch.tensor(fwd[3 * i][4]).view(world_size, e_local).tolist(),
                   "dispatch splits": fwd[3 * i + 1][2], "combine splits": fwd[3 * i + 2][2],
                   "counts bytes": fwd[3 * i][3], "dispatch bytes": fwd[3 * i + 1][3],
                   "combine bytes": fwd[3 * i + 2][3]}
-                 for i in range(len(locals_))]
+                 for i in range(len(moe_layers(ep)))]
     dist.barrier()
     return {"loss": loss.item(), "ref loss": ref_losses[rank].item(),
             "logit err": (logits.detach() - ref_logits[rank]).abs().max().item(),
