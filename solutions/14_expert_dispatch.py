@@ -191,6 +191,7 @@ expected_bytes = [2 * 8 + wire[sc["name"]][s][1 - s] * 4 * 4 for sc in EP2 for s
 check([r["dispatch bytes"] for r in rows2] == expected_bytes,
       "each rank should send the other its 2 counts and exactly the rows routed there, nothing more")
 check(rows2[-1]["rows out"] == 0, "in 'empty', rank 1 should receive no row")
+check(rows2[2]["rows out"] > rows2[3]["rows out"], "in 'uneven', rank 0 (expert 0's rank) should receive more rows than rank 1")
 
 fig, axes = plt.subplots(1, 3, figsize=(10, 3))
 for ax, sc in zip(axes, EP2):
