@@ -129,6 +129,10 @@ FORBIDDEN = {
     "13_online_softmax": ["torch.maximum(lse_a, lse_b)", "lse_a - safe", "safe + torch.log", "w_a + w_b",
                           "logaddexp", "torch.sigmoid", "exp(lse_a) + exp(lse_b)", "exp(lse_a - lse)",
                           "lse_a - lse", "online_softmax_update", "subtract the max"],
+    "14_expert_dispatch": ["stable=True", "bincount", "minlength", "for j in range(e_local) for s in range(n_src)",
+                           "view(n, e_local).sum(1)", "got_counts.sum(0)", "arrived[perm] = y", "out[order] = back",
+                           "send_splits, recv_splits, group=group", "recv_splits, send_splits, group=group",
+                           "inverse permutation", "argsort"],
     "15_fp8_blockwise": ["amax / E4M3_MAX", "/ 448", "amax(dim", "repeat_interleave", "functional.pad",
                          "reshape(rows, tiles", "-(-cols", "unsqueeze(-1)", "torch.where(amax"],
 }
@@ -184,6 +188,9 @@ def test_every_hint_says_something(name):
                               "columns [r*in/N", "f's in backward"]),
     ("exercise13_online_softmax", ["maximum(lse", "logaddexp", "exp(lse_a", "lse_a - ", "subtract the max",
                                    "the larger lse", "largest lse", "online_softmax_update"]),
+    ("exercise14_expert_dispatch", ["bincount(expert,", "minlength=num_experts", "view(n, e_local)",
+                                    "send_splits, recv_splits", "recv_splits, send_splits", "inverse permutation",
+                                    "swap the splits", "index_copy"]),
 ])
 def test_check_messages_say_what_is_wrong_not_the_code(module, fragments):
     """The checkers' sentences (CheckFailed and problem texts) name no code and no fix."""
@@ -255,3 +262,44 @@ def test_exercise_13_checks_say_what_went_wrong_not_the_formula():
     ex.check_two_blocks(_exponentiated)
     ex.check_large_scores(_unguarded)
     ex.check_two_blocks(_unguarded)
+
+
+def test_exercise_14_checks_say_what_went_wrong_not_the_code():
+    """Plausible mistakes in exercise 14, each caught with words that say what came out (no ranks:
+    the per-rank problem finders are called on hand-made results)."""
+    import torch
+
+    from course_lib.labs import exercise14_expert_dispatch as ex
+
+    def no_zeros(expert, num_experts):  # forgets the experts no row chose
+        return torch.argsort(expert, stable=True), torch.bincount(expert)
+
+    def descending(expert, num_experts):
+        return torch.argsort(-expert, stable=True), torch.bincount(expert, minlength=num_experts)
+
+    def as_arrived(rows, counts):  # no regrouping
+        return rows.clone(), torch.arange(rows.shape[0])
+
+    for fn, said in ((no_zeros, "still needs its 0"), (descending, "ascending")):
+        with pytest.raises(CheckFailed) as caught:
+            ex.check_sort_by_expert(fn, [([1, 1, 0], 4)])
+        assert said in str(caught.value), str(caught.value)
+    with pytest.raises(CheckFailed) as caught:
+        ex.check_group_by_local_expert(as_arrived, [[[1, 2], [3, 0]]])
+    assert "order they arrived" in str(caught.value)
+
+    sc = ex.scenario("uneven", 2, 4, [9, 11], "uneven", seed=3)
+    rows, counts, arrival = ex.reference_received(sc, 0)
+    assert ex._dispatch_problems((rows, counts, None), sc, 0, 4)[0] == []  # the reference itself passes
+    problems, _ = ex._dispatch_problems((arrival, counts, None), sc, 0, 4)
+    assert not torch.equal(rows, arrival) and "order they arrived" in problems[0][1]
+    _, own = ex.rank_inputs(sc, 0)
+    mine_only = torch.bincount(own, minlength=4)[:2]
+    problems, _ = ex._dispatch_problems((rows, mine_only, None), sc, 0, 4)
+    assert "only the rows this rank routed" in problems[0][1]
+    weights = ex.expert_weights(4, 4)
+    want = ex.reference_outputs(sc, 0, weights)
+    assert ex._combine_problems(want, sc, 0, weights) == []
+    in_expert_order = want[torch.argsort(own, stable=True)]
+    (problem,) = ex._combine_problems(in_expert_order, sc, 0, weights)
+    assert "sorted by expert" in problem[1]

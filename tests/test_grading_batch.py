@@ -128,6 +128,10 @@ PARTIALS = {
     # 13: the merge forgets rows that see no key in either block (NaN there): the masked-rows test
     # (2 points) and the hidden test (3, a row with no key at all) fail; the ring never meets such a row
     "13": ({0: ("safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))", "safe = m")}, 7),
+    # 14: combine sends the outputs back but forgets to undo dispatch's sort by expert (each rank's
+    # outputs come back in expert order, not in the order of its x): Parts 1 and 2 (2 + 3 points)
+    # pass, Part 3 (3) and the hidden test (3) fail
+    "14": ({0: ("    out = torch.empty_like(back)\n    out[order] = back\n    return out", "    return back")}, 5),
 }
 
 

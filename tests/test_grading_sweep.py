@@ -2,7 +2,7 @@
 
 For each ``solutions/NN_*.py``: the solution notebook scores full marks (which also proves its
 recorded values reproduce from one run to the next), the untouched exercise scores zero, for
-05, 07 and 13 an honest submission with one known mistake scores exactly the tests it passes, and for
+05, 07, 13 and 14 an honest submission with one known mistake scores exactly the tests it passes, and for
 the exercises whose code runs on ranks (00, 08-11) a forged submission - wrong answers, silenced
 checks, course_lib's rank checker replaced in the kernel by one returning perfect rows - earns
 only the points of the answers it left right (tests/grading_corpus/forged_*.py).

@@ -56,6 +56,9 @@ LABS: dict[str, LabInfo] = {info.name: info for info in [
     LabInfo("15_context_parallel", "Context parallelism: ring attention for long sequences (after lab 11)",
             "cpu-standins", "gloo over loopback stands in for NCCL; CPU tensor bytes stand in for CUDA memory; "
             "the ring's overlap on GPUs is estimated, not measured"),
+    LabInfo("16_experts", "Experts: mixture-of-experts and expert parallelism (after lab 15)", "cpu-standins",
+            "gloo over loopback stands in for NCCL all-to-all; a tiny MoE on CPU stands in for GPU experts; "
+            "DeepSeek-V3's layout is computed, not run"),
 ]}
 
 

@@ -13,8 +13,8 @@ from course_lib.kit import catalog, notebooks
 from course_lib.kit.doctor import _split_stamps
 
 #: lab stem -> (exercise stem in exercises/, what the exercise asks). Exercise numbers follow the
-#: exercises' own order, so lab 13's exercise is 12, lab 15's is 13, lab 03's is 15 (FP8, added
-#: after them), and labs 06, 12 and 14 have none.
+#: exercises' own order, so lab 13's exercise is 12, lab 15's is 13, lab 16's is 14, lab 03's is 15 (FP8,
+#: added after them), and labs 06, 12 and 14 have none.
 EXERCISES: dict[str, tuple[str, str]] = {
     "00_orientation": ("00_ring_allreduce", "ring all-reduce from send/recv"),
     "01_memory": ("01_memory_budget", "memory budget of a 7B model with AdamW"),
@@ -31,6 +31,8 @@ EXERCISES: dict[str, tuple[str, str]] = {
                                                           "then `choose_layout` for any job)"),
     "15_context_parallel": ("13_online_softmax", "the online-softmax merge of two partial attention results, "
                                                  "then inside a simulated ring"),
+    "16_experts": ("14_expert_dispatch", "expert-parallel dispatch and combine (counts, rows, permute) on "
+                                         "1, 2 and 4 gloo ranks"),
 }
 
 

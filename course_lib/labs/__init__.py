@@ -18,12 +18,14 @@ module                            used by
 ``lab12_finding_bottleneck``      lab 12 (profiled trainer jobs and their breakdowns)
 ``lab14_capstone``                lab 14 (the trainer under torchrun, killed and signalled)
 ``lab15_context_parallel``        lab 15 (ring attention, cp activations, the trainer with cp, counted)
-``exercise_harness``              exercises 08-11 (the learner's code on spawned ranks)
+``lab16_experts``                 lab 16 (router training, capacity, expert parallelism on ranks, counted)
+``exercise_harness``              exercises 08-11 and 14 (the learner's code on spawned ranks)
 ``exercise08_bucketed_ddp``       exercise 08's checks
 ``exercise09_zero1_optimizer``    exercise 09's checks
 ``exercise10_tp_linear``          exercise 10's checks
 ``exercise11_one_f_one_b``        exercise 11's checks (deadlock simulator, gloo run)
 ``exercise13_online_softmax``     exercise 13's partials, checks and one-process ring
+``exercise14_expert_dispatch``    exercise 14's checks (helpers in one process, dispatch/combine on ranks)
 ``exercise15_fp8_blockwise``      exercise 15's checks of the 1 x 128 FP8 quantizer against the library's
 ``plots``                         every lab's shared matplotlib helpers (draw on a given Axes)
 ``plots_memory``                  lab 01's stacked memory bars
