@@ -161,8 +161,9 @@ check(all(s["comm_total_s"] > 0 for r in base["ranks"] for s in r["steps"]),
 #
 # ## 2. Communication-bound or compute-bound?
 #
-# Gradient all-reduce moves the same bytes whatever the batch (2 x the gradient size per rank
-# in a ring), while compute grows with the tokens per step. So the same model is
+# Gradient all-reduce moves the same bytes whatever the batch (in a ring each rank sends
+# 2(N-1)/N x the gradient size: 1x with our 2 ranks, close to 2x with many), while compute grows
+# with the tokens per step. So the same model is
 # communication-bound with few tokens and compute-bound with many. Both runs use the kit's
 # bucketed DDP with one bucket (`parallel.bucket_mb = 0`): the all-reduce starts after backward,
 # nothing overlaps.
@@ -236,13 +237,20 @@ check(hidden[names3[1]] > hidden[names3[0]], "with several buckets some all-redu
 
 # %% [markdown]
 # **What you should see:** with buckets, most of the all-reduce time is hidden behind backward
-# (the hidden column grows by an order of magnitude); with one bucket almost nothing is. **On this 2-core CPU read the step times with
-# care:** the gloo thread that runs the hidden all-reduces needs a core too, and the two ranks
-# already use both, so hiding communication also slows backward down, and load from other
-# programs can hit one run and not the other. Compare the compute columns first: when they differ
-# by much more than the hidden time, the machine, not the overlap, made the difference. On GPUs
-# NCCL runs on its own stream and SMs, next to the backward kernels, and the exposed communication
-# drops to about the last bucket's all-reduce.
+# (the hidden column grows by an order of magnitude); with one bucket almost nothing is.
+#
+# Two things in the table deserve a second look. First, the **total** collective time (hidden
+# plus exposed) is larger with buckets than with one: many small all-reduces each pay a fixed
+# start-up cost (lab 08's latency term), and each waits for the slower rank's backward to reach
+# it. Overlap does not make communication cheaper; it moves it under the compute, and what the
+# step pays is only the exposed part. Second, **on this 2-core CPU read the step times with
+# care:** the gloo thread that runs the hidden all-reduces needs a core too while the two ranks
+# already use both, so it *can* slow backward down, and load from other programs can hit one run
+# and not the other. Compare the compute columns first: when they are about equal (as they should
+# come out here), the overlap made the difference; when they differ by much more than the hidden
+# time, the machine did. On GPUs NCCL runs on its own stream, on a few of the GPU's SMs
+# (streaming multiprocessors, the GPU's compute units) next to the backward kernels, and the
+# exposed communication drops to about the last bucket's all-reduce.
 #
 # ## 4. A load-imbalanced pipeline
 #
@@ -345,9 +353,11 @@ for key, row in mem.items():
 # ## 6. Utilization and MFU side by side
 #
 # With `train.util_sample_s > 0` a background thread samples this process's CPU use and memory
-# (and, on GPUs, NVML's utilization and memory) and the trainer adds them to `metrics.jsonl`
-# next to tokens/s and MFU. It reads no tensor, so it adds no device synchronisation. The first
-# run of section 1 sampled every 0.1 s:
+# (and, on GPUs, the utilization and memory NVML reports: NVIDIA's management library, what
+# `nvidia-smi` reads) and the trainer adds them to `metrics.jsonl`
+# next to tokens/s and MFU. It reads no tensor, so it adds no device synchronisation. Memory is the
+# process's RSS (resident set size: the bytes of RAM it occupies now). The first run of section 1
+# sampled every 0.1 s:
 
 # %%
 rows6 = read_rows(OUT["tiny-cpu config"] / "metrics.jsonl")
