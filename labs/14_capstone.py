@@ -10,7 +10,8 @@
 # 3. **the reference run**: DDP, gradient accumulation, the stabilizer, warmup + cosine, async
 #    checkpoints with a second tier, a watchdog, and the profiler on a few steps;
 # 4. **metrics**: loss, learning rate and throughput from `metrics.jsonl`;
-# 5. **the profile**: where a step's time goes;
+# 5. **the profile**: where a step's time goes; then **checkpoints, twice**: the run's checkpoints
+#    on local disk and on a second storage tier (the mirror);
 # 6. **a killed worker**: `SIGKILL` mid-run, then a new job resumes from the newest checkpoint;
 # 7. **a signal**: `SIGUSR1`, as a scheduler sends before the time limit: a checkpoint at a step
 #    boundary, exit code 75, resume;
@@ -87,6 +88,11 @@ check((t["strategy"], t["precision"], t["micro_batch"] * t["grad_accum"] * world
 # of 8 on each of 2 ranks, warmup then cosine decay, and checkpoints that are written in the
 # background. Why fp32: this CPU has no bf16 units, so autocast to bf16 would only emulate it
 # (lab 03), several times slower; on a GPU the same run takes bf16 (section 8).
+#
+# Two names in the file's comments: **DCP** is torch's distributed checkpoint format
+# (`torch.distributed.checkpoint`: every rank writes its own shards, lab 07), the one FSDP needs;
+# **fsspec** is the Python library behind the mirror's URLs, one interface for local folders
+# (`file://`), S3 (`s3://`), Google Cloud Storage (`gs://`) and more.
 #
 # ## 2. The mesh
 #
@@ -197,8 +203,9 @@ check(0 < run_mfu < 0.6, f"the run's MFU should be tens of percent at this size,
 #
 # Every `SAVE_EVERY` steps rank 0 wrote a checkpoint in the background (async: training went on
 # while it was serialised), verified it, kept the newest `keep_last`, and the mirror copied each
-# one to the second tier. The mirror's commit point is its manifest: a half-uploaded checkpoint is
-# never used.
+# one to the second tier. The mirror's commit point is its manifest (a small file naming every file
+# of the checkpoint with its sha256 hash, uploaded last): a checkpoint without one is a
+# half-upload and is never used.
 
 # %%
 local = capstone.checkpoint_steps(RUNS / "reference" / "checkpoints")
