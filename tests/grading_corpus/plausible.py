@@ -34,7 +34,7 @@ PLAUSIBLE = {
     # the bias of the row-parallel layer goes in before the reduce: it is counted tp times
     "10": ("y = reduce_from_tp(F.linear(x, self.weight), self.group)\n"
            "        return y if self.bias is None else y + self.bias",
-           "return reduce_from_tp(F.linear(x, self.weight, self.bias), self.group)", "the bias was added"),
+           "return reduce_from_tp(F.linear(x, self.weight, self.bias), self.group)", "bias was added 2 times"),
     # the warm-up read off a 4-stage table: never more than 3 forwards
     "11": ("warmup = min(pp - stage - 1, m)", "warmup = min(pp - stage - 1, m, 3)", "warm-up"),
     # 13B on one node without ZeRO: 16 bytes per parameter over tp=2 does not fit in 80 GB
@@ -47,7 +47,7 @@ PLAUSIBLE = {
 }
 
 # the words of the honest partials of tests/test_grading_batch.PARTIALS
-PARTIAL_WORDS = {"05": "clip", "07": "grader's own test", "13": "NaN"}
+PARTIAL_WORDS = {"05": "clip", "07": "Verify the new file *before* deleting", "13": "NaN"}
 
 
 def plausible_notebook(sol: dict, number: str) -> dict:
