@@ -111,9 +111,9 @@ def zero_rank(rank: int, world_size: int, ref: str, folder: str, scenarios: list
 
 def contract_owners(numel: list[int], world_size: int, *, late: bool) -> list[int]:
     """The owner rank of each parameter (the scenario's order: the two initial groups, then the
-    late group when ``late``) under the exercise's rule: group by group, parameters largest first
-    (a stable sort), each to the rank owning the fewest elements so far, ties to the lowest rank.
-    ``numel``: elements per parameter, late group included."""
+    late group when ``late``) under the exercise contract's greedy rule (group by group, largest
+    parameter first, stable for equal sizes; ties between ranks to the lowest). ``numel``: elements
+    per parameter, late group included."""
     n = len(SHAPES)
     groups = [list(range(4)), list(range(4, n))] + ([list(range(n, len(numel)))] if late else [])
     owned, owner = [0] * world_size, {}
@@ -154,11 +154,10 @@ def check_sharded_optimizer(cls, world_size: int, scenarios: list, *, steps: int
         if got_held != want_held:
             raise CheckFailed(
                 f"{world_size} ranks, scenario {name!r}: the ranks hold optimizer state for {got_held} elements, "
-                f"but the contract's ownership rule gives them {want_held}. The rule: within each group, "
-                "parameters largest first, each to the rank that owns the fewest elements so far (counting "
-                "every earlier group; ties to the lowest rank). Another rule (round-robin, by position, one "
-                "group per rank) also shards the state, but balances it differently from what every rank of "
-                "ZeRO-1 must agree on. Try it by hand for sizes 42, 7, 49, 7 on 2 ranks.")
+                f"but the contract's ownership rule (Part 1, 'Ownership') gives them {want_held}. Another rule "
+                "(round-robin, by position, one group per rank) also shards the state, but not the way the "
+                "contract says, and the tally runs on across groups, including the ones added later. Apply "
+                "the contract's rule by hand to sizes 42, 7, 49, 7 on 2 ranks, then compare with your code.")
         total = sum(numel[i] for i in stepped)
         for r in range(world_size):
             held = got_held[r]
