@@ -723,7 +723,7 @@ check([c["tp"] for c in first] == [0, 1, 0, 1] and [c["pp"] for c in first] == [
 # * **3-D**: zero2 x cp 2 x tp 2 (dp 1): TP halves, each sequence split between the two cp ranks
 #   (ring attention), and ZeRO-2 shards Adam state and gradients across the cp peers.
 
-# %% tags=["nbval-check-output"]
+# %%
 layout_cp = mesh_layout(4, tp=2, cp=2)
 print(layout_cp.draw(layout_cp.describe(n_layers=tiny.n_layers, n_heads=tiny.n_heads, vocab_size=tiny.vocab_size)))
 print(f"\ndp_cp groups (ranks holding the same weights, ZeRO shards over them): {layout_cp.group_ranks('dp_cp')}")
