@@ -44,6 +44,7 @@ import matplotlib.pyplot as plt
 import torch
 
 import course_lib
+from course_lib.kit.predict import show_prediction
 from course_lib import estimate, measure
 from course_lib.kit.checks import check, check_close
 from course_lib.data import BatchStream, MarkovTask
@@ -707,6 +708,15 @@ check(abs(math.log(time_change)) < abs(math.log(memory_change)) / 2,
 # The same trade-offs for Llama 2 7B (32 layers, `s` = 4096, micro-batch 1, bf16 activations,
 # SwiGLU MLP), from the estimators alone: activation memory of all layers and the FLOP overhead of
 # recomputation. Eager attention stores the scores; flash attention does not.
+#
+# Predict first with lab 01's formula, `s b h (34 + 5 a s / h)` bytes per layer (Korthikanti et
+# al.; h = 4096, a = 32 heads, b = 1): how many GiB do the 32 layers keep without recomputation,
+# with eager attention? And with full recomputation, where each layer keeps only its input
+# (`2 s b h` bytes in bf16)?
+
+# %%
+my_eager_gib = None  # your prediction: GiB of activations, no recomputation, eager attention
+my_full_gib = None  # your prediction: GiB with full recomputation
 
 # %% tags=["nbval-check-output"]
 llama = estimate.ModelShape.preset("llama2-7b")
@@ -732,6 +742,15 @@ compute_s = big_flops["none"] / (0.4 * h100.peak_flops("bf16"))  # at 40% MFU
 pcie_s = 2 * rows7[1][1] / 25e9  # the flash "none" bytes there and back, PCIe 4.0 x16 at ~25 GB/s
 print(f"offload: 0 GiB kept on the GPU; {pcie_s:.2f} s of PCIe copies per step against {compute_s:.2f} s "
       f"of compute ({h100.name}, 40% MFU): {pcie_s / compute_s:.1f}x")
+print()
+formula = L7 * S * 1 * llama.d_model * (34 + 5 * llama.n_heads * S / llama.d_model)
+show_prediction("no recomputation, eager attention", my_eager_gib, rows7[0][1] / 2**30, unit="GiB",
+                why=f"the formula gives {formula / 2**30:.1f} GiB: it counts Megatron's GPT layer, with dropout "
+                    "(a 1-byte mask per element, the s x s attention probabilities included) and a GELU MLP of "
+                    "width 4h; Llama has no dropout and a SwiGLU MLP of width 11008, which the estimator counts")
+show_prediction("full recomputation", my_full_gib, rows7[-1][1] / 2**30, unit="GiB",
+                why=f"2 s b h x 32 layers = {2 * S * llama.d_model * L7 / 2**30:.2f} GiB: only each block's input is "
+                    "kept; one block's activations are rebuilt at a time in backward (not counted here)")
 
 # %% [markdown]
 # **What you should see:** with eager attention the stored scores dominate at this length;

@@ -50,6 +50,7 @@ from course_lib.trainer import config as train_config
 from course_lib.checkpoint import CheckpointError, CheckpointManager
 from course_lib.labs.lab07_checkpoints import kill_while_saving, loaded_step
 from course_lib.kit.checks import check
+from course_lib.kit.predict import show_prediction
 from course_lib.trainer.metrics import read_rows
 from course_lib.model import ModelConfig, TinyGPT
 
@@ -511,6 +512,14 @@ print(f"transformers loaded a {type(hf_model).__name__}; its logits equal ours w
 # %% [markdown]
 # What each format costs: bytes on disk, and the time for one process to get full weights out of
 # it (the median of `LOAD_REPEATS` loads; the first one also warms the page cache).
+#
+# Predict first. The model has 3.2 M parameters (4 blocks of width 256; the output layer shares
+# the token table), trained in fp32 with AdamW. How many MB is the one-file export (weights only),
+# and how many times the weights' bytes do the training shards take?
+
+# %%
+my_file_mb = None  # your prediction: MB of model.safetensors
+my_shards_x = None  # your prediction: the shards' bytes / the weights' bytes
 
 # %%
 def folder_bytes(path):
@@ -548,6 +557,17 @@ check(2.8 <= shards_x <= 3.3,
 check(file_x < 1.05, f"the consolidated file should be the weights and little else, got {file_x:.2f}x")
 check(other_bytes < 1e6, f"the index and per-rank files should be small next to the shards, got {other_bytes / 1e6:.1f} MB")
 check(all(secs < 2.0 for _, secs in costs.values()), "each load should take well under a second at this size")
+n_weights = sum(v.numel() for v in from_file.values())
+print()
+show_prediction("model.safetensors", my_file_mb, costs["one safetensors file"][0] / 1e6, unit="MB",
+                why=f"{n_weights / 1e6:.2f} M parameters x 4 bytes = {4 * n_weights / 1e6:.2f} MB, and a small "
+                    "header naming each tensor with its dtype and shape")
+show_prediction("shards / weights", my_shards_x, shards_x,
+                why="each fp32 weight has AdamW's two fp32 moments next to it: 3 x; the few percent above that "
+                    "are bookkeeping stored in the same shard files")
+check(abs(n_weights / 1e6 - 3.2) < 0.05 and abs(costs["one safetensors file"][0] / 1e6 - 12.8) < 0.1,
+      f"the text says 3.2 M parameters and a 12.8 MB file; got {n_weights / 1e6:.2f} M and "
+      f"{costs['one safetensors file'][0] / 1e6:.2f} MB")
 one_file_s = costs["one safetensors file"][1]
 check(all(secs > one_file_s for name, (_, secs) in costs.items() if name != "one safetensors file"),
       "stitching the shards and building the HF model should both take longer than reading the one file")

@@ -48,6 +48,7 @@ import course_lib
 from course_lib import measure
 from course_lib.trainer import config as train_config
 from course_lib.kit.checks import check
+from course_lib.kit.predict import show_prediction
 from course_lib.trainer.metrics import read_rows
 from course_lib.model import ModelConfig
 from course_lib.parallel import run_ranks
@@ -161,11 +162,33 @@ check(all(s["comm_total_s"] > 0 for r in base["ranks"] for s in r["steps"]),
 #
 # ## 2. Communication-bound or compute-bound?
 #
-# Gradient all-reduce moves the same bytes whatever the batch (2 x the gradient size per rank
-# in a ring), while compute grows with the tokens per step. So the same model is
+# Gradient all-reduce moves the same bytes whatever the batch (in a ring each rank sends
+# 2(N-1)/N x the gradient size: 1x with our 2 ranks, close to 2x with many), while compute grows
+# with the tokens per step. So the same model is
 # communication-bound with few tokens and compute-bound with many. Both runs use the kit's
 # bucketed DDP with one bucket (`parallel.bucket_mb = 0`): the all-reduce starts after backward,
 # nothing overlaps.
+#
+# Predict first: the model of these runs (d_model 384, 2 layers) has the parameter count printed
+# below, fp32 gradients. How many MiB does each of the `WORLD` ranks send per step in the ring
+# all-reduce of its gradients?
+
+# %%
+from course_lib.estimate import ring_bytes_per_rank  # noqa: E402
+from course_lib.model import TinyGPT  # noqa: E402
+
+n_params2 = TinyGPT(train_config.build_model_config(JOBS["comm-bound (few tokens)"])).num_params()
+print(f"the section 2-3 model: {n_params2:,} parameters, {4 * n_params2 / 2**20:.1f} MiB of fp32 gradients; "
+      f"{WORLD} ranks")
+my_allreduce_mib = None  # your prediction: MiB each rank sends per step in the gradient all-reduce
+
+# %%
+show_prediction("all-reduce bytes sent per rank per step", my_allreduce_mib,
+                ring_bytes_per_rank("all-reduce", 4 * n_params2, WORLD) / 2**20, unit="MiB",
+                why=f"a ring all-reduce is a reduce-scatter and an all-gather: each rank sends 2(N-1)/N of the "
+                    f"buffer, {2 * (WORLD - 1) / WORLD:g} x the gradients with N = {WORLD} (the kit's count, "
+                    "estimate.ring_bytes_per_rank; the same whatever the batch)")
+check(abs(4 * n_params2 / 2**20 - 14) < 0.5, "the section 2-3 model should carry about 14 MiB of fp32 gradients")
 
 # %%
 rows2 = [row for name in ("comm-bound (few tokens)", "compute-bound (many tokens)")
@@ -236,13 +259,20 @@ check(hidden[names3[1]] > hidden[names3[0]], "with several buckets some all-redu
 
 # %% [markdown]
 # **What you should see:** with buckets, most of the all-reduce time is hidden behind backward
-# (the hidden column grows by an order of magnitude); with one bucket almost nothing is. **On this 2-core CPU read the step times with
-# care:** the gloo thread that runs the hidden all-reduces needs a core too, and the two ranks
-# already use both, so hiding communication also slows backward down, and load from other
-# programs can hit one run and not the other. Compare the compute columns first: when they differ
-# by much more than the hidden time, the machine, not the overlap, made the difference. On GPUs
-# NCCL runs on its own stream and SMs, next to the backward kernels, and the exposed communication
-# drops to about the last bucket's all-reduce.
+# (the hidden column grows by an order of magnitude); with one bucket almost nothing is.
+#
+# Two things in the table deserve a second look. First, the **total** collective time (hidden
+# plus exposed) is larger with buckets than with one: many small all-reduces each pay a fixed
+# start-up cost (lab 08's latency term), and each waits for the slower rank's backward to reach
+# it. Overlap does not make communication cheaper; it moves it under the compute, and what the
+# step pays is only the exposed part. Second, **on this 2-core CPU read the step times with
+# care:** the gloo thread that runs the hidden all-reduces needs a core too while the two ranks
+# already use both, so it *can* slow backward down, and load from other programs can hit one run
+# and not the other. Compare the compute columns first: when they are about equal, the overlap made
+# the difference; when they differ by much more than the hidden time, the machine did (run the
+# lab again when it is quieter). On GPUs NCCL runs on its own stream, on a few of the GPU's SMs
+# (streaming multiprocessors, the GPU's compute units) next to the backward kernels, and the
+# exposed communication drops to about the last bucket's all-reduce.
 #
 # ## 4. A load-imbalanced pipeline
 #
@@ -345,9 +375,11 @@ for key, row in mem.items():
 # ## 6. Utilization and MFU side by side
 #
 # With `train.util_sample_s > 0` a background thread samples this process's CPU use and memory
-# (and, on GPUs, NVML's utilization and memory) and the trainer adds them to `metrics.jsonl`
-# next to tokens/s and MFU. It reads no tensor, so it adds no device synchronisation. The first
-# run of section 1 sampled every 0.1 s:
+# (and, on GPUs, the utilization and memory NVML reports: NVIDIA's management library, what
+# `nvidia-smi` reads) and the trainer adds them to `metrics.jsonl`
+# next to tokens/s and MFU. It reads no tensor, so it adds no device synchronisation. Memory is the
+# process's RSS (resident set size: the bytes of RAM it occupies now). The first run of section 1
+# sampled every 0.1 s:
 
 # %%
 rows6 = read_rows(OUT["tiny-cpu config"] / "metrics.jsonl")
@@ -371,6 +403,32 @@ print(f"{len(util)} of {len(rows6)} rows carry utilization columns; median MFU {
 check(len(util) > 0 and all(r["rss_gib"] > 0 for r in util), "the sampler should have written utilization columns")
 
 # %% [markdown]
+# Compute one MFU yourself before trusting the column: MFU = FLOPs per token x tokens/s / (peak
+# FLOP/s per rank x ranks), with the usual count of training FLOPs per token, 6 N (N parameters:
+# 2 per multiply-add, forward once, backward twice). The numbers of one step of that run:
+
+# %%
+from course_lib.trainer.mfu import model_flops_per_token  # noqa: E402
+
+tiny_cfg = JOBS["tiny-cpu config"]
+tiny_model = TinyGPT(train_config.build_model_config(tiny_cfg))
+row_k = sorted((r for r in rows6[1:] if r["step"] not in profiled and r["step"] != max(profiled) + 1),
+               key=lambda r: r["mfu"])[len(steady) // 2]  # the median step
+print(f"step {row_k['step']}: {row_k['tokens_per_s']:,.0f} tokens/s over {WORLD} ranks; N = {tiny_model.num_params():,} "
+      f"parameters; peak {PEAK / 1e9:.1f} GFLOP/s per rank")
+my_mfu = None  # your prediction: that step's MFU, as a fraction (0.25 = 25%)
+
+# %%
+fpt = model_flops_per_token(tiny_model, tiny_cfg["data"]["seq_len"])
+six_n = 6 * tiny_model.num_params() * row_k["tokens_per_s"] / (PEAK * WORLD)
+show_prediction(f"MFU of step {row_k['step']}", my_mfu, row_k["mfu"],
+                why=f"6 N alone gives {six_n:.1%}; the trainer counts {fpt:,.0f} FLOPs per token, PaLM's 6 N plus "
+                    f"the attention's score matmuls ({fpt - 6 * tiny_model.num_params():,.0f} per token at "
+                    f"{tiny_cfg['data']['seq_len']} tokens of context), which 6 N leaves out")
+check(abs(fpt * row_k["tokens_per_s"] / (PEAK * WORLD) / row_k["mfu"] - 1) < 1e-6,
+      "the logged MFU should be FLOPs per token x tokens/s / (peak x ranks)")
+
+# %% [markdown]
 # **What you should see:** the process uses up to one full core (100%): each rank computes on one
 # thread. MFU is far below the measured single-core matmul peak: the tiny model's small matrices
 # and the Python around them cost the rest. The step right after the profiled ones shows a deep
@@ -386,11 +444,34 @@ check(len(util) > 0 and all(r["rss_gib"] > 0 for r in util), "the sampler should
 # until the process group's timeout (often 10-30 minutes), and nothing says which rank is at
 # fault. The trainer's watchdog (`train.watchdog_s`) has every rank publish a heartbeat per step;
 # when one goes silent for longer than the timeout, every rank writes its Python stack to
-# `OUT/hang/` and the job exits. `course_lib.watch.run_stall_demo` starts a real job with
-# `torchrun` in which one rank sleeps at step 2:
+# `OUT/hang/` and the job exits. Three parts make the demo. First the job: a real `torchrun`
+# command of the trainer, with the watchdog's timeout and an injected fault that makes one rank
+# sleep at step 2:
 
 # %%
+import inspect  # noqa: E402
+
 from course_lib.watch import run_stall_demo  # noqa: E402
+from course_lib.watch.demo import stall_command  # noqa: E402
+from course_lib.watch.watchdog import StaleTracker  # noqa: E402
+
+print(" ".join(str(a) for a in stall_command(RUNS / "stall", 2, 1, 2, STALL_TIMEOUT_S)[1:]))
+
+# %% [markdown]
+# Second, the watchdog: a thread in every rank reads every rank's heartbeat (`"STEP:SEQ"`, the step
+# it last started and the collectives it has issued, published in the rendezvous store) and
+# keeps, per rank, when that value last changed. When one has not changed for longer than the
+# timeout, `blame` names the rank furthest behind: its peers sit inside a collective it never
+# issued.
+
+# %%
+print(inspect.getsource(StaleTracker.update))
+
+# %% [markdown]
+# Third, what it leaves: each rank's Python stack and a `summary.json` naming the stalled rank,
+# which the cell after the run reads. `run_stall_demo` runs the command above and collects them:
+
+# %%
 
 report = run_stall_demo(world_size=2, stall_rank=1, timeout_s=STALL_TIMEOUT_S, out_dir=RUNS / "stall")
 # torchrun's own exit code is 1 when a worker fails; the ranks' codes are read from its failure report
@@ -409,6 +490,8 @@ check(len(rank_codes) == 2 and set(rank_codes) == {report.hang_exit_code} and re
       f"fail, with 1; got ranks {rank_codes}, torchrun {report.exit_code}")
 check(report.seconds_to_abort is not None and report.seconds_to_abort < STALL_TIMEOUT_S + 30,
       "the job should end within seconds of the timeout, not at the process group's timeout")
+print(f"\nfiles in {report.out_dir.name}/hang/: {sorted(p.name for p in (report.out_dir / 'hang').iterdir())}")
+print("summary.json:", {k: v for k, v in report.summary.items() if k in ("stalled", "timeout_s", "world_size")})
 
 # %% [markdown]
 # **What you should see:** the watchdog names rank 1, within about `STALL_TIMEOUT_S` seconds of

@@ -34,6 +34,8 @@ import course_lib
 from course_lib.kit.checks import check
 from course_lib.launchers.cluster import Cluster
 from course_lib.launchers.commands import shell_join, torchrun_single_node
+from course_lib.kit.predict import show_prediction
+from course_lib.parallel.mesh import mesh_layout
 from course_lib.planner import checkpoint_plan, evaluate, make_spec, plan, write_plan
 from course_lib.planner.exercise import SCENARIOS
 from course_lib.planner.hardware import INTERCONNECTS
@@ -77,7 +79,9 @@ check(spec.usable_bytes == 0.9 * spec.gpu_memory_bytes, "a layout may use 90% of
 #   `pp2v8`: the interleaved 1F1B schedule, each pipeline rank holding `v` = 8 chunks of layers
 #   (virtual stages), so 16 stages in all. A bracket after it, `pp2v7[5*3,6*10,5]`, lists the
 #   blocks of each stage, first to last, when they are not all equal; `5*3` means three stages of 5
-#   blocks (the end stages get fewer: they also hold the embedding and the output layer);
+#   blocks. 80 blocks do not split evenly over 14 stages: four stages get 5 and ten get 6, and the
+#   fives go to the end stages first (they also hold the embedding and the output layer), then
+#   to the stages next to the first (here stages 1 and 2, as the expanded list below shows);
 # * `dp8`: **data parallelism**, 8 replicas, each on its own share of the batch;
 # * `cp1`: **context parallelism**, each sequence split over that many GPUs (1: not split);
 # * `Z1`: the **ZeRO stage** over the dp x cp ranks: 0 replicates everything (DDP), 1 shards the
@@ -145,6 +149,19 @@ check(second.layout.virtual_stages > 1 and rel(second.step_s, best.step_s) < 0.0
 # state over 8 replicas. The interleaved runner-up is within 0.5% of it: the planner calls that a tie
 # and picks the simpler layout. The misses show the bracket notation: uneven stages.
 #
+# The best layout on the 64 GPUs, drawn: one row per (pp, dp) coordinate, one column per TP shard.
+# Ranks are numbered tp first, so each row of 4 is a TP group inside one node (8 GPUs: two rows);
+# the 8 replicas of a GPU (its dp group) sit 4 ranks apart, and its pipeline partner 32 apart.
+
+# %% tags=["nbval-check-output"]
+layout70 = mesh_layout(spec.gpus, tp=best.layout.tp, pp=best.layout.pp, cp=best.layout.cp)
+print(layout70.draw())
+for dim in ("tp", "dp", "pp"):
+    print(f"GPU 0's {dim} group: {layout70.group_ranks(dim)[0]}")
+check(layout70.group_ranks("dp")[0] == list(range(0, 32, 4)) and layout70.group_ranks("pp")[0] == [0, 32],
+      "GPU 0's replicas should be 4 ranks apart, its pipeline partner 32 away")
+
+# %% [markdown]
 # The same planner on the kit's two other jobs (exercise 12 plans cousins of all three): Llama 2 7B
 # on one node of 8 A100s, with sequences of 4,096 and of 8,192 tokens.
 
@@ -334,6 +351,17 @@ check(compute_s * imbalance / step > 0.9 and max(overheads, key=overheads.get) =
 # 25 GB/s per GPU is 8 x 200 Gb/s HDR InfiniBand per node of 8 GPUs; NDR (the planner's H100
 # preset) doubles it. Plan the same job over a range of inter-node bandwidths (`inter_node_gbps`, GB/s
 # per GPU), and score the winning layouts at every one of them.
+#
+# Predict first, with section 2's formulas. Without a pipeline, tp4 leaves 16 replicas; with ZeRO-3
+# over them each GPU holds 17.25e9 parameters (all 80 blocks, the embedding and the output layer,
+# split over tp 4) and, every micro-batch (32 of them, of 2 sequences), gathers the bf16 weights
+# twice and reduce-scatters the bf16 gradients once: your DP formula with 3 passes instead of 2,
+# times the micro-batches. From which bandwidth (GB/s per GPU) does that traffic hide behind half
+# of the compute (191 s per step, as in section 2)? Above it, tp4 with ZeRO-3 and no pipeline
+# can win.
+
+# %%
+my_switch_gbps = None  # your prediction: GB/s per GPU from which tp4 ZeRO-3's traffic hides
 
 # %%
 BANDWIDTHS = [6.25, 12.5, 25, 50, 100, 200]
@@ -371,6 +399,17 @@ for g in BANDWIDTHS:
     check(bests[g].layout == expect, f"at {g} GB/s the best should be the rule's {expect.label()}")
 check(INTERCONNECTS["h100-nvlink-ndr"].inter_node_bytes_per_s == 2 * IB, "NDR should give twice HDR's bandwidth")
 
+# %%
+z3_tp4 = next(w for w in winners if w.zero_stage == 3 and w.tp == 4 and w.pp == 1)
+n_z3_tp4 = sh.params_on_busiest_rank(tp=4, pp=1)
+show_prediction("bandwidth from which tp4 ZeRO-3 hides", my_switch_gbps, hides_from[z3_tp4], unit="GB/s",
+                why=f"3 x 15/16 x {n_z3_tp4 / 1e9:.2f}e9 x 2 B x 32 = {3 * 15 / 16 * n_z3_tp4 * 2 * 32 / 1e9:,.0f} GB "
+                    f"per step, over 0.5 x {scored[25][winners.index(z3_tp4)].time['compute']:.1f} s; the plan "
+                    "switches at the next bandwidth of the sweep above it (50 GB/s), where the exposed traffic is 0")
+check(abs(n_z3_tp4 / 1e9 - 17.25) < 0.005 and (z3_tp4.dp, z3_tp4.grad_accum, z3_tp4.micro_batch) == (16, 32, 2),
+      "tp4 without a pipeline should hold 17.25e9 parameters per GPU, 16 replicas, 32 micro-batches of 2")
+check(25 < hides_from[z3_tp4] < 50, "tp4 ZeRO-3's traffic should hide between 25 and 50 GB/s")
+
 # %% [markdown]
 # **What you should see:** up to 25 GB/s the plan does not move; from 50 GB/s it is ZeRO-3 without a
 # pipeline, and from 100 GB/s with tp2 instead of tp4. The cell checks the rule behind the table:
@@ -393,21 +432,31 @@ for w in z3:
     c, n = scored[25][winners.index(w)], sh.params_on_busiest_rank(tp=w.tp, pp=w.pp)
     z3_bytes = 3 * (w.dp - 1) / w.dp * n * 2 * w.grad_accum  # 3 ring passes of bf16 per micro-batch
     print(f"{w.label()}: 3 x {w.dp - 1}/{w.dp} x {n / 1e9:.2f}e9 params x 2 B x {w.grad_accum} micro-batches "
-          f"= {z3_bytes / 1e9:,.0f} GB per step; hides behind {OVERLAP} x {c.time['compute']:.1f} s from "
+          f"= {z3_bytes / 1e9:,.0f} GB per step, {z3_bytes / 25e9:.1f} s at 25 GB/s against "
+          f"{OVERLAP * c.time['compute']:.1f} s that can hide; hides behind {OVERLAP} x {c.time['compute']:.1f} s from "
           f"{z3_bytes / (OVERLAP * c.time['compute']) / 1e9:.1f} GB/s; at 25 GB/s {c.time['dp_exposed']:.1f} s "
           f"exposed, TP {c.time['tp']:.2f} s")
     check(rel(z3_bytes / 25e9, c.time["dp_total"]) < 1e-6 and z3_bytes > 1e12,
           "your ZeRO-3 traffic (thousands of GB per step) should be the planner's")
+    check(c.time["dp_total"] > OVERLAP * c.time["compute"] and rel(c.time["dp_exposed"], c.time["dp_total"]
+                                                                    - OVERLAP * c.time["compute"]) < 1e-6,
+          "at 25 GB/s the ZeRO-3 traffic should be more than the half of the compute it may hide behind, the "
+          "rest exposed")
     check(c.time["dp_exposed"] > 10 * bests[25].time["bubble"],
           "at 25 GB/s a ZeRO-3 layout should leave far more traffic exposed than the pipeline's bubble")
 tp2, tp4 = sorted(z3, key=lambda w: w.tp)
+c4 = scored[25][winners.index(tp4)]
+check((round(c4.time["dp_total"]), round(OVERLAP * c4.time["compute"], 1), round(c4.time["dp_exposed"], 1),
+       round(bests[25].time["bubble"], 2)) == (124, 95.6, 28.5, 1.55),
+      "tp4 ZeRO-3 at 25 GB/s: 124 s of traffic, 95.6 s that can hide, 28.5 s exposed, against a 1.55 s bubble")
 check(tp2.tp < tp4.tp and scored[25][winners.index(tp2)].time["tp"] < scored[25][winners.index(tp4)].time["tp"],
       "of the two ZeRO-3 winners the smaller tp should send less TP traffic")
 
 # %% [markdown]
 # **What you should see:** the no-pipeline ZeRO-1 layout over the memory, and ZeRO-3 sending
-# thousands of GB per GPU and step: at 25 GB/s more than half the compute can hide, and the exposed
-# part costs far more than the bubble it would save. Once the network carries it in the shadow of the
+# thousands of GB per GPU and step: at 25 GB/s even tp4's traffic takes longer (124 s) than the
+# half of the compute it may hide behind (95.6 s), and the exposed rest (28.5 s) costs far more
+# than the bubble it would save (1.55 s). Once the network carries it in the shadow of the
 # compute, sharding the weights is free: the pipeline goes, with its bubble and its stage
 # imbalance; with more bandwidth still, tp2's ZeRO-3 traffic hides too, and it beats tp4 on TP
 # traffic.

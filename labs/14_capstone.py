@@ -10,7 +10,8 @@
 # 3. **the reference run**: DDP, gradient accumulation, the stabilizer, warmup + cosine, async
 #    checkpoints with a second tier, a watchdog, and the profiler on a few steps;
 # 4. **metrics**: loss, learning rate and throughput from `metrics.jsonl`;
-# 5. **the profile**: where a step's time goes;
+# 5. **the profile**: where a step's time goes; then **checkpoints, twice**: the run's checkpoints
+#    on local disk and on a second storage tier (the mirror);
 # 6. **a killed worker**: `SIGKILL` mid-run, then a new job resumes from the newest checkpoint;
 # 7. **a signal**: `SIGUSR1`, as a scheduler sends before the time limit: a checkpoint at a step
 #    boundary, exit code 75, resume;
@@ -37,6 +38,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 import course_lib
+from course_lib.kit.predict import show_prediction
 from course_lib.trainer import config as train_config
 from course_lib.labs import lab14_capstone as capstone
 from course_lib.kit.checks import check
@@ -87,6 +89,11 @@ check((t["strategy"], t["precision"], t["micro_batch"] * t["grad_accum"] * world
 # of 8 on each of 2 ranks, warmup then cosine decay, and checkpoints that are written in the
 # background. Why fp32: this CPU has no bf16 units, so autocast to bf16 would only emulate it
 # (lab 03), several times slower; on a GPU the same run takes bf16 (section 8).
+#
+# Two names in the file's comments: **DCP** is torch's distributed checkpoint format
+# (`torch.distributed.checkpoint`: every rank writes its own shards, lab 07), the one FSDP needs;
+# **fsspec** is the Python library behind the mirror's URLs, one interface for local folders
+# (`file://`), S3 (`s3://`), Google Cloud Storage (`gs://`) and more.
 #
 # ## 2. The mesh
 #
@@ -197,8 +204,9 @@ check(0 < run_mfu < 0.6, f"the run's MFU should be tens of percent at this size,
 #
 # Every `SAVE_EVERY` steps rank 0 wrote a checkpoint in the background (async: training went on
 # while it was serialised), verified it, kept the newest `keep_last`, and the mirror copied each
-# one to the second tier. The mirror's commit point is its manifest: a half-uploaded checkpoint is
-# never used.
+# one to the second tier. The mirror's commit point is its manifest (a small file naming every file
+# of the checkpoint with its sha256 hash, uploaded last): a checkpoint without one is a
+# half-upload and is never used.
 
 # %%
 local = capstone.checkpoint_steps(RUNS / "reference" / "checkpoints")
@@ -216,6 +224,13 @@ check(set(local) <= set(mirrored), "every local checkpoint should also be in the
 # rank 0 finds its peer gone in the next collective and torchrun ends the job with an error. Then
 # the job is started again with `--resume auto`, as a scheduler's requeue (or torchrun's
 # `--max-restarts`, lab 07) would, and continues from the newest checkpoint.
+#
+# Predict first, from `SAVE_EVERY` and `KILL_AFTER` (the parameters cell): from which step does the
+# second job resume, and how many steps are computed twice (at least)?
+
+# %%
+my_resume_step = None  # your prediction: the step the second job resumes from
+my_steps_recomputed = None  # your prediction: steps computed twice (at least)
 
 # %%
 crashed, restarted = capstone.run_with_killed_worker(RUNS / "killed", KILL_AFTER, extra=COMMON)
@@ -233,6 +248,12 @@ check(restarted.resumed_from is not None and 0 < restarted.resumed_from <= KILL_
 lost = KILL_AFTER - restarted.resumed_from
 print(f"steps {restarted.resumed_from + 1}..{KILL_AFTER} ({lost} steps, maybe one more in flight) were "
       f"computed twice: the cost of the crash")
+print()
+show_prediction("resumed from step", my_resume_step, restarted.resumed_from,
+                why=f"the newest checkpoint before the kill: the last multiple of SAVE_EVERY = {SAVE_EVERY} at or "
+                    f"below {KILL_AFTER} logged steps (an async save still being written would not count)")
+show_prediction("steps computed twice", my_steps_recomputed, lost,
+                why=f"{KILL_AFTER} - {restarted.resumed_from}: every step after the checkpoint, up to the kill")
 
 # %% [markdown]
 # **What you should see:** the first job fails: torchrun exits non-zero and lists the failed ranks
@@ -250,7 +271,11 @@ print(f"steps {restarted.resumed_from + 1}..{KILL_AFTER} ({lost} steps, maybe on
 # the loss, so all ranks learn *in the same step* that one of them was signalled. They finish that
 # step, save a checkpoint there, and exit with code 75; nothing is computed twice.
 #
-# Here SIGUSR1 goes to rank 1 only, then a second job resumes.
+# Here SIGUSR1 goes to rank 1 only, then a second job resumes. Predict first: the signal arrives
+# once `SIGNAL_AFTER` steps are logged. At which step is the checkpoint?
+
+# %%
+my_signal_checkpoint = None  # your prediction: the step of the checkpoint the signal causes
 
 # %%
 stopped, resumed = capstone.run_with_signal(RUNS / "signal", SIGNAL_AFTER, sig=signal.SIGUSR1, extra=COMMON)
@@ -269,6 +294,11 @@ check(stop_steps and SIGNAL_AFTER <= stop_steps[-1] < STEPS,
       "the checkpoint should be at the step where the ranks stopped, after the signal, before the end")
 check(resumed.returncode == 0 and resumed.resumed_from == stop_steps[-1],
       f"the second job should resume from the signal's checkpoint:\n{resumed.log[-2000:]}")
+print()
+show_prediction("checkpoint after the signal", my_signal_checkpoint, stop_steps[-1],
+                why=f"at least {SIGNAL_AFTER}: the signalled rank's flag joins the next step's all-reduce, every "
+                    "rank finishes that step and saves there, so within a step or two of the signal; the "
+                    "resumed job starts at that very step and computes nothing twice")
 
 # %% [markdown]
 # **What you should see:** rank 1 prints that it got SIGUSR1; rank 0, which got nothing, stops at

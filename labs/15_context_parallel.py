@@ -13,7 +13,8 @@
 # 2. **ring attention step by step**: the online-softmax update in the library's code, a ring of 4
 #    ranks played in this process, then the library's ring on 2 gloo ranks, all against
 #    `scaled_dot_product_attention`;
-# 3. **zig-zag chunks**: under the causal mask contiguous chunks give the last rank all the work;
+# 3. **zig-zag chunks** (the sequence cut into 2N pieces, rank r taking piece r and piece 2N-1-r:
+#    one early, one late): under the causal mask contiguous chunks give the last rank all the work;
 #    the work per rank counted and timed for both layouts;
 # 4. **CP in the trainer** (`parallel.cp`): the same losses as one process, and every byte on the
 #    wire against the closed form;
@@ -49,6 +50,7 @@ import torch.nn.functional as F
 
 import course_lib
 from course_lib.kit.checks import check
+from course_lib.kit.predict import show_prediction
 from course_lib.estimate import (ModelShape, accelerator, activation_bytes_per_layer, cp_comm_bytes_per_layer,
                                  first_stage_activation_breakdown)
 from course_lib.labs import lab15_context_parallel as lab_runs
@@ -87,7 +89,9 @@ print(f"TinyGPT: {MODEL.n_layers} blocks, d_model {MODEL.d_model}, {MODEL.n_head
 # What a layer saves for backward grows with the sequence: every token keeps its inputs to each
 # matmul, norm and activation. Attention adds a term in S²: an attention that materialises its
 # softmax keeps S x S probabilities per head. Fused kernels (FlashAttention; `scaled_dot_product_attention`
-# on this CPU) keep only a log-sum-exp per query and recompute the rest in backward.
+# on this CPU) keep only a log-sum-exp per query, `lse = log(sum over the keys j of exp(score_j))`
+# (one number per query row: with the scores recomputed, it gives back every softmax
+# probability, `exp(score_j - lse)`), and recompute the rest in backward.
 #
 # The measurement: one sequence through the tiny model, and the bytes autograd saves for its
 # backward (`measure.saved_activation_bytes`: a saved-tensors hook, each storage once, parameters
@@ -360,7 +364,23 @@ check(all(w > 0 for ws in played["zigzag"]["work"] for w in ws), "zig-zag: every
 # ran it on `CP` ranks, `CP_SEQ` tokens (4 heads of 16, fp32, causal), forward and backward;
 # `cost.ring_attention_bytes_per_rank` predicts what each rank sends: (N-1)(K+V) forward and
 # (N-1)(K+V)(1 + 4/4) backward, K and V being one rank's key and value bytes.
+#
+# The forward of the library's ring, whole (`_Ring.send` / `recv` post one `dist.isend` /
+# `dist.irecv` per tensor; `wait` waits for them):
 
+# %%
+import importlib  # noqa: E402
+
+ring_module = importlib.import_module("course_lib.parallel.context_parallel.ring_attention")  # the module, not the function
+
+print(inspect.getsource(ring_module._forward))
+check("ring.send(kv" in inspect.getsource(ring_module._forward) and "dist.isend" in inspect.getsource(ring_module._Ring),
+      "the ring's forward should post its block's hand-over with isend before computing")
+
+# %% [markdown]
+# The hand-over of step s is posted *before* the block of step s is computed and waited for only
+# after: on a GPU, the transfer runs while the block's attention does (on gloo it is a thread
+# moving bytes while this one computes). The last step sends nothing: its block goes nowhere.
 # %%
 qf, kf, vf, dout = (t.clone().requires_grad_(i < 3) for i, t in enumerate(lab_runs.attention_inputs(1, 4, CP_SEQ, 16)))
 o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
@@ -533,12 +553,26 @@ check(work_rows["zigzag"][3] < work_rows["contiguous"][3], "the zig-zag ring sho
 # of 8 sequences of 64 tokens per step; one process runs the same global batch here. Every
 # collective was counted on the wire (`course_lib.parallel.wire.count_collectives`), the ring's
 # bytes also by the attention cores.
+#
+# What the trainer does with `parallel.cp`, in the library's own code: each rank's model is called
+# with the *whole* micro-batch and keeps its zig-zag share of the tokens (and their positions);
+# every attention layer's core is swapped for one that runs the ring over the cp group:
+
+# %%
+from course_lib.parallel.context_parallel import in_trainer  # noqa: E402
+
+print(inspect.getsource(in_trainer.ContextParallelModel.__call__))
+print(inspect.getsource(in_trainer.ContextParallelCore.__call__))
+print(inspect.getsource(in_trainer.apply_context_parallel))
 
 # %%
 cp_cfg = trainer_cfg("parallel.cp=2", "train.strategy=ddp")
 print("[parallel]", {key: cp_cfg["parallel"][key] for key in ("dp", "tp", "pp", "cp")}, "  [data] seq_len",
       cp_cfg["data"]["seq_len"], "  [train] micro_batch", cp_cfg["train"]["micro_batch"], "grad_accum",
       cp_cfg["train"]["grad_accum"])
+dp_left = CP // (cp_cfg["parallel"]["tp"] * cp_cfg["parallel"]["pp"] * cp_cfg["parallel"]["cp"])
+print(f"dp = {cp_cfg['parallel']['dp']} in the config means 'the ranks that are left': {CP} ranks / (tp "
+      f"{cp_cfg['parallel']['tp']} x pp {cp_cfg['parallel']['pp']} x cp {cp_cfg['parallel']['cp']}) = dp {dp_left}")
 train(trainer_cfg(), RUNS / "single")
 single = [json.loads(line)["loss"] for line in (RUNS / "single" / "metrics.jsonl").read_text().splitlines()]
 tr = [launch[r]["train"] for r in range(CP)]
@@ -587,8 +621,8 @@ plt.show()
 # %%
 check(rel_loss <= 1e-5, f"cp {CP}: the losses differ from one process by up to {rel_loss:.1e} (relative); the ring "
       "is exact, so only the order of the sums may differ")
-check([t["coords"]["cp"] for t in tr] == list(range(CP)) and all(t["coords"]["dp"] == 0 for t in tr),
-      "with 2 ranks and cp = 2 both ranks should sit in one cp group (dp 1)")
+check([t["coords"]["cp"] for t in tr] == list(range(CP)) and all(t["coords"]["dp"] == 0 for t in tr)
+      and dp_left == 1, "with 2 ranks and cp = 2 both ranks should sit in one cp group: dp 1, both at dp index 0")
 for r, (send, cores, allreduce) in enumerate(wire_rows):
     check(send == cores == calls * ring_call["total"], f"rank {r}: the ring should send exactly the predicted "
           f"{calls * ring_call['total']:,} B per step (wire {send:,.0f}, attention cores {cores:,.0f})")
@@ -611,6 +645,14 @@ for r, (send, cores, allreduce) in enumerate(wire_rows):
 # on 8,192-token sequences, micro-batch 1, bf16, fused attention, no dropout. Per GPU, as the
 # context-parallel size N grows: the activations of all 32 layers (without and with full
 # recomputation), the scores an eager attention would keep per layer, and the ring's traffic.
+#
+# Predict the traffic first, from section 2's closed form: at N = 2, how many GB does one rank
+# send per layer, forward and backward together? K and V of one rank hold S/N tokens x 32 heads x
+# 128 channels each, bf16 (2 bytes); the backward sends (N-1)(K+V)(1 + 4/b) for b bytes per
+# element (the K/V again, and their fp32 gradient accumulators).
+
+# %%
+my_ring_gb_per_layer = None  # your prediction: GB one rank sends per layer at N = 2 (forward + backward)
 
 # %% tags=["nbval-check-output"]
 S7, L7, H7, A7, DH7, FF7 = 8192, 32, 4096, 32, 128, 11008
@@ -639,6 +681,11 @@ check(4 * GB < scores1 < 5 * GB and all(abs(scenario[n][2] - scores1 / n**2) < 1
       "an eager attention's scores (about 4 GB per layer on one GPU) should shrink by N^2")
 sends = [scenario[n][3].bytes_per_rank for n in (2, 4, 8)]
 check(sends == sorted(sends), "the ring's bytes per rank per layer should not shrink as N grows")
+show_prediction("ring sends per rank per layer at N = 2", my_ring_gb_per_layer, scenario[2][3].bytes_per_rank / GB,
+                unit="GB", why=f"K + V = 2 x {S7 // 2:,} x {A7} x {DH7} x 2 B = {2 * S7 // 2 * A7 * DH7 * 2 / GB:.4f} GB; "
+                               "forward (N-1)(K+V), backward 3 times that in bf16: 4 x (K+V) in all")
+check(scenario[2][3].bytes_per_rank == 4 * (2 * S7 // 2 * A7 * DH7 * 2), "at N = 2 one rank should send 4 x (K + V) "
+      "per layer")
 adam_7b = 16 * ModelShape.preset("llama2-7b").num_params()
 check(adam_7b > 100 * GB, f"mixed-precision Adam at 16 B per parameter should need over 100 GB for 7B, got "
       f"{adam_7b / GB:.0f} GB")

@@ -118,7 +118,7 @@ print("your stage lists for pp=2, m=3:")
 for s in range(2):
     print(f"  stage {s}:", " ".join(f"{op}({i})" for op, i in one_f_one_b(2, 3, s)))
 
-PIPELINES = [(2, 1), (2, 4), (4, 8)]
+PIPELINES = [(2, 1), (2, 4), (4, 8), (6, 8)]
 pure_rows = [exercise_runs.check_schedule_fn(one_f_one_b, pp, m) for pp, m in PIPELINES]
 record("pure", [[r["pp"], r["micro_batches"], r["makespan"], r["ideal"], r["peak_in_flight"]] for r in pure_rows])
 record("pure.lists", [r["lists"] for r in pure_rows])  # the stage lists themselves: 1F1B is one order
@@ -216,7 +216,7 @@ print("your 1F1B order trains exactly like one process on 2 ranks")
 # %% tags=["points:3"]
 ### BEGIN HIDDEN TESTS
 hidden_pure, hidden_lists = [], []
-for pp in range(1, 5):
+for pp in range(1, 7):
     for m in range(1, 9):
         r = exercise_runs.check_schedule_fn(one_f_one_b, pp, m)
         hidden_pure.append([r["pp"], r["micro_batches"], r["makespan"], r["peak_in_flight"]])

@@ -41,6 +41,10 @@ def find_exercise_source(root: Path, number: str) -> Path:
     """``solutions/NN_*.py`` for ``number`` (two digits); a clear error listing the ones there."""
     if not re.fullmatch(r"\d\d", str(number)):
         raise ValueError(f"--exercise must be two digits like 01, got {number!r}")
+    if not Path(root, "solutions").is_dir():
+        raise ValueError(f"{root} has no solutions/ folder: course grade needs the instructor's checkout of the "
+                         "kit (with solutions/); run it inside that checkout, or from anywhere with the kit "
+                         "installed from it")
     found = sorted(Path(root, "solutions").glob(f"{number}_*.py"))
     if len(found) != 1:
         have = ", ".join(p.stem[:2] for p in sorted(Path(root, "solutions").glob("[0-9][0-9]_*.py")))

@@ -14,8 +14,8 @@ def find_root(start: Path | None = None) -> Path:
     for folder in (here, *here.parents):
         if (folder / "pyproject.toml").exists() and (folder / "labs").is_dir():
             return folder
-    package_root = Path(__file__).resolve().parent.parent
-    if (package_root / "labs").is_dir():
+    package_root = Path(__file__).resolve().parents[2]  # course_lib/kit/root.py -> the checkout
+    if (package_root / "pyproject.toml").exists() and (package_root / "labs").is_dir():
         return package_root
     raise SystemExit("course: cannot find the kit's root (a folder with pyproject.toml and labs/); "
                      "run this inside the repository")

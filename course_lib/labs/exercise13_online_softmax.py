@@ -59,11 +59,20 @@ def _randn(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
 # ============================================================= calling the learner's merge
 def call_merge(merge, a, b, what: str):
     """``merge(*a, *b)`` on copies of the partials ``a``, ``b``; the result as (out, lse), checked for
-    type and shape. The inputs the learner's code may have changed are thrown away, so one call
-    cannot spoil the next."""
+    type and shape, and CheckFailed if the merge changed a tensor it was given (the contract: a ring
+    keeps its running partial and a received block after the merge, so an in-place merge corrupts
+    the next step). The copies are thrown away, so one call cannot spoil the next."""
     out_a, lse_a = (t.clone() for t in a)
     out_b, lse_b = (t.clone() for t in b)
     got = merge(out_a, lse_a, out_b, lse_b)
+    for name, given, original in (("out_a", out_a, a[0]), ("lse_a", lse_a, a[1]),
+                                  ("out_b", out_b, b[0]), ("lse_b", lse_b, b[1])):
+        if not _same(given, original):
+            raise CheckFailed(f"{what}: your merge changed the {name} it was given (an in-place operation such as "
+                              "mul_, add_, copy_, `+=` or an indexed assignment on an input). The contract says "
+                              "the inputs are not changed: a ring still holds the block it received and the "
+                              "partial it merged into, and the caller may use them again. Compute into new "
+                              "tensors instead")
     if not (isinstance(got, (tuple, list)) and len(got) == 2
             and all(isinstance(t, torch.Tensor) for t in got)):
         raise CheckFailed(f"{what}: merge returned {type(got).__name__}, expected a pair of tensors (out, lse)")
@@ -76,6 +85,12 @@ def call_merge(merge, a, b, what: str):
             raise CheckFailed(f"{what}: the merged {name} is {t.dtype}, the blocks' {name} is {like.dtype}: "
                               "keep the inputs' dtype")
     return out.detach(), lse.detach()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit the same values (NaN where the other has NaN counts as the same)."""
+    nan = a.isnan()
+    return a.shape == b.shape and torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:

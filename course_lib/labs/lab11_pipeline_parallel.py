@@ -313,3 +313,50 @@ def sharded_layouts(rank: int, world_size: int, runs: list[tuple]) -> list[dict]
                     "census": census})
     dist.barrier()
     return out
+
+
+# ------------------------------------------------------------------------------ pictures
+# what each mesh dimension carries, in the words the lab uses (colour, label)
+FLOWS = {"tp": ("tab:red", "tp: all-reduce of activations, 2 per layer (fwd) + 2 (bwd)"),
+         "pp": ("tab:blue", "pp: send activation / receive gradient, 1 each per micro-batch"),
+         "dp": ("tab:green", "dp: all-reduce of gradients, once per step"),
+         "cp": ("tab:purple", "cp: K/V blocks around the ring, every attention layer"),
+         "dp_cp": ("tab:olive", "ZeRO over dp x cp: reduce-scatter gradients, all-gather weights, per step")}
+
+
+def draw_data_flow(ax, layout, labels: dict[int, str], dims: tuple[str, ...], title: str) -> None:
+    """Draw the ranks of ``layout`` (a :class:`course_lib.parallel.mesh.MeshLayout`) as boxes: one
+    column per pipeline stage and cp chunk, TP shards stacked inside each dp replica, and one
+    coloured link per pair of neighbours in each group of every dimension in ``dims`` (see
+    :data:`FLOWS`). ``labels[rank]``: a short text inside the box (what the rank holds)."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import FancyBboxPatch
+
+    pos = {}
+    for r in range(layout.world_size):
+        c = layout.coords_of(r)
+        pos[r] = (c["pp"] * (layout.cp + 0.9) * 1.6 + c["cp"] * 1.6, -(c["dp"] * (layout.tp + 0.5) + c["tp"]) * 1.2)
+    for r, (x, y) in pos.items():
+        ax.add_patch(FancyBboxPatch(
+            (x - 0.6, y - 0.4), 1.2, 0.8, boxstyle="round,pad=0.02", fc="0.93", ec="0.3"))
+        ax.text(x, y + 0.2, f"rank {r}", ha="center", va="center", fontsize=8, weight="bold")
+        ax.text(x, y - 0.12, labels.get(r, ""), ha="center", va="center", fontsize=6.5)
+    handles = []
+    for k, dim in enumerate(dims):
+        color, label = FLOWS[dim]
+        for group in layout.group_ranks(dim):
+            for a, b in zip(group, group[1:]):
+                (xa, ya), (xb, yb) = pos[a], pos[b]
+                between = [p for q, p in pos.items() if q not in (a, b) and  # a box in the way: go around it
+                           ((p[0] == xa == xb and min(ya, yb) < p[1] < max(ya, yb)) or
+                            (p[1] == ya == yb and min(xa, xb) < p[0] < max(xa, xb)))]
+                far = bool(between)
+                ax.annotate("", (xb, yb), (xa, ya), arrowprops=dict(
+                    arrowstyle="<->", color=color, lw=2, shrinkA=18, shrinkB=18,
+                    connectionstyle=f"arc3,rad={(0.45 if far else 0.0) + 0.12 * k * (not far)}"))
+        handles.append(Line2D([], [], color=color, lw=2, label=label))
+    xs, ys = [p[0] for p in pos.values()], [p[1] for p in pos.values()]
+    ax.set(xlim=(min(xs) - 1.2, max(xs) + 1.2), ylim=(min(ys) - 0.7, max(ys) + 0.7), title=title)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=7, frameon=False)
