@@ -44,6 +44,9 @@ PLAUSIBLE = {
     "13": ("out = (out_a * w_a.unsqueeze(-1) + out_b * w_b.unsqueeze(-1)) / denom",
            "out = out_a.mul_(w_a.unsqueeze(-1)).add_(out_b * w_b.unsqueeze(-1)).div_(denom)",
            "changed the out_a it was given"),
+    # one scale per row (rowwise), not per 1 x 128 tile: the hot first tile sets every tile's scale
+    "15": ("    amax = t.abs().amax(dim=-1)", "    amax = t.abs().amax(dim=(1, 2)).unsqueeze(1).expand(rows, tiles)",
+           "should land exactly on E4M3's largest"),
 }
 
 # the words of the honest partials of tests/test_grading_batch.PARTIALS
