@@ -103,42 +103,32 @@ def hf_unsupported(cfg: ModelConfig) -> list[str]:
     return why
 
 
+def _rope_family_kwargs(cfg: ModelConfig, intermediate_size: int) -> dict:
+    """The config keys the Llama, Qwen3 and Mixtral classes share (RMSNorm, SwiGLU, RoPE plain or
+    linearly scaled); ``intermediate_size``: the MLP's width (an expert's for Mixtral)."""
+    return dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=intermediate_size,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.block_size,
+        rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+        rope_parameters=({"rope_type": "default", "rope_theta": cfg.rope_theta} if cfg.rope_linear_factor == 1.0
+                         else {"rope_type": "linear", "rope_theta": cfg.rope_theta, "factor": cfg.rope_linear_factor}),
+        attention_dropout=cfg.dropout, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
 def hf_config_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
     """``(HF class name, keyword arguments of its config class)`` for ``cfg`` (exportable only)."""
     if family(cfg) == "mixtral":
         return "MixtralForCausalLM", dict(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.expert_dim,
-            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
-            head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.block_size,
-            rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-            rope_parameters=({"rope_type": "default", "rope_theta": cfg.rope_theta} if cfg.rope_linear_factor == 1.0
-                             else {"rope_type": "linear", "rope_theta": cfg.rope_theta,
-                                   "factor": cfg.rope_linear_factor}), sliding_window=None,
-            attention_dropout=cfg.dropout, num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
-            router_aux_loss_coef=cfg.moe_aux_loss_coef, router_jitter_noise=0.0, output_router_logits=False,
-            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+            _rope_family_kwargs(cfg, cfg.expert_dim), sliding_window=None, num_local_experts=cfg.moe_experts,
+            num_experts_per_tok=cfg.moe_top_k, router_aux_loss_coef=cfg.moe_aux_loss_coef, router_jitter_noise=0.0,
+            output_router_logits=False)
     if family(cfg) == "qwen3":  # Llama plus q_norm / k_norm; every layer full attention
-        return "Qwen3ForCausalLM", dict(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim,
-            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
-            head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.block_size,
-            rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-            rope_parameters=({"rope_type": "default", "rope_theta": cfg.rope_theta} if cfg.rope_linear_factor == 1.0
-                             else {"rope_type": "linear", "rope_theta": cfg.rope_theta,
-                                   "factor": cfg.rope_linear_factor}),
-            attention_bias=False, use_sliding_window=False, attention_dropout=cfg.dropout,
-            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        return "Qwen3ForCausalLM", dict(_rope_family_kwargs(cfg, cfg.ffn_dim), attention_bias=False,
+                                        use_sliding_window=False)
     if family(cfg) == "llama":
-        return "LlamaForCausalLM", dict(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim,
-            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
-            head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.block_size,
-            rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-            rope_parameters=({"rope_type": "default", "rope_theta": cfg.rope_theta} if cfg.rope_linear_factor == 1.0
-                             else {"rope_type": "linear", "rope_theta": cfg.rope_theta,
-                                   "factor": cfg.rope_linear_factor}),
-            attention_bias=cfg.bias, mlp_bias=cfg.bias, attention_dropout=cfg.dropout,
-            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        return "LlamaForCausalLM", dict(_rope_family_kwargs(cfg, cfg.ffn_dim), attention_bias=cfg.bias,
+                                        mlp_bias=cfg.bias)
     # GPT-2's "gelu_new" is the tanh approximation TinyGPT's MLP uses (layers.MLP).
     return "GPT2LMHeadModel", dict(
         vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.d_model, n_layer=cfg.n_layers,
