@@ -252,3 +252,14 @@ def test_a_14_bit_accumulator_drifts_with_k_and_promotion_every_128_stops_it():
     assert (accumulate(a, b, bits=14) <= exact).all()  # truncation only ever drops magnitude
     with pytest.raises(ValueError, match="multiple of chunk"):
         accumulate(a, b, chunk=4, promote_every=126)
+
+
+@pytest.mark.parametrize("wrong", [("e4m3", (-1, -1), False), ("e5m2", (1, 128), False), ("e4m3", (1, 128), True)],
+                         ids=["no-block-scale", "e5m2-for-e4m3", "pow2-scale-for-float"])
+def test_the_recipe_check_fails_for_a_wrong_recipe(wrong):
+    """The check above can fail: DeepSeek-V3's 1 x 128 E4M3 quantization is told apart from a
+    scale without the block, E5M2 where E4M3 belongs, and an MX-style power-of-two scale."""
+    x = outlier_tensor(rows=130, cols=300)
+    ours = fake_quantize(x, "e4m3", (1, 128), scale_kind="float")
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(ours, reference(x, *wrong), rtol=1e-6, atol=0)
