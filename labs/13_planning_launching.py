@@ -191,6 +191,11 @@ check(p8.cp == 2 and all(c.layout.recompute != "none" for c in whole if c.layout
 # The planner adds closed forms (`course_lib/planner/costs.py`, built on `course_lib/estimate`). You
 # can compute every one of them yourself. First the inputs, all from published numbers; the cell
 # checks they are the ones the planner used.
+#
+# Then five terms, each in three cells. Write your number in the fill-in cell (`my_... = None`),
+# from the text above it and these inputs. The next cell sets it beside the planner's and says
+# where a gap comes from. The worked answer follows, collapsed: expand it (click the bar to its
+# left) once you have tried. Left `None`, a fill-in cell only reminds you, so Run All still works.
 
 # %%
 sh = spec.shape
@@ -222,12 +227,21 @@ check((spec.intra_node_bytes_per_s, spec.inter_node_bytes_per_s) == (NVLINK, IB)
 # the last 12 over the dp replicas.
 
 # %%
+my_state_gib = None  # model state on the busiest GPU, in GiB (2**30 bytes): its parameters x bytes per parameter
+
+# %%
+planner_state = best.memory["params"] + best.memory["grads"] + best.memory["optimizer"]
+show_prediction("model state per GPU", my_state_gib, planner_state / GiB, unit="GiB",
+                against="the planner",
+                why="count the last stage's parameters (40 blocks split over tp, the norms whole, the output layer), "
+                    "then 2 + 2 bytes unsharded and 12 sharded over dp")
+
+# %% jupyter={"source_hidden": true}
 attn = 2 * h * h + 2 * h * (kv_heads * head_dim)  # q and o: h x h; k and v: h x (8 heads x 128)
 mlp = 3 * h * f_mlp  # SwiGLU: gate, up and down
 block = (attn + mlp) / tp + 2 * h  # matrices split over tp, the two RMSNorm weights replicated
 n_gpu = L // pp * block + V * h / tp + h  # 40 blocks, the output layer, the final norm
 state = n_gpu * (2 + 2 + (4 + 8) / dp)  # ZeRO-1: master weights and moments sharded over dp
-planner_state = best.memory["params"] + best.memory["grads"] + best.memory["optimizer"]
 print(f"parameters on the busiest GPU: {n_gpu:,.0f}")
 check([sh.params_on_rank(tp=tp, pp=pp, stage=r) for r in range(pp)] == [n_gpu - h, n_gpu],
       "your count should be the last stage's, the first stage's the same less the final norm")
@@ -248,6 +262,14 @@ check(rel(state, planner_state) < 1e-6,
 # traffic. Over NVLink, every layer on the GPU, every micro-batch:
 
 # %%
+my_tp_s = None  # seconds per step one GPU spends on tensor-parallel traffic (all layers, all micro-batches)
+
+# %%
+show_prediction("TP traffic per step", my_tp_s, best.time["tp"], unit="s",
+                against="the planner",
+                why="8 collectives per layer and micro-batch, each (tp-1)/tp of one bf16 activation, over NVLink")
+
+# %% jupyter={"source_hidden": true}
 message = s * mb * h * 2  # one micro-batch's activation, bf16 bytes
 per_layer = 8 * (tp - 1) / tp * message  # 4 all-gathers + 4 reduce-scatters, ring factor (tp-1)/tp
 tp_s = per_layer * (L // pp) * m / NVLINK
@@ -264,6 +286,15 @@ check(rel(tp_s, best.time["tp"]) < 1e-6, "your TP time should equal the planner'
 # also computes the logits. That factor is the only difference allowed (under 1%).
 
 # %%
+my_compute_s = None  # seconds of matmuls per step: FLOPs of the step / (GPUs x peak x MFU)
+
+# %%
+show_prediction("compute per step", my_compute_s, best.time["compute"], unit="s",
+                against="the planner",
+                why=f"the planner waits for the busiest stage, {best.time['stage_imbalance']:.4f} x the mean: "
+                    "a correct count lands a fraction of a percent below it")
+
+# %% jupyter={"source_hidden": true}
 proj = 2 * B * s * (h * (h + 2 * kv_heads * head_dim) + h * h + 3 * h * f_mlp)  # q, k, v, o and the MLP
 scores = 4 * B * s * s * h  # QK^T and scores x V
 logits = 2 * B * s * h * V
@@ -285,6 +316,14 @@ check(rel(compute_s * imbalance, best.time["compute"]) < 1e-6,
 # time can hide it; only the rest is exposed.
 
 # %%
+my_dp_s = None  # seconds of ZeRO-1 traffic per step for one GPU, over InfiniBand (before any hiding)
+
+# %%
+show_prediction("DP traffic per step", my_dp_s, best.time["dp_total"], unit="s",
+                against="the planner",
+                why="a reduce-scatter and an all-gather, each (dp-1)/dp of the GPU's bf16 parameters, at 25 GB/s")
+
+# %% jupyter={"source_hidden": true}
 dp_bytes = 2 * (dp - 1) / dp * n_gpu * 2
 dp_s = dp_bytes / IB
 exposed = max(0.0, dp_s - OVERLAP * compute_s * imbalance)
@@ -306,6 +345,18 @@ check(exposed == best.time["dp_exposed"] == 0, "all of ZeRO-1's traffic should h
 # step = busy x (1 + bubble) + exposed DP traffic.
 
 # %%
+my_bubble_fraction = None  # the bubble as a fraction of the busy time (a number like 0.05)
+my_step_s = None  # the whole step, in seconds
+
+# %%
+show_prediction("bubble fraction", my_bubble_fraction, best.time["bubble_fraction"],
+                against="the planner",
+                why=f"pp - 1 idle slots against v x m of work: pp {pp}, v {v}, m {m}")
+show_prediction("step time", my_step_s, best.step_s, unit="s",
+                against="the planner",
+                why="busy = compute x the stage imbalance + TP + stage-to-stage sends; then x (1 + bubble) + exposed DP")
+
+# %% jupyter={"source_hidden": true}
 bubble = (pp - 1) / (v * m)
 pp_s = 2 * (message / tp) * m * v / IB
 busy = compute_s * imbalance + tp_s + pp_s
@@ -330,9 +381,12 @@ by_hand = {"model state per GPU (GiB)": (state / GiB, planner_state / GiB),
            "TP traffic (s)": (tp_s, best.time["tp"]), "DP traffic (s)": (dp_s, best.time["dp_total"]),
            "stage-to-stage sends (s)": (pp_s, best.time["pp"]), "bubble (s)": (busy * bubble, best.time["bubble"]),
            "step (s)": (step, best.step_s)}
-print(f"{'term':<27} {'by hand':>9} {'planner':>9} {'difference':>10}")
+yours = {"model state per GPU (GiB)": my_state_gib, "compute (s)": my_compute_s, "TP traffic (s)": my_tp_s,
+         "DP traffic (s)": my_dp_s, "bubble (s)": None, "stage-to-stage sends (s)": None, "step (s)": my_step_s}
+print(f"{'term':<27} {'yours':>9} {'worked':>9} {'planner':>9} {'difference':>10}")
 for name, (mine, theirs) in by_hand.items():
-    print(f"{name:<27} {mine:>9.3f} {theirs:>9.3f} {rel(mine, theirs):>10.2%}")
+    your = "-" if yours[name] is None else f"{yours[name]:.3f}"
+    print(f"{name:<27} {your:>9} {mine:>9.3f} {theirs:>9.3f} {rel(mine, theirs):>10.2%}")
 overheads = {"TP": tp_s, "bubble": busy * bubble, "sends": pp_s, "exposed DP": exposed}
 check(all(rel(a, b) < 1e-6 for k, (a, b) in by_hand.items() if k != "compute (s)"),
       "every row but compute should agree to rounding")
@@ -340,7 +394,7 @@ check(compute_s * imbalance / step > 0.9 and max(overheads, key=overheads.get) =
       "compute should be over 90% of the step, TP traffic the largest overhead, the bubble under 1%")
 
 # %% [markdown]
-# **What you should see:** every row agrees to rounding except compute, where your number is a
+# **What you should see:** every worked row agrees to rounding except compute, where the count is a
 # fraction of a percent below the planner's: the pipeline waits for its busiest stage. Compute is
 # over 90% of the step; TP traffic is the largest overhead; the bubble is under 1% because 128
 # micro-batches keep the two stages busy; and all the DP traffic hides behind compute. A planner you

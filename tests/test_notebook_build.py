@@ -184,3 +184,18 @@ def test_no_committed_output_shows_a_path_of_the_machine(project):
     code.outputs = [nbformat.v4.new_output("stream", name="stdout", text="saved to /home/alice/kit/x.pt\n")]
     lab.write_text(notebooks.dumps(nb))  # as if committed by hand from another machine
     assert any("path of the machine" in p and "/home/alice/kit/x.pt" in p for p in notebooks.check_all(project))
+
+
+def test_a_worked_answer_stays_collapsed_through_build_and_execution(project):
+    """Lab 13 shows its worked answers collapsed (``jupyter.source_hidden``) until the learner has
+    tried: the flag survives the build and the clean-up of an executed notebook, while papermill's
+    own cell metadata does not."""
+    (project / "labs" / "99_demo.py").write_text(LAB + '\n# %% jupyter={"source_hidden": true}\nprint("worked")\n')
+    notebooks.write_all(project)
+    nb = nbformat.read(project / "labs" / "99_demo.ipynb", as_version=4)
+    assert nb.cells[3].metadata == {"jupyter": {"source_hidden": True}} and nb.cells[2].metadata == {}
+    nb.cells[3].metadata["papermill"] = {"duration": 0.1}
+    nb.cells[3].metadata["tags"] = ["x"]
+    clean = notebooks.to_notebook_like(nb)
+    assert clean.cells[3].metadata == {"tags": ["x"], "jupyter": {"source_hidden": True}}
+    assert clean.cells[2].metadata == {}

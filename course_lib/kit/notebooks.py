@@ -188,7 +188,7 @@ def to_notebook(text: str, filename: str):
         raise NotebookSourceError(f"{filename}: the parameters cell must set 'SMOKE = False'")
     cells = []
     for i, cell in enumerate(nb.cells):
-        meta = {"tags": list(cell.metadata["tags"])} if cell.metadata.get("tags") else {}
+        meta = _kept_metadata(cell.metadata)
         if cell.cell_type == "code":
             new = nbformat.v4.new_code_cell(cell.source, metadata=meta)
         else:
@@ -368,6 +368,19 @@ def recorded_run(path: Path) -> dict:
     return {k: meta[k] for k in ("full_size_seconds", "measured_on") if k in meta}
 
 
+def _kept_metadata(metadata) -> dict:
+    """The cell metadata a built or executed notebook keeps: non-empty tags, and JupyterLab's
+    ``jupyter.source_hidden`` (a worked answer shown collapsed until the learner opens it, written
+    ``# %% jupyter={"source_hidden": true}`` in the source). Everything else (papermill's run
+    metadata, execution times) is dropped so the committed file stays diffable."""
+    meta = {}
+    if metadata.get("tags"):
+        meta["tags"] = list(metadata["tags"])
+    if metadata.get("jupyter", {}).get("source_hidden"):
+        meta["jupyter"] = {"source_hidden": True}
+    return meta
+
+
 def to_notebook_like(executed_nb):
     """Strip papermill's injected cell and run metadata so the committed file stays diffable."""
     nb = nbformat.from_dict(json.loads(json.dumps(executed_nb)))
@@ -375,6 +388,6 @@ def to_notebook_like(executed_nb):
     for cell in nb.cells:
         # to_notebook writes only non-empty tags; papermill adds run metadata and empty tags
         tags = [t for t in cell.metadata.get("tags", []) if t != "injected-parameters"]
-        cell.metadata = {"tags": tags} if tags else {}
+        cell.metadata = _kept_metadata({**cell.metadata, "tags": tags})
     nb.metadata = {"kernelspec": dict(KERNELSPEC), "language_info": language_info()}
     return nb

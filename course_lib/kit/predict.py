@@ -31,24 +31,27 @@ def prediction_gap(mine, measured) -> float | None:
     return 0.0 if mine == measured else 1.0
 
 
-def show_prediction(what: str, mine, measured, *, unit: str = "", why: str = "", digits: int = 4) -> float | None:
+def show_prediction(what: str, mine, measured, *, unit: str = "", why: str = "", digits: int = 4,
+                    against: str = "measured") -> float | None:
     """Print the learner's prediction ``mine`` for ``what`` beside the ``measured`` value (both in
     ``unit``, e.g. "bytes" or "GB/s") and the relative gap; ``why`` explains where a gap comes from
-    (printed either way, so a right guess is explained too). Returns the gap (see
+    (printed either way, so a right guess is explained too). ``against`` names where the value comes
+    from ("measured" by default; "the planner" where a model computed it). Returns the gap (see
     :func:`prediction_gap`) or None when ``mine`` is None, which only prints a reminder to fill it in."""
     u = f" {unit}" if unit else ""
     if mine is None:
-        print(f"{what}: fill in your prediction above, then run this cell again. Measured: {_fmt(measured, digits)}{u}")
+        print(f"{what}: fill in your prediction above, then run this cell again. "
+              f"{against[:1].upper() + against[1:]}: {_fmt(measured, digits)}{u}")
         if why:
             print(f"  {why}")
         return None
     gap = prediction_gap(mine, measured)
     if isinstance(mine, Real) and isinstance(measured, Real) and not isinstance(mine, bool):
         verdict = "spot on" if gap is not None and abs(gap) < 0.02 else (
-            f"{gap:+.0%} from the measurement" if gap is not None and math.isfinite(gap) else "measured 0")
+            f"{gap:+.0%} from " + ("the measurement" if against == "measured" else against) if gap is not None and math.isfinite(gap) else "measured 0")
     else:
         verdict = "the same" if gap == 0.0 else "different"
-    print(f"{what}: your prediction {_fmt(mine, digits)}{u}, measured {_fmt(measured, digits)}{u} ({verdict})")
+    print(f"{what}: your prediction {_fmt(mine, digits)}{u}, {against} {_fmt(measured, digits)}{u} ({verdict})")
     if why:
         print(f"  {why}")
     return gap

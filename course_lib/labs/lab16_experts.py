@@ -24,22 +24,7 @@ from course_lib.parallel.expert_parallel import make_ep_group, shard_experts
 
 
 # ============================================================= prediction cells
-def show_prediction(what: str, mine, measured, *, unit: str = "", why: str = "") -> float | None:
-    """Print the learner's prediction ``mine`` beside the ``measured`` value (in ``unit``) and the
-    relative gap; never fails. Left None it says so and shows the measurement anyway. Returns the
-    relative gap (mine - measured) / |measured|, or None."""
-    u = f" {unit}" if unit else ""
-    if mine is None:
-        print(f"{what}: fill in your prediction above, then run this cell again. Measured: {measured:,}{u}")
-        gap = None
-    else:
-        gap = (float(mine) - float(measured)) / abs(float(measured)) if measured else None
-        verdict = ("spot on" if gap is not None and abs(gap) < 0.02 else
-                   f"{gap:+.0%} from the measurement" if gap is not None else "measured 0")
-        print(f"{what}: your prediction {mine:,}{u}, measured {measured:,}{u} ({verdict})")
-    if why:
-        print(f"  {why}")
-    return gap
+from course_lib.kit.predict import show_prediction  # noqa: E402,F401 - the notebook calls lab_runs.show_prediction
 
 
 # ============================================================= data and the model
