@@ -176,6 +176,9 @@ SCHEMA: dict[str, dict[str, tuple[type, Any, Any]]] = {
         "pp_split": (list, "even", ("even", "balanced")),
         "sequence_parallel": (bool, False, None),  # tp > 1: norms/residual split along the sequence
         "cp": (int, 1, (1, None)),                 # context parallel: ring attention, each rank 2 of 2*cp sequence pieces
+        # expert parallel: each MoE layer's experts sharded over ep ranks, tokens moved by all-to-all
+        # (course_lib.parallel.expert_parallel.in_trainer); ep divides the world and model.moe_experts
+        "ep": (int, 1, (1, None)),
     },
     "profile": {  # torch.profiler around chosen steps (course_lib.trainer.profiling; --profile); files in OUT/profile/
         "enabled": (bool, False, None),

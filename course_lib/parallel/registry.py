@@ -55,6 +55,13 @@ MODEL_PARALLEL = ("course_lib.parallel.composed.model_parallel", "ModelParallel"
 FSDP_MODEL_PARALLEL = ("course_lib.parallel.composed.fsdp_tp", "FSDPTensorParallel",
                        "FSDP2 over dp on a DTensor tensor-parallel (parallel.tp) model, one device mesh")
 
+#: Chosen for ``train.strategy = "ddp"`` with ``parallel.ep > 1`` (trainer.config refuses ep with the
+#: other strategies and with tp/pp/cp > 1, naming why).
+EXPERT_PARALLEL = ("course_lib.parallel.expert_parallel.in_trainer", "ExpertParallelDDP",
+                   "torch DDP over the non-expert weights, experts sharded over parallel.ep ranks (all-to-all)")
+#: ``train.strategy`` names that run with ``parallel.ep > 1``.
+EXPERT_PARALLEL_DP = ("ddp",)
+
 #: The ``train.strategy`` names that compose with tp/pp/cp > 1 (modes of
 #: :mod:`course_lib.parallel.composed.dp`), name -> what the data-parallel dimension does.
 MODEL_PARALLEL_DP: dict[str, str] = {
@@ -83,4 +90,9 @@ def make_strategy(name: str, info: Any, device: Any, cfg: dict | None = None):
             raise ValueError(f"strategy {name!r} does not compose with parallel.tp/pp/cp > 1; use one of "
                              f"{', '.join(MODEL_PARALLEL_DP)}")
         module, cls, _ = FSDP_MODEL_PARALLEL if name == "fsdp" else MODEL_PARALLEL
+    elif par.get("ep", 1) > 1:  # experts sharded over parallel.ep ranks
+        if name not in EXPERT_PARALLEL_DP:  # trainer.config refuses it first, saying why
+            raise ValueError(f"strategy {name!r} does not run with parallel.ep > 1; use one of "
+                             f"{', '.join(EXPERT_PARALLEL_DP)}")
+        module, cls, _ = EXPERT_PARALLEL
     return getattr(importlib.import_module(module), cls)(info, device, cfg)

@@ -20,7 +20,9 @@
               "ddp", "zero1" or "zero2" as the data-parallel dimension, or tp/cp (pp = 1) with "fsdp":
               FSDP2 over dp x cp on the DTensor-TP model; cp runs ring attention over zig-zag sequence
               chunks, with dp and tp, not with pp; the world size must be dp * tp * pp * cp, checked
-              when the ranks start)
+              when the ranks start); ep (expert parallel: each MoE layer's experts sharded over ep ranks,
+              tokens moved by all-to-all, with train.strategy = "ddp" and tp = pp = cp = 1; ep divides
+              the world size and model.moe_experts)
 
 Every unknown section or key, wrong type or out-of-range value is a ``ConfigError`` naming it
 (with a "did you mean" for typos), raised before any file is written or model is built.
@@ -110,6 +112,7 @@ def validate(raw: dict[str, Any], *, init_source: bool = True) -> dict[str, dict
     if init_source:
         _init_from_check(cfg, mcfg)
     _token_file_checks(cfg, mcfg)
+    _expert_parallel_checks(cfg, mcfg)
     _parallel_checks(cfg, mcfg)
     _stabilizer_checks(cfg, mcfg)
     _fp8_checks(cfg)
@@ -339,6 +342,62 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
             raise ConfigError(f"train.grad_accum ({m}) must be a multiple of max(1, grad_accum // parallel.pp) = "
                               f"{rounds} for parallel.pp_schedule = 'interleaved': any value <= {2 * pp - 1} "
                               f"or a multiple of {pp}")
+
+
+def _expert_parallel_checks(cfg: dict, mcfg) -> None:
+    """``parallel.ep`` (course_lib.parallel.expert_parallel.in_trainer): an MoE model whose expert count
+    it divides, torch DDP as the data-parallel dimension, no model parallelism, full checkpoints. That
+    ep divides the world size is checked when the ranks start (trainer.check_config.check_world)."""
+    from course_lib.parallel.registry import EXPERT_PARALLEL_DP
+
+    par, t = cfg["parallel"], cfg["train"]
+    ep = par["ep"]
+    if ep == 1:
+        return
+    what = f"parallel.ep = {ep}"
+    if mcfg.moe_experts is None:
+        raise ConfigError(f"{what} shards the experts of an MoE model, but model.moe_experts is not set (a dense "
+                          f"model has none); set model.moe_experts (e.g. model.preset = 'moe-tiny') or parallel.ep = 1")
+    if mcfg.moe_experts % ep:
+        raise ConfigError(f"{what} must divide model.moe_experts ({mcfg.moe_experts}): every EP rank holds "
+                          f"moe_experts / ep experts; accepted ep: the divisors of {mcfg.moe_experts} that divide "
+                          f"the world size")
+    mp = [f"parallel.{k} = {par[k]}" for k in ("tp", "pp", "cp") if par[k] > 1]
+    if mp:
+        raise ConfigError(f"{what} with {' and '.join(mp)} is not built: Megatron composes expert parallelism "
+                          f"with tensor parallelism through expert-tensor-parallel (ETP = TP or 1) and with "
+                          f"pipeline stages, the kit does not yet; use parallel.ep with data parallelism only "
+                          f"(tp = pp = cp = 1)")
+    if t["strategy"] not in EXPERT_PARALLEL_DP:
+        why = {
+            "fsdp": "FSDP2 with experts sharded over the expert-data-parallel mesh and the rest over the world "
+                    "(torchtitan's layout) is not built yet",
+            "deepspeed": "the DeepSpeed engine would average the expert slices over every rank (its own MoE "
+                         "layer is not wired into the trainer)",
+            "zero1": "the from-scratch ZeRO shards one flat buffer over every rank, experts included",
+            "zero2": "the from-scratch ZeRO shards one flat buffer over every rank, experts included",
+            "fsdp-scratch": "the from-scratch SimpleFSDP shards every weight over every rank, experts included",
+            "ddp-scratch": "the from-scratch BucketedDDP averages every gradient over every rank (it has no "
+                           "ignored parameters)",
+            "single": "'single' is one process (ep = 1)",
+        }.get(t["strategy"], "not built")
+        raise ConfigError(f"{what} does not run with train.strategy = {t['strategy']!r}: {why}. With parallel.ep "
+                          f"> 1 train.strategy must be one of {', '.join(repr(n) for n in EXPERT_PARALLEL_DP)}")
+    if cfg["checkpoint"]["format"] == "sharded":
+        raise ConfigError(f"checkpoint.format = 'sharded' does not fit {what}: the expert slices are plain "
+                          f"tensors, not DTensors over an (expert-dp, ep) mesh, so DCP could not reshard them "
+                          f"across EP sizes; full checkpoints gather the experts into the one-process layout "
+                          f"(use 'auto' or 'full')")
+    others = [(bad, key) for bad, key in (
+        (t["compile"], "train.compile = true (the all-to-all reads its split sizes on the host)"),
+        (t["precision"] == "fp8", "train.precision = 'fp8' (not tried with the expert dispatch)"),
+        (mcfg.checkpointing != "none", f"model.checkpointing = {mcfg.checkpointing!r} (recomputation would "
+                                       f"run the all-to-all again in backward: not tried)"),
+        (mcfg.offload_activations, "model.offload_activations = true (not tried with the expert dispatch)"),
+        (bool(cfg["data"]["val_path"]), "data.val_path (rank 0 evaluates alone, and its experts are a slice)"),
+    ) if bad]
+    if others:
+        raise ConfigError(f"{what} does not run with {others[0][1]}; set parallel.ep = 1 or leave it out")
 
 
 def _split_checks(cfg: dict, mcfg) -> None:

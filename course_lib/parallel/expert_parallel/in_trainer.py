@@ -1,0 +1,175 @@
+"""Expert parallelism inside the trainer (``parallel.ep > 1`` with ``train.strategy = "ddp"``).
+
+World = ep x expert-dp (:func:`.group.make_ep_group`: ep consecutive ranks share one set of experts).
+Every rank builds the same full model (same seed), then :class:`ExpertParallelDDP`
+
+* keeps its E / ep experts of every MoE layer and routes their tokens through all-to-all
+  (:func:`.shard.shard_experts`);
+* wraps the model in torch DDP with the expert weights *ignored* (DDP would otherwise broadcast
+  rank 0's experts over every rank at construction and average expert gradients over the world):
+  every other parameter is data-parallel over every rank, as plain DDP;
+* after the step's last micro-batch, all-reduces the expert gradients over the expert-DP group
+  (the ranks holding the same slice) and divides by the world size. An expert's gradient already
+  sums, through the combine's backward, the tokens of every rank of its EP group, so this gives the
+  one-process gradient of the mean loss over the global batch (:func:`.shard.sync_gradients`);
+* completes the stabilizer's gradient norms: an expert tensor's squared norm is summed over the EP
+  group (each rank holds another slice), a replicated one counts once (:attr:`reduce_grad_sq`);
+* saves full checkpoints in the one-process layout: the experts and their AdamW moments are
+  all-gathered over the EP group on save and sliced on load, so a file saved at ep = 2 resumes at
+  ep = 1, in one process, or at ep = 4, and the reverse.
+
+The expert-bias update (DeepSeek-V3) needs nothing here: the router runs before the dispatch on
+each rank's own tokens, and the trainer sums the loads over every rank before updating the bias.
+
+Not built (trainer.config refuses them with ep > 1, naming why): FSDP2 / ZeRO / DeepSpeed with
+experts (expert weights sharded over the expert-DP mesh: torchtitan's layout), ep with tp/pp/cp
+(Megatron's ETP), sharded (DCP) checkpoints of the expert layout.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib.parallel.data_parallel.torch_ddp import TorchDDP
+from course_lib.parallel.expert_parallel.group import EPGroup, make_ep_group
+from course_lib.parallel.expert_parallel.shard import gather_experts, is_expert, shard_experts
+
+
+class ExpertParallelDDP(TorchDDP):
+    """torch DDP over the non-expert weights, experts sharded over ``parallel.ep`` ranks (see the
+    module docstring). ``ep``: this rank's :class:`EPGroup` after :meth:`setup`."""
+
+    name = "ddp"
+    checkpoint_formats = ("full",)  # the expert slices are plain tensors: saved gathered, one-process layout
+
+    def setup(self, model: nn.Module, make_optimizer) -> None:
+        self.ep = make_ep_group(self.cfg["parallel"]["ep"])
+        self.dispatchers = shard_experts(model, self.ep)  # each layer's all-to-all log, for the labs
+        experts = [n for n, p in model.named_parameters() if is_expert(p)]
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
+        self.model = model
+        self.module = self.wrap(model)
+        self.optimizer = make_optimizer(model)
+        self._mask = None
+        self.reduce_grad_sq = self._reduce_grad_sq
+
+    def forward_backward(self, batches, **step) -> torch.Tensor:
+        loss = super().forward_backward(batches, **step)  # DDP averaged the rest with the last micro-batch
+        world = dist.get_world_size()
+        for p in self.model.parameters():
+            if is_expert(p) and p.grad is not None:
+                if self.ep.edp_group is not None:
+                    dist.all_reduce(p.grad, group=self.ep.edp_group)
+                p.grad.div_(world)
+        return loss
+
+    def _reduce_grad_sq(self, sq: torch.Tensor) -> torch.Tensor:
+        # Per-tensor squared norms, in the order of the parameters with a gradient (GradientMonitor):
+        # an expert slice's sums over the EP group, a replicated tensor's is already whole.
+        if self.ep.group is None:
+            return sq
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self._mask is None or self._mask.numel() != len(params):
+            self._mask = torch.tensor([1.0 if is_expert(p) else 0.0 for p in params], device=sq.device)
+        expert = sq * self._mask
+        dist.all_reduce(expert, group=self.ep.group)
+        return sq * (1 - self._mask) + expert
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        return gather_experts(self.model, self.ep)
+
+    def checkpoint_state(self, state, *, saving: bool):
+        """Full-layout views of the model and optimizer (gathered over the EP group when ``saving``:
+        a collective)."""
+        from dataclasses import replace
+
+        view = _FullModelView(self.model, self.ep, gather=saving)
+        return replace(state, model=view, optimizer=_FullOptimizerView(self.model, self.optimizer, self.ep,
+                                                                       gather=saving))
+
+
+def _expert_names(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if is_expert(p)}
+
+
+def _slice(full: torch.Tensor, ep: EPGroup) -> torch.Tensor:
+    """This EP rank's block of experts (dim 0) of a full [E, ...] tensor."""
+    per = full.shape[0] // ep.size
+    return full[ep.rank * per:(ep.rank + 1) * per].clone()
+
+
+def _gather(t: torch.Tensor, ep: EPGroup) -> torch.Tensor:
+    """The full [E, ...] tensor from every EP rank's [E / ep, ...] slice (a collective)."""
+    parts = [torch.empty_like(t) for _ in range(ep.size)]
+    dist.all_gather(parts, t.contiguous(), group=ep.group)
+    return torch.cat(parts)
+
+
+class _FullModelView(nn.Module):
+    """``state_dict``: the one-process state dict (gathered at construction when ``gather``, else
+    full-shaped meta tensors for the loader's shape check); ``load_state_dict``: keeps this rank's
+    experts of a full one."""
+
+    def __init__(self, model: nn.Module, ep: EPGroup, gather: bool):
+        super().__init__()
+        object.__setattr__(self, "_model", model)  # not a submodule: state_dict is ours alone
+        object.__setattr__(self, "_ep", ep)
+        self._full = gather_experts(model, ep) if gather else None
+
+    def state_dict(self, *args, **kwargs):
+        if self._full is not None:
+            return dict(self._full)
+        experts = _expert_names(self._model)
+        return {k: (torch.empty((v.shape[0] * self._ep.size, *v.shape[1:]), dtype=v.dtype, device="meta")
+                    if k in experts else v) for k, v in self._model.state_dict().items()}
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        experts = _expert_names(self._model)
+        return self._model.load_state_dict({k: (_slice(v, self._ep) if k in experts else v)
+                                            for k, v in state_dict.items()}, strict=strict)
+
+    def named_parameters(self, *args, **kwargs):  # names for the loader's messages
+        return self._model.named_parameters(*args, **kwargs)
+
+
+class _FullOptimizerView:
+    """The optimizer in the one-process layout: an expert's AdamW moments gathered over the EP
+    group (``state_dict``), sliced again on ``load_state_dict``."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ep: EPGroup, gather: bool):
+        self._opt, self._ep = optimizer, ep
+        self._experts = {id(p) for p in _expert_names(model).values()}
+        full = lambda p: torch.empty((p.shape[0] * ep.size, *p.shape[1:]), dtype=p.dtype, device="meta")  # noqa: E731
+        self.param_groups = [{**g, "params": [full(p) if id(p) in self._experts else p for p in g["params"]]}
+                             for g in optimizer.param_groups]
+        self.state = {}  # shapes are checked against the full layout, not the slices
+        self._full = self._gather() if gather else None
+
+    def _params(self) -> list:
+        return [p for g in self._opt.param_groups for p in g["params"]]
+
+    def _gather(self) -> dict:
+        sd = self._opt.state_dict()
+        sd["state"] = dict(sd["state"])
+        for idx, p in enumerate(self._params()):
+            st = sd["state"].get(idx)
+            if id(p) not in self._experts or st is None:
+                continue  # every rank has the same keys (same steps taken): the collectives stay aligned
+            sd["state"][idx] = {k: (_gather(v, self._ep) if torch.is_tensor(v) and v.dim() > 0 else v)
+                                for k, v in st.items()}
+        return sd
+
+    def state_dict(self) -> dict:
+        if self._full is None:
+            raise RuntimeError("the optimizer view was built for loading; build it with gather=True to save")
+        return self._full
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        params = self._params()
+        sliced = {"param_groups": state_dict["param_groups"], "state": {}}
+        for idx, st in state_dict["state"].items():
+            expert = idx < len(params) and id(params[idx]) in self._experts
+            sliced["state"][idx] = {k: (_slice(v, self._ep) if expert and torch.is_tensor(v) and v.dim() > 0 else v)
+                                    for k, v in st.items()}
+        self._opt.load_state_dict(sliced)

@@ -1,0 +1,126 @@
+"""Expert parallelism in the trainer (``parallel.ep > 1``, train.strategy = "ddp"): each MoE layer's
+experts sharded over ep ranks, tokens through all-to-all, the rest data-parallel over every rank.
+
+The model is moe-tiny shrunk to 2 layers of 4 experts (d_model 16, capacity factor 1.25: uneven
+routing, some tokens dropped, the balancing loss and the DeepSeek-V3 bias update on). The reference
+is ONE process on the same global batch of 4 sequences a step, taken as 4 micro-batches of one
+sequence: a rank's micro-batch is one of those (the sampler deals the global batch out in that
+order), and MoE's balancing loss and capacity are per micro-batch, so that is the one-process run
+an EP layout must equal. EP 2 (world 2, 2 micro-batches a rank) and EP 2 x expert-DP 2 (world 4)
+match its per-step losses, gradient norms and final weights within 1e-4 relative (fp32: summation
+order only), with the expert biases equal on every rank.
+
+Checkpoints are full, in the one-process layout (experts and their AdamW moments gathered): an EP 2
+run resumes bit-exact at EP 2; resumed at ep 1 (world 2) and in one process, and the one-process
+run's checkpoint resumed at EP 2, end where the uninterrupted runs end (within 1e-4).
+
+One launch per world size.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import ep_train_rank_fns as fns
+from course_lib.parallel import run_ranks
+from course_lib.train import train
+from course_lib.trainer import config as train_config
+from course_lib.trainer.check_config import check_world
+from layout_checks import (assert_matches_one_process, assert_resumed_bit_exact, rel_l2, resume_save_every,
+                           rows, tiny_cfg)
+
+STEPS, SEQS = 6, 4  # optimizer steps; sequences per step (the global batch), one per micro-batch
+START = STEPS - resume_save_every(STEPS)  # saves at 2, 4, 6; the resumes start from 4 (the newest dropped)
+MODEL = dict(model__preset="moe-tiny", model__n_layers=2, model__d_model=16, model__n_heads=2, model__n_kv_heads=1,
+             model__moe_experts=4, model__moe_ffn_dim=8, model__moe_bias_update_rate=0.01,
+             model__moe_capacity_factor=1.25, data__seq_len=16)
+
+
+def cfg(world=1, ep=1, **sets):
+    """One sequence per micro-batch, SEQS / world micro-batches per rank: the same global batch."""
+    strategy = "single" if world == 1 else "ddp"
+    return tiny_cfg(SEQS // world, train__micro_batch=1, train__max_steps=STEPS, train__strategy=strategy,
+                    parallel__ep=ep, checkpoint__save_every=resume_save_every(STEPS), **MODEL, **sets)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("expert_parallel")
+    single = train(cfg(), root / "single")
+    shutil.copytree(root / "single", root / "single-cut")
+    shutil.rmtree(sorted((root / "single-cut" / "checkpoints").glob("step_*"))[-1])
+    two = run_ranks(fns.train_and_cross_resume, 2, [(cfg(2, 2), str(root / "ep2"))],
+                    [(cfg(2, 1), str(root / "ep2" / "full"), str(root / "ep2-at-ep1")),
+                     (cfg(2, 2), str(root / "single"), str(root / "single-at-ep2"))], timeout=600)
+    four = run_ranks(fns.train_and_cross_resume, 4, [(cfg(4, 2), str(root / "ep2-edp2"))], [], timeout=600)
+    return {"root": root, "single": single, "two": two, "four": four}
+
+
+@pytest.mark.parametrize("name", ["ep2", "ep2-edp2"])
+def test_layout_matches_one_process(runs, name):
+    ranks = runs["two"] if name == "ep2" else runs["four"]
+    got, ref = rows(runs["root"] / name / "full"), rows(runs["root"] / "single")
+    first = ranks[0]["first"][0]
+    assert_matches_one_process(name, got, ref, first["weights"], runs["single"].model)
+    print(f"{name}: max |loss - one process| = {max(abs(a['loss'] - b['loss']) for a, b in zip(got, ref)):.2e}, "
+          f"weights max abs diff = {max((first['weights'][k] - v).abs().max().item() for k, v in runs['single'].model.state_dict().items()):.2e}")
+    for r in ranks:  # the bias update sums every rank's loads: one bias everywhere, and it moved
+        assert all(torch.equal(b, b0) for b, b0 in zip(r["first"][0]["bias"], first["bias"]))
+    assert sum(b.abs().sum() for b in first["bias"]) > 0
+    want = runs["single"].model.state_dict()
+    assert all(torch.allclose(first["weights"][k], want[k], atol=1e-5) for k in want)
+
+
+def test_resume_at_the_same_ep_is_bit_exact(runs):
+    first, second = runs["two"][0]["first"][0], runs["two"][0]["second"][0]
+    assert_resumed_bit_exact("ep2", first, second, START, STEPS, runs["root"] / "ep2")
+
+
+def test_resume_across_ep_sizes(runs, tmp_path):
+    """Saved at ep 2, resumed at ep 1 (world 2) and in one process; saved in one process, resumed
+    at ep 2: every one ends where the uninterrupted run ends."""
+    ep2 = runs["two"][0]["first"][0]["weights"]
+    at_ep1, single_at_ep2 = (runs["two"][0]["cross"][i] for i in (0, 1))
+    assert at_ep1["resumed_from"] == single_at_ep2["resumed_from"] == START
+    assert rel_l2(at_ep1["weights"], ep2) <= 1e-4
+    want = {k: v.float() for k, v in runs["single"].model.state_dict().items()}
+    assert rel_l2(single_at_ep2["weights"], want) <= 1e-4
+    out = tmp_path / "ep2-in-one-process"  # the ep 2 file is the one-process state dict
+    shutil.copytree(runs["root"] / "ep2" / "full", out)
+    shutil.rmtree(sorted((out / "checkpoints").glob("step_*"))[-1])
+    resumed = train(cfg(), out, resume=True)
+    assert resumed.resumed_from == START
+    assert rel_l2({k: v.float() for k, v in resumed.model.state_dict().items()}, ep2) <= 1e-4
+
+
+# ---------------------------------------------------------------- no ranks
+@pytest.mark.parametrize("sets, match", [
+    ({"parallel__ep": 2, "model__moe_experts": None}, r"parallel.ep = 2 shards the experts of an MoE model"),
+    ({"parallel__ep": 3}, r"parallel.ep = 3 must divide model.moe_experts \(4\)"),
+    ({"parallel__ep": 2, "parallel__tp": 2}, r"parallel.ep = 2 with parallel.tp = 2 is not built: Megatron .*ETP = TP or 1"),
+    ({"parallel__ep": 2, "train__strategy": "fsdp"}, r"parallel.ep = 2 does not run with train.strategy = 'fsdp'"),
+    ({"parallel__ep": 2, "train__strategy": "deepspeed"}, r"train.strategy = 'deepspeed'"),
+    ({"parallel__ep": 2, "train__strategy": "zero1"}, r"train.strategy = 'zero1'"),
+    ({"parallel__ep": 2, "train__strategy": "zero2"}, r"train.strategy = 'zero2'"),
+    ({"parallel__ep": 2, "train__strategy": "fsdp-scratch"}, r"train.strategy = 'fsdp-scratch'"),
+    ({"parallel__ep": 2, "checkpoint__format": "sharded"}, r"checkpoint.format = 'sharded' does not fit parallel.ep"),
+    ({"parallel__ep": 2, "model__checkpointing": "full"}, r"parallel.ep = 2 does not run with model.checkpointing"),
+    ({"parallel__ep": 0}, r"parallel.ep must be >= 1"),
+])
+def test_bad_ep_is_refused_by_the_config(sets, match):
+    sets = {"train__strategy": "ddp", **sets}
+    model = {k: v for k, v in MODEL.items() if f"model__{k.split('__')[1]}" not in sets}
+    if sets.get("model__moe_experts", 1) is None:
+        sets.pop("model__moe_experts")
+        model = dict(data__seq_len=16)
+    with pytest.raises(train_config.ConfigError, match=match):
+        tiny_cfg(1, **model, **sets)
+
+
+def test_ep_must_divide_the_world():
+    c = cfg(2, 2)
+    check_world(c, 4, has_group=True)
+    with pytest.raises(train_config.ConfigError, match=r"parallel.ep = 2 must divide the world size \(3 ranks"):
+        check_world(c, 3, has_group=True)
