@@ -12,15 +12,18 @@ def entry(rank, result) -> dict:
             "bias": [m.router.expert_bias.detach().clone() for m in moe_layers(result.model)]}
 
 
-def train_and_cross_resume(rank, world_size, runs, crosses):
-    """Every fresh run of ``runs`` and its resume in the same layout (model_parallel_rank_fns.
-    train_then_resume), then each ``(cfg, src, dst)`` of ``crosses``: the run folder ``src`` copied to
-    ``dst`` without its newest checkpoint and resumed there under ``cfg`` (another EP size), in one
-    launch."""
+def train_and_cross_resume(rank, world_size, runs, crosses, resume=True):
+    """Every fresh run of ``runs`` (each ``(cfg, out_dir)``, trained into ``out_dir/full``) and, with
+    ``resume``, its resume in the same layout (model_parallel_rank_fns.train_then_resume), then each
+    ``(cfg, src, dst)`` of ``crosses``: the run folder ``src`` copied to ``dst`` without its newest
+    checkpoint and resumed there under ``cfg`` (another EP size), in one launch."""
     import model_parallel_rank_fns as fns
     from course_lib.train import train
 
-    out = fns.train_then_resume(rank, world_size, runs, entry=entry)
+    if resume:
+        out = fns.train_then_resume(rank, world_size, runs, entry=entry)
+    else:
+        out = {"first": [entry(rank, train(cfg, o + "/full")) for cfg, o in runs]}
     out["cross"] = []
     for cfg, src, dst in crosses:
         fns.copy_without_newest(src, dst)

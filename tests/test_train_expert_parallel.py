@@ -1,6 +1,9 @@
 """Expert parallelism in the trainer (``parallel.ep > 1``, train.strategy = "ddp"): each MoE layer's
 experts sharded over ep ranks, tokens through all-to-all, the rest data-parallel over every rank.
 
+Layouts: train.strategy "ddp" (torch DDP over the non-expert weights) and "fsdp" (FSDP2, experts
+DTensors on an (edp, ep) mesh sharded over edp, the rest over every rank).
+
 The model is moe-tiny shrunk to 2 layers of 4 experts (d_model 16, capacity factor 1.25: uneven
 routing, some tokens dropped, the balancing loss and the DeepSeek-V3 bias update on). The reference
 is ONE process on the same global batch of 4 sequences a step, taken as 4 micro-batches of one
@@ -10,9 +13,10 @@ an EP layout must equal. EP 2 (world 2, 2 micro-batches a rank) and EP 2 x exper
 match its per-step losses, gradient norms and final weights within 1e-4 relative (fp32: summation
 order only), with the expert biases equal on every rank.
 
-Checkpoints are full, in the one-process layout (experts and their AdamW moments gathered): an EP 2
-run resumes bit-exact at EP 2; resumed at ep 1 (world 2) and in one process, and the one-process
-run's checkpoint resumed at EP 2, end where the uninterrupted runs end (within 1e-4).
+Checkpoints: ddp's are full, in the one-process layout (experts and their AdamW moments gathered),
+fsdp's sharded (DCP). Each EP 2 run resumes bit-exact at EP 2; ddp's EP 2 file resumed at ep 1
+(world 2) and in one process, the one-process file resumed at EP 2, and fsdp's EP 2 checkpoint
+resumed at ep 1 end where the uninterrupted runs end (within 1e-4).
 
 One launch per world size.
 """
@@ -38,61 +42,78 @@ MODEL = dict(model__preset="moe-tiny", model__n_layers=2, model__d_model=16, mod
              model__moe_capacity_factor=1.25, data__seq_len=16)
 
 
-def cfg(world=1, ep=1, **sets):
+def cfg(world=1, ep=1, strategy="ddp", **sets):
     """One sequence per micro-batch, SEQS / world micro-batches per rank: the same global batch."""
-    strategy = "single" if world == 1 else "ddp"
-    return tiny_cfg(SEQS // world, train__micro_batch=1, train__max_steps=STEPS, train__strategy=strategy,
-                    parallel__ep=ep, checkpoint__save_every=resume_save_every(STEPS), **MODEL, **sets)
+    return tiny_cfg(SEQS // world, train__micro_batch=1, train__max_steps=STEPS,
+                    train__strategy="single" if world == 1 else strategy, parallel__ep=ep,
+                    checkpoint__save_every=resume_save_every(STEPS), **MODEL, **sets)
+
+
+LAYOUTS = {  # name -> (world, ep, strategy)
+    "ddp-ep2": (2, 2, "ddp"), "fsdp-ep2": (2, 2, "fsdp"),
+    "ddp-ep2-edp2": (4, 2, "ddp"), "fsdp-ep2-edp2": (4, 2, "fsdp"),
+}
+# (resumed layout's cfg, source run folder, name): a checkpoint resumed at another EP size
+CROSSES = [((2, 1, "ddp"), "ddp-ep2/full", "ddp-ep2-at-ep1"), ((2, 2, "ddp"), "single", "single-at-ddp-ep2"),
+           ((2, 1, "fsdp"), "fsdp-ep2/full", "fsdp-ep2-at-ep1")]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("expert_parallel")
     single = train(cfg(), root / "single")
-    shutil.copytree(root / "single", root / "single-cut")
-    shutil.rmtree(sorted((root / "single-cut" / "checkpoints").glob("step_*"))[-1])
-    two = run_ranks(fns.train_and_cross_resume, 2, [(cfg(2, 2), str(root / "ep2"))],
-                    [(cfg(2, 1), str(root / "ep2" / "full"), str(root / "ep2-at-ep1")),
-                     (cfg(2, 2), str(root / "single"), str(root / "single-at-ep2"))], timeout=600)
-    four = run_ranks(fns.train_and_cross_resume, 4, [(cfg(4, 2), str(root / "ep2-edp2"))], [], timeout=600)
-    return {"root": root, "single": single, "two": two, "four": four}
+    out = {}
+    for world, resume in ((2, True), (4, False)):  # one launch per world size
+        names = [n for n, (w, _, _) in LAYOUTS.items() if w == world]
+        crosses = [(cfg(*c), str(root / src), str(root / dst)) for c, src, dst in CROSSES] if world == 2 else []
+        ranks = run_ranks(fns.train_and_cross_resume, world, [(cfg(*LAYOUTS[n]), str(root / n)) for n in names],
+                          crosses, resume, timeout=600)
+        for i, n in enumerate(names):
+            out[n] = {"first": [r["first"][i] for r in ranks], "second": ranks[0].get("second", [None] * 9)[i]}
+        out.update({dst: ranks[0]["cross"][j] for j, (_, _, dst) in enumerate(CROSSES) if world == 2})
+    return {"root": root, "single": single, **out}
 
 
-@pytest.mark.parametrize("name", ["ep2", "ep2-edp2"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_process(runs, name):
-    ranks = runs["two"] if name == "ep2" else runs["four"]
     got, ref = rows(runs["root"] / name / "full"), rows(runs["root"] / "single")
-    first = ranks[0]["first"][0]
+    first = runs[name]["first"][0]
+    want = runs["single"].model.state_dict()
     assert_matches_one_process(name, got, ref, first["weights"], runs["single"].model)
     print(f"{name}: max |loss - one process| = {max(abs(a['loss'] - b['loss']) for a, b in zip(got, ref)):.2e}, "
-          f"weights max abs diff = {max((first['weights'][k] - v).abs().max().item() for k, v in runs['single'].model.state_dict().items()):.2e}")
-    for r in ranks:  # the bias update sums every rank's loads: one bias everywhere, and it moved
-        assert all(torch.equal(b, b0) for b, b0 in zip(r["first"][0]["bias"], first["bias"]))
-    assert sum(b.abs().sum() for b in first["bias"]) > 0
-    want = runs["single"].model.state_dict()
+          f"weights max abs diff = {max((first['weights'][k] - v).abs().max().item() for k, v in want.items()):.2e}")
     assert all(torch.allclose(first["weights"][k], want[k], atol=1e-5) for k in want)
+    for r in runs[name]["first"]:  # the bias update sums every rank's loads: one bias everywhere, and it moved
+        assert all(torch.equal(b, b0) for b, b0 in zip(r["bias"], first["bias"]))
+    assert sum(b.abs().sum() for b in first["bias"]) > 0
 
 
-def test_resume_at_the_same_ep_is_bit_exact(runs):
-    first, second = runs["two"][0]["first"][0], runs["two"][0]["second"][0]
-    assert_resumed_bit_exact("ep2", first, second, START, STEPS, runs["root"] / "ep2")
+@pytest.mark.parametrize("name", ["ddp-ep2", "fsdp-ep2"])
+def test_resume_at_the_same_ep_is_bit_exact(runs, name):
+    assert_resumed_bit_exact(name, runs[name]["first"][0], runs[name]["second"], START, STEPS, runs["root"] / name)
 
 
-def test_resume_across_ep_sizes(runs, tmp_path):
-    """Saved at ep 2, resumed at ep 1 (world 2) and in one process; saved in one process, resumed
-    at ep 2: every one ends where the uninterrupted run ends."""
-    ep2 = runs["two"][0]["first"][0]["weights"]
-    at_ep1, single_at_ep2 = (runs["two"][0]["cross"][i] for i in (0, 1))
-    assert at_ep1["resumed_from"] == single_at_ep2["resumed_from"] == START
-    assert rel_l2(at_ep1["weights"], ep2) <= 1e-4
-    want = {k: v.float() for k, v in runs["single"].model.state_dict().items()}
-    assert rel_l2(single_at_ep2["weights"], want) <= 1e-4
+@pytest.mark.parametrize("name, want", [("ddp-ep2-at-ep1", "ddp-ep2"), ("single-at-ddp-ep2", "single"),
+                                        ("fsdp-ep2-at-ep1", "fsdp-ep2")])
+def test_resume_across_ep_sizes(runs, name, want):
+    """Full checkpoints (ddp) saved at ep 2 resumed at ep 1, saved in one process resumed at ep 2;
+    sharded ones (fsdp, DCP) saved at ep 2 resumed at ep 1: each ends where the uninterrupted run
+    ends."""
+    got = runs[name]
+    ref = ({k: v.float() for k, v in runs["single"].model.state_dict().items()} if want == "single"
+           else runs[want]["first"][0]["weights"])
+    assert got["resumed_from"] == START and got["steps"] == STEPS
+    assert rel_l2(got["weights"], ref) <= 1e-4
+
+
+def test_ep2_full_checkpoint_resumes_in_one_process(runs, tmp_path):
     out = tmp_path / "ep2-in-one-process"  # the ep 2 file is the one-process state dict
-    shutil.copytree(runs["root"] / "ep2" / "full", out)
+    shutil.copytree(runs["root"] / "ddp-ep2" / "full", out)
     shutil.rmtree(sorted((out / "checkpoints").glob("step_*"))[-1])
     resumed = train(cfg(), out, resume=True)
     assert resumed.resumed_from == START
-    assert rel_l2({k: v.float() for k, v in resumed.model.state_dict().items()}, ep2) <= 1e-4
+    assert rel_l2({k: v.float() for k, v in resumed.model.state_dict().items()},
+                  runs["ddp-ep2"]["first"][0]["weights"]) <= 1e-4
 
 
 # ---------------------------------------------------------------- no ranks
@@ -100,11 +121,11 @@ def test_resume_across_ep_sizes(runs, tmp_path):
     ({"parallel__ep": 2, "model__moe_experts": None}, r"parallel.ep = 2 shards the experts of an MoE model"),
     ({"parallel__ep": 3}, r"parallel.ep = 3 must divide model.moe_experts \(4\)"),
     ({"parallel__ep": 2, "parallel__tp": 2}, r"parallel.ep = 2 with parallel.tp = 2 is not built: Megatron .*ETP = TP or 1"),
-    ({"parallel__ep": 2, "train__strategy": "fsdp"}, r"parallel.ep = 2 does not run with train.strategy = 'fsdp'"),
-    ({"parallel__ep": 2, "train__strategy": "deepspeed"}, r"train.strategy = 'deepspeed'"),
-    ({"parallel__ep": 2, "train__strategy": "zero1"}, r"train.strategy = 'zero1'"),
-    ({"parallel__ep": 2, "train__strategy": "zero2"}, r"train.strategy = 'zero2'"),
-    ({"parallel__ep": 2, "train__strategy": "fsdp-scratch"}, r"train.strategy = 'fsdp-scratch'"),
+    ({"parallel__ep": 2, "train__strategy": "ddp-scratch"}, r"parallel.ep = 2 does not run with train.strategy = 'ddp-scratch'"),
+    ({"parallel__ep": 2, "train__strategy": "deepspeed"}, r"parallel.ep = 2 does not run with train.strategy = 'deepspeed'"),
+    ({"parallel__ep": 2, "train__strategy": "zero1"}, r"parallel.ep = 2 does not run with train.strategy = 'zero1'"),
+    ({"parallel__ep": 2, "train__strategy": "zero2"}, r"parallel.ep = 2 does not run with train.strategy = 'zero2'"),
+    ({"parallel__ep": 2, "train__strategy": "fsdp-scratch"}, r"parallel.ep = 2 does not run with train.strategy = 'fsdp-scratch'"),
     ({"parallel__ep": 2, "checkpoint__format": "sharded"}, r"checkpoint.format = 'sharded' does not fit parallel.ep"),
     ({"parallel__ep": 2, "model__checkpointing": "full"}, r"parallel.ep = 2 does not run with model.checkpointing"),
     ({"parallel__ep": 0}, r"parallel.ep must be >= 1"),

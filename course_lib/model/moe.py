@@ -137,10 +137,13 @@ class Experts(nn.Module):
         self.up = nn.Parameter(torch.empty(n_experts, ffn_dim, d_model))
         self.down = nn.Parameter(torch.empty(n_experts, d_model, ffn_dim))
 
+    #: Set by expert parallelism under FSDP2, whose sharded weights do not show the count (None: gate's rows)
+    local_count: int | None = None
+
     @property
     def n_local(self) -> int:
         """Experts this module holds."""
-        return self.gate.shape[0]
+        return self.local_count if self.local_count is not None else self.gate.shape[0]
 
     def matrices(self) -> Iterator[tuple[torch.Tensor, bool]]:
         """(stacked weight, writes into the residual stream?) for the init schemes."""
@@ -154,7 +157,10 @@ class Experts(nn.Module):
         sizes = counts.tolist() if torch.is_tensor(counts) else list(counts)
         if len(sizes) != self.n_local or sum(sizes) != rows.shape[0]:
             raise ValueError(f"counts {sizes} must have {self.n_local} entries summing to the {rows.shape[0]} rows")
-        outs = [F.linear(F.silu(F.linear(r, self.gate[e])) * F.linear(r, self.up[e]), self.down[e])
+        # Under expert parallelism with FSDP2 the weights are DTensors over the (edp, ep) mesh: this
+        # rank's block of experts is the local tensor (the gradient goes back to the DTensor).
+        gate, up, down = (w.to_local() if hasattr(w, "to_local") else w for w in (self.gate, self.up, self.down))
+        outs = [F.linear(F.silu(F.linear(r, gate[e])) * F.linear(r, up[e]), down[e])
                 for e, r in enumerate(rows.split(sizes))]
         return torch.cat(outs) if outs else rows
 

@@ -60,7 +60,10 @@ FSDP_MODEL_PARALLEL = ("course_lib.parallel.composed.fsdp_tp", "FSDPTensorParall
 EXPERT_PARALLEL = ("course_lib.parallel.expert_parallel.in_trainer", "ExpertParallelDDP",
                    "torch DDP over the non-expert weights, experts sharded over parallel.ep ranks (all-to-all)")
 #: ``train.strategy`` names that run with ``parallel.ep > 1``.
-EXPERT_PARALLEL_DP = ("ddp",)
+EXPERT_PARALLEL_DP = ("ddp", "fsdp")
+#: ... and with train.strategy = "fsdp": FSDP2, experts sharded over the expert-DP mesh
+FSDP_EXPERT_PARALLEL = ("course_lib.parallel.expert_parallel.in_trainer", "ExpertParallelFSDP",
+                        "FSDP2: experts DTensors on an (edp, ep) mesh, sharded over edp; the rest over every rank")
 
 #: The ``train.strategy`` names that compose with tp/pp/cp > 1 (modes of
 #: :mod:`course_lib.parallel.composed.dp`), name -> what the data-parallel dimension does.
@@ -94,5 +97,5 @@ def make_strategy(name: str, info: Any, device: Any, cfg: dict | None = None):
         if name not in EXPERT_PARALLEL_DP:  # trainer.config refuses it first, saying why
             raise ValueError(f"strategy {name!r} does not run with parallel.ep > 1; use one of "
                              f"{', '.join(EXPERT_PARALLEL_DP)}")
-        module, cls, _ = EXPERT_PARALLEL
+        module, cls, _ = FSDP_EXPERT_PARALLEL if name == "fsdp" else EXPERT_PARALLEL
     return getattr(importlib.import_module(module), cls)(info, device, cfg)

@@ -21,7 +21,7 @@
               FSDP2 over dp x cp on the DTensor-TP model; cp runs ring attention over zig-zag sequence
               chunks, with dp and tp, not with pp; the world size must be dp * tp * pp * cp, checked
               when the ranks start); ep (expert parallel: each MoE layer's experts sharded over ep ranks,
-              tokens moved by all-to-all, with train.strategy = "ddp" and tp = pp = cp = 1; ep divides
+              tokens moved by all-to-all, with train.strategy = "ddp" or "fsdp" and tp = pp = cp = 1; ep divides
               the world size and model.moe_experts)
 
 Every unknown section or key, wrong type or out-of-range value is a ``ConfigError`` naming it
@@ -346,7 +346,7 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
 
 def _expert_parallel_checks(cfg: dict, mcfg) -> None:
     """``parallel.ep`` (course_lib.parallel.expert_parallel.in_trainer): an MoE model whose expert count
-    it divides, torch DDP as the data-parallel dimension, no model parallelism, full checkpoints. That
+    it divides, torch DDP or FSDP2 as the data-parallel dimension, no model parallelism. That
     ep divides the world size is checked when the ranks start (trainer.check_config.check_world)."""
     from course_lib.parallel.registry import EXPERT_PARALLEL_DP
 
@@ -370,8 +370,6 @@ def _expert_parallel_checks(cfg: dict, mcfg) -> None:
                           f"(tp = pp = cp = 1)")
     if t["strategy"] not in EXPERT_PARALLEL_DP:
         why = {
-            "fsdp": "FSDP2 with experts sharded over the expert-data-parallel mesh and the rest over the world "
-                    "(torchtitan's layout) is not built yet",
             "deepspeed": "the DeepSpeed engine would average the expert slices over every rank (its own MoE "
                          "layer is not wired into the trainer)",
             "zero1": "the from-scratch ZeRO shards one flat buffer over every rank, experts included",
@@ -383,11 +381,12 @@ def _expert_parallel_checks(cfg: dict, mcfg) -> None:
         }.get(t["strategy"], "not built")
         raise ConfigError(f"{what} does not run with train.strategy = {t['strategy']!r}: {why}. With parallel.ep "
                           f"> 1 train.strategy must be one of {', '.join(repr(n) for n in EXPERT_PARALLEL_DP)}")
-    if cfg["checkpoint"]["format"] == "sharded":
-        raise ConfigError(f"checkpoint.format = 'sharded' does not fit {what}: the expert slices are plain "
-                          f"tensors, not DTensors over an (expert-dp, ep) mesh, so DCP could not reshard them "
-                          f"across EP sizes; full checkpoints gather the experts into the one-process layout "
-                          f"(use 'auto' or 'full')")
+    if cfg["checkpoint"]["format"] == "sharded" and t["strategy"] == "ddp":
+        raise ConfigError(f"checkpoint.format = 'sharded' does not fit {what} with train.strategy = 'ddp': its "
+                          f"expert slices are plain tensors, not DTensors over an (expert-dp, ep) mesh, so DCP "
+                          f"could not reshard them across EP sizes; full checkpoints gather the experts into the "
+                          f"one-process layout (use 'auto' or 'full'), or use train.strategy = 'fsdp', whose "
+                          f"sharded checkpoints do reshard")
     others = [(bad, key) for bad, key in (
         (t["compile"], "train.compile = true (the all-to-all reads its split sizes on the host)"),
         (t["precision"] == "fp8", "train.precision = 'fp8' (not tried with the expert dispatch)"),

@@ -33,13 +33,25 @@ class FSDP2(Distributed):
 
     def setup(self, model: nn.Module, make_optimizer) -> None:
         from course_lib.validate import ConfigError
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
         blocks = getattr(model, "blocks", None)
         if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
             raise ConfigError(f"train.strategy = 'fsdp' shards the model block by block, but "
                               f"{type(model).__name__} has no non-empty `blocks` ModuleList to shard")
+        options = self._fsdp_options()
+        for block in blocks:
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+        self.model = self.module = model
+        self.optimizer = make_optimizer(model)  # over the DTensor shards: state sharded too
+
+    def _fsdp_options(self) -> dict:
+        """``fully_shard``'s keyword arguments from ``[parallel]`` and ``train.precision``: a mesh of
+        every rank, reshard_after_forward, the mixed-precision and CPU-offload policies."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
         par, precision = self.cfg["parallel"], self.cfg["train"]["precision"]
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(precision)
         options = {"mesh": init_device_mesh(self.device.type, (self.info.world_size,)),
@@ -50,11 +62,7 @@ class FSDP2(Distributed):
             # Pinned host memory makes the GPU<->CPU copies asynchronous; without an accelerator
             # there is nothing to pin for (and torch refuses to try).
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        for block in blocks:
-            fully_shard(block, **options)
-        fully_shard(model, **options)
-        self.model = self.module = model
-        self.optimizer = make_optimizer(model)  # over the DTensor shards: state sharded too
+        return options
 
     def precision_policy(self, precision: str):
         """FSDP2's MixedPrecisionPolicy casts; the loop keeps fp16's loss scaling only."""

@@ -1,29 +1,33 @@
-"""Expert parallelism inside the trainer (``parallel.ep > 1`` with ``train.strategy = "ddp"``).
+"""Expert parallelism inside the trainer (``parallel.ep > 1``, ``train.strategy`` "ddp" or "fsdp").
 
 World = ep x expert-dp (:func:`.group.make_ep_group`: ep consecutive ranks share one set of experts).
-Every rank builds the same full model (same seed), then :class:`ExpertParallelDDP`
+Every rank builds the same full model (same seed), keeps its E / ep experts of every MoE layer and
+routes their tokens through all-to-all (:func:`.shard.shard_experts`). Each rank reads its own data.
+One process's gradient of the mean loss over the global batch is, for a non-expert weight, the mean
+over every rank (plain data parallelism); for an expert weight, the sum over its expert-DP group
+divided by the world size (the combine's backward has already summed the tokens of its EP group).
 
-* keeps its E / ep experts of every MoE layer and routes their tokens through all-to-all
-  (:func:`.shard.shard_experts`);
-* wraps the model in torch DDP with the expert weights *ignored* (DDP would otherwise broadcast
-  rank 0's experts over every rank at construction and average expert gradients over the world):
-  every other parameter is data-parallel over every rank, as plain DDP;
-* after the step's last micro-batch, all-reduces the expert gradients over the expert-DP group
-  (the ranks holding the same slice) and divides by the world size. An expert's gradient already
-  sums, through the combine's backward, the tokens of every rank of its EP group, so this gives the
-  one-process gradient of the mean loss over the global batch (:func:`.shard.sync_gradients`);
-* completes the stabilizer's gradient norms: an expert tensor's squared norm is summed over the EP
-  group (each rank holds another slice), a replicated one counts once (:attr:`reduce_grad_sq`);
-* saves full checkpoints in the one-process layout: the experts and their AdamW moments are
-  all-gathered over the EP group on save and sliced on load, so a file saved at ep = 2 resumes at
-  ep = 1, in one process, or at ep = 4, and the reverse.
+:class:`ExpertParallelDDP` (``ddp``): torch DDP with the expert slices *ignored* (DDP would otherwise
+broadcast rank 0's experts at construction and average expert gradients over the world); after the
+step's last micro-batch the expert gradients are all-reduced over the expert-DP group and divided by
+the world size. The stabilizer's norm sums an expert slice's square over the EP group
+(:attr:`reduce_grad_sq`). Full checkpoints in the one-process layout: experts and their AdamW
+moments all-gathered over the EP group on save, sliced on load, so a file saved at ep = 2 resumes
+at ep = 1, in one process, or at ep = 4, and the reverse.
+
+:class:`ExpertParallelFSDP` (``fsdp``, torchtitan's layout): every expert weight becomes a DTensor on
+an (edp, ep) device mesh, ``Shard(0)`` over ep and replicated over edp, and ``fully_shard`` on the
+experts module with that mesh shards it over edp (``DataParallelMeshDims(shard="edp")``) with the
+gradient divide factor set to the world size (FSDP2 would average over edp); the blocks and the root
+are sharded over every rank as plain FSDP2. Every weight is then a DTensor under its one-process name
+and global shape, so the stabilizer's norms complete themselves and sharded (DCP) checkpoints
+reshard across EP sizes and into plain ``fsdp``.
 
 The expert-bias update (DeepSeek-V3) needs nothing here: the router runs before the dispatch on
 each rank's own tokens, and the trainer sums the loads over every rank before updating the bias.
 
-Not built (trainer.config refuses them with ep > 1, naming why): FSDP2 / ZeRO / DeepSpeed with
-experts (expert weights sharded over the expert-DP mesh: torchtitan's layout), ep with tp/pp/cp
-(Megatron's ETP), sharded (DCP) checkpoints of the expert layout.
+Not built (trainer.config refuses them with ep > 1, naming why): ZeRO / DeepSpeed / the scratch
+strategies with experts, ep with tp/pp/cp (Megatron's ETP), sharded checkpoints under ``ddp``.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib.model.moe import moe_layers
+from course_lib.parallel.data_parallel.fsdp2 import FSDP2
 from course_lib.parallel.data_parallel.torch_ddp import TorchDDP
 from course_lib.parallel.expert_parallel.group import EPGroup, make_ep_group
 from course_lib.parallel.expert_parallel.shard import gather_experts, is_expert, shard_experts
@@ -173,3 +179,50 @@ class _FullOptimizerView:
             sliced["state"][idx] = {k: (_slice(v, self._ep) if expert and torch.is_tensor(v) and v.dim() > 0 else v)
                                     for k, v in st.items()}
         self._opt.load_state_dict(sliced)
+
+
+_MESHES: dict = {}
+
+
+class ExpertParallelFSDP(FSDP2):
+    """FSDP2 with experts: every expert weight a DTensor on an (edp, ep) mesh, Shard(0) over ep
+    (each EP rank its block of experts), sharded again by FSDP2 over edp; every other weight sharded
+    over the world, block by block (see the module docstring)."""
+
+    name = "fsdp"
+
+    def setup(self, model: nn.Module, make_optimizer) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        world, ep = self.info.world_size, self.cfg["parallel"]["ep"]
+        self.ep = make_ep_group(ep)
+        self.dispatchers = shard_experts(model, self.ep)
+        # One mesh per layout per process: FSDP2 keeps the first (edp, ep) mesh it saw and refuses
+        # DTensors on an equal but new one (a second trainer run in the same process, e.g. a resume).
+        key = (self.device.type, world // ep, ep)
+        if key not in _MESHES:
+            _MESHES[key] = init_device_mesh(self.device.type, key[1:], mesh_dim_names=("edp", "ep"))
+        mesh = _MESHES[key]
+        options = self._fsdp_options()
+        for m in moe_layers(model):
+            m.experts.local_count = m.experts.n_local
+            for name in ("gate", "up", "down"):
+                local = getattr(m.experts, name)
+                p = nn.Parameter(DTensor.from_local(local.detach(), mesh, [Replicate(), Shard(0)], run_check=False))
+                p.is_expert = True
+                setattr(m.experts, name, p)
+            fully_shard(m.experts, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="edp"),
+                        **{k: v for k, v in options.items() if k != "mesh"})
+            # FSDP2 averages over edp; one process's gradient is the sum over the world / world
+            m.experts.set_gradient_divide_factor(float(world))
+            if dist.get_backend() == "gloo" and world > ep:
+                # A custom factor is NCCL's PREMUL_SUM, which gloo lacks: sum, then FSDP divides. Not
+                # over an edp group of 1: torch 2.13 then divides twice (its no-collective path divides too).
+                m.experts.set_force_sum_reduction_for_comms(True)
+        for block in model.blocks:
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+        self.model = self.module = model
+        self.optimizer = make_optimizer(model)
