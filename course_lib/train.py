@@ -119,6 +119,9 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
             raise ConfigError(f"model.init_from = {init_from!r}: {exc}") from None
     fp8 = _fp8_convert(cfg, model, device)  # train.precision = "fp8": Linear layers swapped before any wrapper
     train_setup.check_faults_reach(stabilizer, strategy, t["strategy"])  # an engine may keep p.grad
+    # Counted on the whole model, before a strategy keeps its share of it (expert parallelism
+    # keeps E / ep experts per rank: a rank's own count would understate every token's FLOPs).
+    flops_per_token = model_flops_per_token(model, d["seq_len"])
     strategy.setup(model, train_setup.adamw(cfg["optim"]))
     if t["compile"]:
         # Compile what forward is called on (the wrapper); checkpoints keep using strategy.model,
@@ -168,7 +171,7 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
     peak = _agreed_peak(Peak.of(_peak_flops(cfg, device)), info)  # config, datasheet, doctor's stamp or start-up
     if strategy.is_writer:  # which peak every MFU of this run divides by, and why that one
         (out_dir / "mfu_peak.json").write_text(json.dumps(dataclasses.asdict(peak), indent=2) + "\n")
-    throughput = Throughput(tokens_per_step, model_flops_per_token(model, d["seq_len"]),
+    throughput = Throughput(tokens_per_step, flops_per_token,
                             MfuGuard(peak.flops, info.world_size, configured=peak.source == "config",
                                      warn=strategy.is_writer, source=peak.source))  # an unreliable peak logs None
     bar = StepBar(enabled=t["progress"] and strategy.is_writer, start=start, max_steps=t["max_steps"],

@@ -83,6 +83,10 @@ def test_layout_matches_one_process(runs, name):
     print(f"{name}: max |loss - one process| = {max(abs(a['loss'] - b['loss']) for a, b in zip(got, ref)):.2e}, "
           f"weights max abs diff = {max((first['weights'][k] - v).abs().max().item() for k, v in want.items()):.2e}")
     assert all(torch.allclose(first["weights"][k], want[k], atol=1e-5) for k in want)
+    # MFU counts the whole model's active parameters, not a rank's share of the experts:
+    # mfu / tokens_per_s = FLOPs per token / (peak * world)
+    world = LAYOUTS[name][0]
+    assert got[-1]["mfu"] / got[-1]["tokens_per_s"] * world == pytest.approx(ref[-1]["mfu"] / ref[-1]["tokens_per_s"])
     for r in runs[name]["first"]:  # the bias update sums every rank's loads: one bias everywhere, and it moved
         assert all(torch.equal(b, b0) for b, b0 in zip(r["bias"], first["bias"]))
     assert sum(b.abs().sum() for b in first["bias"]) > 0
