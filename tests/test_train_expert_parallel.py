@@ -135,13 +135,12 @@ def test_ep2_full_checkpoint_resumes_in_one_process(runs, tmp_path):
     ({"parallel__ep": 0}, r"parallel.ep must be >= 1"),
 ])
 def test_bad_ep_is_refused_by_the_config(sets, match):
-    sets = {"train__strategy": "ddp", **sets}
-    model = {k: v for k, v in MODEL.items() if f"model__{k.split('__')[1]}" not in sets}
-    if sets.get("model__moe_experts", 1) is None:
-        sets.pop("model__moe_experts")
-        model = dict(data__seq_len=16)
+    if sets.get("model__moe_experts", 0) is None:  # a dense model: the default preset, no experts
+        model, sets = {"data__seq_len": 16}, {k: v for k, v in sets.items() if k != "model__moe_experts"}
+    else:
+        model = {k: v for k, v in MODEL.items() if k not in sets}
     with pytest.raises(train_config.ConfigError, match=match):
-        tiny_cfg(1, **model, **sets)
+        tiny_cfg(1, **model, **{"train__strategy": "ddp", **sets})
 
 
 def test_ep_must_divide_the_world():
