@@ -18,7 +18,7 @@ fsdp's sharded (DCP). Each EP 2 run resumes bit-exact at EP 2; ddp's EP 2 file r
 process, the one-process file resumed at EP 2, and fsdp's EP 2 checkpoint
 resumed at ep 1 end where the uninterrupted runs end (within 1e-4).
 
-One launch per world size.
+One launch per world size (the 4-rank one in its own fixture, runs4).
 """
 from __future__ import annotations
 
@@ -59,24 +59,32 @@ LAYOUTS = {  # name -> (world, ep, strategy)
 CROSSES = [((2, 2, "ddp"), "single", "single-at-ddp-ep2"), ((2, 1, "fsdp"), "fsdp-ep2/full", "fsdp-ep2-at-ep1")]
 
 
+def launch(root, world, resume, crosses=()) -> dict:
+    """The LAYOUTS of ``world`` ranks (and ``crosses``) in one launch: {name: {"first": every rank's
+    entry, "second": rank 0's resume (with ``resume``)}, cross name: rank 0's entry}."""
+    names = [n for n, (w, _, _) in LAYOUTS.items() if w == world]
+    ranks = run_ranks(fns.train_and_cross_resume, world, [(cfg(*LAYOUTS[n]), str(root / n)) for n in names],
+                      [(cfg(*c), str(root / src), str(root / dst)) for c, src, dst in crosses], resume, timeout=600)
+    out = {n: {"first": [r["first"][i] for r in ranks], "second": ranks[0]["second"][i] if resume else None}
+           for i, n in enumerate(names)}
+    return {**out, **{dst: ranks[0]["cross"][j] for j, (_, _, dst) in enumerate(crosses)}}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """One process, then the 2-rank launch (layouts, their resumes, the resumes across EP sizes)."""
     root = tmp_path_factory.mktemp("expert_parallel")
     single = train(cfg(), root / "single")
-    out = {}
-    for world, resume in ((2, True), (4, False)):  # one launch per world size
-        names = [n for n, (w, _, _) in LAYOUTS.items() if w == world]
-        crosses = [(cfg(*c), str(root / src), str(root / dst)) for c, src, dst in CROSSES] if world == 2 else []
-        ranks = run_ranks(fns.train_and_cross_resume, world, [(cfg(*LAYOUTS[n]), str(root / n)) for n in names],
-                          crosses, resume, timeout=600)
-        for i, n in enumerate(names):
-            out[n] = {"first": [r["first"][i] for r in ranks], "second": ranks[0].get("second", [None] * 9)[i]}
-        out.update({dst: ranks[0]["cross"][j] for j, (_, _, dst) in enumerate(CROSSES) if world == 2})
-    return {"root": root, "single": single, **out}
+    return {"root": root, "single": single, **launch(root, 2, True, CROSSES)}
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_one_process(runs, name):
+@pytest.fixture(scope="module")
+def runs4(runs):
+    """The 4-rank launch (EP 2 x expert-DP 2), beside the same one-process run."""
+    return {**runs, **launch(runs["root"], 4, False)}
+
+
+def check_layout(runs, name):
     got, ref = rows(runs["root"] / name / "full"), rows(runs["root"] / "single")
     first = runs[name]["first"][0]
     want = runs["single"].model.state_dict()
@@ -91,6 +99,17 @@ def test_layout_matches_one_process(runs, name):
     for r in runs[name]["first"]:  # the bias update sums every rank's loads: one bias everywhere, and it moved
         assert all(torch.equal(b, b0) for b, b0 in zip(r["bias"], first["bias"]))
     assert sum(b.abs().sum() for b in first["bias"]) > 0
+
+
+@pytest.mark.parametrize("name", ["ddp-ep2", "fsdp-ep2"])
+def test_ep2_matches_one_process(runs, name):
+    check_layout(runs, name)
+
+
+@pytest.mark.parametrize("name", ["ddp-ep2-edp2", "fsdp-ep2-edp2"])
+def test_ep2_edp2_matches_one_process(runs4, name):
+    """Expert gradients reduced over the expert-DP group (FSDP2: its divide factor, gloo's sum)."""
+    check_layout(runs4, name)
 
 
 @pytest.mark.parametrize("name", ["ddp-ep2", "fsdp-ep2"])
