@@ -1,11 +1,12 @@
-"""Expert parallelism in the trainer (``parallel.ep > 1``, train.strategy = "ddp"): each MoE layer's
+"""Expert parallelism in the trainer (``parallel.ep > 1``, train.strategy "ddp" or "fsdp"): each MoE layer's
 experts sharded over ep ranks, tokens through all-to-all, the rest data-parallel over every rank.
 
 Layouts: train.strategy "ddp" (torch DDP over the non-expert weights) and "fsdp" (FSDP2, experts
 DTensors on an (edp, ep) mesh sharded over edp, the rest over every rank).
 
-The model is moe-tiny shrunk to 2 layers of 4 experts (d_model 16, capacity factor 1.25: uneven
-routing, some tokens dropped, the balancing loss and the DeepSeek-V3 bias update on). The reference
+The model is moe-tiny shrunk to 2 layers of 4 experts (d_model 16; capacity factor 1.25: an
+expert takes at most 10 of a micro-batch's 32 routed slots; the balancing loss and the DeepSeek-V3
+bias update on, the bias moving because the routing is uneven). The reference
 is ONE process on the same global batch of 4 sequences a step, taken as 4 micro-batches of one
 sequence: a rank's micro-batch is one of those (the sampler deals the global batch out in that
 order), and MoE's balancing loss and capacity are per micro-batch, so that is the one-process run
