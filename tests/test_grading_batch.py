@@ -152,12 +152,18 @@ def write_partial(subs, name, number):
 # of its records (and probe verdicts), which the slow sweep (tests/test_grading_sweep.py) checks
 # for every exercise; that a solution submission scores full marks - its answers paired by id,
 # by position, reordered - is the 01 batch above.
+#
+# 05 runs under -m slow only: its promise (a top cell that silences the checks and patches every
+# comparison earns nothing; only the comparison outside the kernel catches the wrong answers) is held
+# in the default suite by 07's forged submission (the same top cell, PATCH_PRELUDE) and 01's
+# patch-compare and eq-true (wrong values under silenced checks: "wrong"); its solution's smoke run
+# is then tests/test_notebooks_execute.py's, and the slow sweep grades 05's solution and partial.
 TORCH_BATCHES = [
-    ("05", "05_gradient_policy", hostile.STUBS_05),
-    ("07", "07_atomic_checkpoint", None),  # forged below: a superset of the stub attack
+    pytest.param("05", "05_gradient_policy", hostile.STUBS_05, marks=pytest.mark.slow, id="05-slow"),
+    pytest.param("07", "07_atomic_checkpoint", None, id="07"),  # forged below: a superset of the stub attack
 ]
-# the exercises whose reference (the whole solution, run by the grader) this module builds
-REFERENCE_BUILT = ("01", *(number for number, *_ in TORCH_BATCHES))
+# the exercises whose reference (the whole solution, run by the grader) the default run of this module builds
+REFERENCE_BUILT = ("01", "07")
 # kills per run of the "checkpoint-kills" probe in these batches: one at a random moment, one
 # mid-write (the grader's default, probes.KILL_CYCLES = 4, is checked in tests/test_grading.py).
 # Reference and submissions get the same count, so a correct module still matches the reference.

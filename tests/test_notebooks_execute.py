@@ -71,6 +71,9 @@ def test_the_solutions_not_run_here_are_run_whole_by_the_default_grading_batch()
     for test in (test_grading_batch.test_exercise_01_honest_and_hostile_batch,
                  test_grading_batch.test_exercise_batch_with_torch):
         assert "slow" not in [m.name for m in getattr(test, "pytestmark", [])], test.__name__
+    default_batches = {p.values[0] for p in test_grading_batch.TORCH_BATCHES
+                       if "slow" not in [m.name for m in p.marks]}
+    assert set(test_grading_batch.REFERENCE_BUILT) <= {"01", *default_batches}, default_batches
     batch = inspect.getsource(test_grading_batch)
     assert "cache_dir=tmp_path" in batch  # a fresh cache: the reference is built, not read back
     build = inspect.getsource(reference.build_reference)

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from course_lib.kit.checks import CheckFailed
-from course_lib.parallel.ranks.launch import RankFailedError, run_ranks
+from course_lib.parallel.ranks.launch import COLLECTIVES_PRELOAD, RankFailedError, run_ranks
 
 
 
@@ -68,7 +68,8 @@ def _launch(fn, world_size: int, what: str, timeout: float, *args,
     hang (``timeout`` seconds) becomes a message that says what to do (``deadlock_hint``: the
     likely cause of a hang in this exercise)."""
     try:
-        return run_ranks(fn, world_size, *args, timeout=timeout, show_output=False)
+        # the checks' ranks use torch.distributed's collectives only: a lighter fork server
+        return run_ranks(fn, world_size, *args, timeout=timeout, show_output=False, preload=COLLECTIVES_PRELOAD)
     except RankFailedError as exc:
         if exc.exc_type == "NotImplementedError":
             raise NotImplementedError(

@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from course_lib.parallel.ranks.launch import RankFailedError, run_ranks
+from course_lib.parallel.ranks.launch import COLLECTIVES_PRELOAD, RankFailedError, run_ranks
 from course_lib.parallel.wire import count_collectives
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -156,8 +156,8 @@ def check_all_reduce(impl: Callable, world_sizes: Sequence[int],
     rows = []
     for world_size in world_sizes:
         try:
-            per_rank = run_ranks(compare_all_reduce, world_size, impl, list(cases),
-                                 timeout=timeout, show_output=False)
+            per_rank = run_ranks(compare_all_reduce, world_size, impl, list(cases), timeout=timeout,
+                                 show_output=False, preload=COLLECTIVES_PRELOAD)  # collectives only
         except RankFailedError as exc:
             if exc.exc_type == "NotImplementedError":
                 raise NotImplementedError(

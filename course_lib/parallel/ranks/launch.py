@@ -281,11 +281,14 @@ RANK_START_METHODS = ("forkserver", "spawn")
 # fork, so an edited one is never stale.
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
                       "torch.distributed.pipelining", "torch.distributed.checkpoint")
+# For ranks that use only torch.distributed's collectives (the exercises' checks): the four packages
+# above double the server's start (3.2 -> 6.5 CPU-seconds here), which such ranks never repay.
+COLLECTIVES_PRELOAD = ("torch", "torch.distributed")
 
 
-def _start_context(mp):
-    """The multiprocessing context ranks start from: ``forkserver`` (default; torch preloaded in
-    the server, see the module docstring) or ``spawn`` (``COURSE_RANK_START=spawn``: a fresh
+def _start_context(mp, preload=FORKSERVER_PRELOAD):
+    """The multiprocessing context ranks start from: ``forkserver`` (default; ``preload`` imported
+    in the server, see the module docstring) or ``spawn`` (``COURSE_RANK_START=spawn``: a fresh
     interpreter per rank, the slow and simplest way)."""
     method = os.environ.get("COURSE_RANK_START", "forkserver")
     check_choice("COURSE_RANK_START", method, RANK_START_METHODS)
@@ -293,7 +296,7 @@ def _start_context(mp):
         method = "spawn"
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        ctx.set_forkserver_preload(list(preload))
     return ctx
 
 
@@ -307,7 +310,8 @@ def _kill_all(procs) -> None:
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, backend: str | None = None,
               timeout: float = 300.0, threads_per_rank: int | None = None,
-              show_output: bool = True, exit_grace_s: float = 10.0, **kwargs: Any) -> list:
+              show_output: bool = True, exit_grace_s: float = 10.0,
+              preload: tuple[str, ...] = FORKSERVER_PRELOAD, **kwargs: Any) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` fresh processes.
 
     Each rank starts with the default process group initialised (``backend``: gloo on CPU, nccl
@@ -321,6 +325,10 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, backend: str | None = N
     ``show_output`` relays each rank's prints as ``[rank N] ...`` lines. ``exit_grace_s``
     (seconds) is how long ranks get to exit after handing back their results before being
     killed; a crash at that point no longer matters and is ignored.
+
+    ``preload``: the modules the fork server imports when this call is the one that starts it
+    (:data:`COLLECTIVES_PRELOAD` for ranks that need no FSDP, TP, pipelining or DCP); a server
+    already running serves every later call of the process unchanged, and ``spawn`` ignores it.
 
     ``fn`` must be importable by a fresh interpreter: defined at the top level of a ``.py``
     module, not in a notebook cell, not a lambda.
@@ -339,7 +347,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, backend: str | None = N
 
     backend = backend or default_backend(world_size)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-    ctx = _start_context(mp)
+    ctx = _start_context(mp, preload)
     deadline = time.monotonic() + timeout
     store = _free_store(world_size, timeout)
     logdir = tempfile.mkdtemp(prefix="course-ranks-")
