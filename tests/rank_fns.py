@@ -84,6 +84,14 @@ def train_rank_digest(rank, world_size, cfg, out_dir, faults=(), slow_save_s=0.0
             "skipped": result.skipped_steps, "digest": param_digest(result.model)}
 
 
+def cli_rank(rank, world_size, argv):
+    """One rank of ``python -m course_lib.train ARGV`` (the command line torchrun would start, the
+    same config from the same flags) in a launch of run_ranks; returns the exit code."""
+    from course_lib.train import main
+
+    return main(list(argv))
+
+
 def resume_rank_digest(rank, world_size, cfg, out_dir):
     """One rank of a resumed run (``resume=True``)."""
     from course_lib.train import train
@@ -92,8 +100,9 @@ def resume_rank_digest(rank, world_size, cfg, out_dir):
     return {"resumed_from": result.resumed_from, "steps": result.steps, "digest": param_digest(result.model)}
 
 
-def host_reads_on_rank(rank, world_size, cfg, out_dir):
-    """Host reads per optimizer step made by course_lib on this rank of a DDP run."""
+def host_reads_on_rank(rank, world_size, cfg, out_dir, steps=10):
+    """Host reads per optimizer step made by course_lib on this rank of a DDP run (runs of ``steps``
+    and ``2 * steps`` steps)."""
     import os
 
     from host_reads import reads_per_step
@@ -105,7 +114,7 @@ def host_reads_on_rank(rank, world_size, cfg, out_dir):
         overrides = {**cfg, "train": {**cfg["train"], "max_steps": steps}}
         train_mod.train(overrides, os.path.join(out_dir, f"r{steps}"))
 
-    return reads_per_step(run, steps=10)
+    return reads_per_step(run, steps=steps)
 
 
 def param_digest(model) -> str:
@@ -130,12 +139,13 @@ def several(rank, world_size, calls):
     return [fn(rank, world_size, *args) for fn, args in calls]
 
 
-def host_reads_on_rank_many(rank, world_size, cfgs, out_dir):
+def host_reads_on_rank_many(rank, world_size, cfgs, out_dir, steps=10):
     """:func:`host_reads_on_rank` for each ``{name: cfg}`` (under ``out_dir/name``), one launch:
     ``{name: host reads per optimizer step on this rank}``."""
     import os
 
-    return {name: host_reads_on_rank(rank, world_size, cfg, os.path.join(out_dir, name)) for name, cfg in cfgs.items()}
+    return {name: host_reads_on_rank(rank, world_size, cfg, os.path.join(out_dir, name), steps)
+            for name, cfg in cfgs.items()}
 
 
 def set_aside_then_resume(rank, world_size, cfg, out_dir, ckpt_name):

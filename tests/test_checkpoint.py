@@ -389,17 +389,20 @@ def test_rollback_policy_restores_the_last_checkpoint(tmp_path, reference):
     assert [r["loss"] for r in got[46:51]] == [r["loss"] for r in ref_rows[40:45]]
 
 
-@pytest.mark.parametrize("cycles", [2, pytest.param(12, marks=pytest.mark.slow)])
+# The default case is one deterministic kill: the moment a save's temporary directory shows up
+# (certainly mid-write). The soak (slow) alternates random moments with such targeted kills.
+@pytest.mark.parametrize("cycles", [1, pytest.param(12, marks=pytest.mark.slow)])
 def test_sigkill_at_random_moments_during_saves(tmp_path, cycles):
     ref = tmp_path / "ref"
-    steps = 10 * cycles
+    steps = 10 * max(cycles, 2)  # room after the first commit for the kill to land mid-save
     cfg = ["--steps", steps, "--save-every", 1, "--width", 384, "--depth", 3]
     tiny_loop.run(ref, steps, save_every=None, width=384, depth=3)
     run = tmp_path / "run"
     rng = random.Random(1234 + cycles)
     last_step, hit_mid_save = -1, 0
     for cycle in range(cycles):
-        proc = child(["--dir", run, *cfg] + (["--sync-save"] if cycle % 2 else []))
+        targeted = cycle % 2 == 1 or cycles == 1  # the single default cycle is a targeted one
+        proc = child(["--dir", run, *cfg] + (["--sync-save"] if targeted else []))
         deadline = time.monotonic() + 60
         start_count = len(rows(run / "metrics.jsonl")) if (run / "metrics.jsonl").exists() else 0
         while time.monotonic() < deadline and proc.poll() is None:  # wait for training to be under way
@@ -411,7 +414,7 @@ def test_sigkill_at_random_moments_during_saves(tmp_path, cycles):
             if going and saved:
                 break
             time.sleep(0.01)
-        if cycle % 2 == 0:
+        if not targeted:
             time.sleep(rng.uniform(0.0, 0.4))  # a random moment (mostly inside saves: they dominate a step)
         else:  # the moment a save's temporary directory shows up: certainly mid-write
             while time.monotonic() < deadline and proc.poll() is None and not any(
@@ -429,10 +432,8 @@ def test_sigkill_at_random_moments_during_saves(tmp_path, cycles):
         assert not any(p.name.startswith(".tmp-") for p in (run / "ckpt").iterdir())
         last_step = res.step
     assert hit_mid_save >= 1, "no kill landed inside a save; the test did not test anything"
-    proc = child(["--dir", run, *cfg])
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    assert json.loads(out.splitlines()[-1])["resumed_from"]["step"] >= last_step
+    summary = tiny_loop.run(run, steps, save_every=1, width=384, depth=3)  # the resume, in this process
+    assert summary["resumed_from"]["step"] >= last_step
     got, want = rows(run / "metrics.jsonl"), rows(ref / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(steps)) and [r["loss"] for r in got] == [r["loss"] for r in want]
     a, b = load_file(run / "final.safetensors"), load_file(ref / "final.safetensors")

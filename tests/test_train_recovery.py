@@ -47,14 +47,20 @@ HOST_READ_STRATEGIES = ["ddp", "ddp-scratch", "zero2", "fsdp-scratch", "fsdp"]  
 SCRATCH_DDP = ("ddp", "ddp-scratch")
 
 
+HOST_READ_STEPS = 5  # runs of 5 and 10 steps; a log row every 5 (log_every) falls inside the difference
+SHARDED_STEPS, SHARDED_EVERY = 4, 2  # a checkpoint and two steps after it: enough for a bit-exact resume
+
+
 def rollback_cfg():
+    # the spike (grad_scale@20, after the detector's 16-step warm-up) lands one step after the
+    # step-20 save; two steps after it show the run going on
     return cfg("train.strategy='ddp'", "train.micro_batch=8", "checkpoint.save_every=10",
-               "checkpoint.async_save=true", "stability.spike_policy='rollback'", steps=30)
+               "checkpoint.async_save=true", "stability.spike_policy='rollback'", steps=22)
 
 
 def sharded_cfg():
-    return cfg("train.strategy='ddp'", "train.micro_batch=8", "checkpoint.save_every=6",
-               "checkpoint.format='sharded'", "model.dropout=0.1", steps=12)
+    return cfg("train.strategy='ddp'", "train.micro_batch=8", f"checkpoint.save_every={SHARDED_EVERY}",
+               "checkpoint.format='sharded'", "model.dropout=0.1", steps=SHARDED_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -66,18 +72,23 @@ def two_ranks(tmp_path_factory):
     sharded-checkpoint run is resumed in the same launch, its newest checkpoint set aside first.
     ``{name: [rank 0's result, rank 1's]}`` and the root folder."""
     root = tmp_path_factory.mktemp("two-ranks")
-    host_cfgs = {s: cfg(f"train.strategy='{s}'", "train.micro_batch=8", "checkpoint.async_save=false", steps=10)
+    host_cfgs = {s: cfg(f"train.strategy='{s}'", "train.micro_batch=8", "checkpoint.async_save=false",
+                        f"train.log_every={HOST_READ_STEPS}", steps=HOST_READ_STEPS)
                  for s in HOST_READ_STRATEGIES}
     calls = {"sharded": (rank_fns.train_rank_digest, (sharded_cfg(), str(root / "sharded"))),
              "sharded-resumed": (rank_fns.set_aside_then_resume, (sharded_cfg(), str(root / "sharded"),
-                                                                  "step_000000012")),
+                                                                  f"step_{SHARDED_STEPS:09d}")),
              **{s: (rank_fns.train_rank_digest, (cfg(f"train.strategy='{s}'", "train.micro_batch=8",
                                                      "train.grad_accum=2", steps=12), str(root / s)))
                 for s in SCRATCH_DDP},
-             "host_reads": (rank_fns.host_reads_on_rank_many, (host_cfgs, str(root / "host-reads"))),
+             # the uninterrupted reference of the torchrun kill test: its command line, in this launch
+             "clean": (rank_fns.cli_rank, (_trainer_args(root / "clean"),)),
+             "host_reads": (rank_fns.host_reads_on_rank_many, (host_cfgs, str(root / "host-reads"),
+                                                               HOST_READ_STEPS)),
              "rollback": (rank_fns.train_rank_digest,
                           (rollback_cfg(), str(root / "rollback"), ["grad_scale@20=10"], 1.0))}
-    per_rank = run_ranks(rank_fns.several, 2, list(calls.values()), timeout=600)
+    # one thread per rank, as torchrun gives each worker: the "clean" run must match torchrun's bit for bit
+    per_rank = run_ranks(rank_fns.several, 2, list(calls.values()), timeout=600, threads_per_rank=1)
     return root, {name: [r[i] for r in per_rank] for i, name in enumerate(calls)}
 
 
@@ -90,11 +101,11 @@ def test_ddp_rollback_with_async_saves_agrees_and_keeps_replicas_identical(two_r
     (rollback_cfg, 1 s of slow storage, in the two_ranks launch.)"""
     root, runs = two_ranks
     results, tmp_path = runs["rollback"], root / "rollback"
-    assert [r["steps"] for r in results] == [30, 30]
+    assert [r["steps"] for r in results] == [22, 22]
     assert [r["rollbacks"] for r in results] == [1, 1]
     assert results[0]["digest"] == results[1]["digest"], "the replicas drifted apart"
     assert [(e["event"], e["rolled_back_to"]) for e in events(tmp_path)] == [("rollback", 20)]
-    assert steps_of(tmp_path) == list(range(1, 31))
+    assert steps_of(tmp_path) == list(range(1, 23))
 
 
 def test_rollback_before_any_checkpoint_skips_the_step(tmp_path):
@@ -113,17 +124,17 @@ def test_a_level_shift_under_rollback_ends_at_the_new_level(tmp_path):
     out = tmp_path / "shift"
     with pytest.warns(RuntimeWarning, match="accepted as the new level"):
         result = train(cfg("checkpoint.save_every=10", "stability.spike_policy='rollback'",
-                           "stability.max_rollbacks=2", "checkpoint.async_save=false"), out,
-                       faults=["loss_shift@25=3"])
-    assert result.steps == 40 and result.rollbacks == 2
+                           "stability.max_rollbacks=2", "checkpoint.async_save=false", steps=28), out,
+                       faults=["loss_shift@25=3"])  # after the detector's warm-up; 3 steps past the shift
+    assert result.steps == 28 and result.rollbacks == 2
     assert [e["event"] for e in events(out)] == ["rollback", "rollback", "level_accepted"]
-    assert steps_of(out) == list(range(1, 41))
+    assert steps_of(out) == list(range(1, 29))
 
 
 def test_a_level_shift_with_rollback_limit_error_stops_clearly(tmp_path):
     with pytest.raises(RollbackLimitError, match="survived 2 consecutive roll-backs"):
         train(cfg("checkpoint.save_every=10", "stability.spike_policy='rollback'",
-                  "stability.max_rollbacks=2", "stability.rollback_limit='error'"), tmp_path,
+                  "stability.max_rollbacks=2", "stability.rollback_limit='error'", steps=28), tmp_path,
               faults=["loss_shift@25=3"])
 
 
@@ -189,12 +200,16 @@ def test_a_checkpoint_of_another_model_shape_is_refused_by_name(tmp_path):
 
 # ------------------------------------------------------------------ SIGKILL on 2 ranks
 
-STEPS = 20
+STEPS = 12  # saves at 4 and 8: room for the slow variant's second kill
 
 
 def _torchrun(out, *extra):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "course_lib.train", "--config", str(TINY), "--out", str(out), "--no-progress",
+            "-m", "course_lib.train", *_trainer_args(out, *extra)]
+
+
+def _trainer_args(out, *extra):
+    return ["--config", str(TINY), "--out", str(out), "--no-progress",
             "--max-steps", str(STEPS), "--save-every", "4", "--set", "train.strategy='ddp'",
             "--set", "train.micro_batch=8", "--set", "model.dropout=0.1",
             "--set", "schedule.warmup_steps=3", *extra]
@@ -233,17 +248,19 @@ def _final_weights(out):
 
 
 @pytest.mark.parametrize("cycles", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_ddp_killed_at_random_moments_resumes_bit_exact(tmp_path, cycles):
+def test_ddp_killed_at_random_moments_resumes_bit_exact(tmp_path, cycles, two_ranks):
     """Two ranks with dropout (each rank its own random stream), killed with SIGKILL at a random
     moment after each run's first checkpoint (once by default; twice, the resumed run killed
     again, in the slow variant), resumed each time: the losses and weights equal an uninterrupted
     run bit for bit. Before, every rank restored rank 0's RNG, so rank 1's dropout masks changed
     after a resume. The final resume also finds a torn last line in metrics.jsonl, as a kill in
     the middle of a row's write leaves it: the rows come out whole, each step once (this was
-    tests/test_train.py's one-process SIGKILL test, now slow there)."""
+    tests/test_train.py's one-process SIGKILL test, now slow there). The uninterrupted run is the
+    same command line run in the two_ranks launch (one thread per rank, as here)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    clean = subprocess.run(_torchrun(tmp_path / "clean"), capture_output=True, text=True, timeout=300, env=env)
-    assert clean.returncode == 0, clean.stderr[-3000:]
+    root, runs = two_ranks
+    assert runs["clean"] == [0, 0]
+    clean_dir = root / "clean"
     victim, rng, kills = tmp_path / "victim", random.Random(), 0
     for _ in range(cycles):
         before = _committed(victim)
@@ -263,11 +280,11 @@ def test_ddp_killed_at_random_moments_resumes_bit_exact(tmp_path, cycles):
                              timeout=300, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step" in resumed.stdout, resumed.stdout  # not a fresh start
-    clean_rows = read_rows(tmp_path / "clean" / "metrics.jsonl")
+    clean_rows = read_rows(clean_dir / "metrics.jsonl")
     victim_rows = [json.loads(line) for line in (victim / "metrics.jsonl").read_text().splitlines()]  # all valid JSON
     assert [r["step"] for r in victim_rows] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in victim_rows] == [r["loss"] for r in clean_rows]
-    wc, wv = _final_weights(tmp_path / "clean"), _final_weights(victim)
+    wc, wv = _final_weights(clean_dir), _final_weights(victim)
     assert all(torch.equal(wc[k], wv[k]) for k in wc)
 
 
@@ -275,17 +292,17 @@ def test_ddp_killed_at_random_moments_resumes_bit_exact(tmp_path, cycles):
 
 def test_ddp_with_sharded_checkpoints_resumes_exactly(two_ranks):
     """checkpoint.format = 'sharded': every rank writes its shards through DCP; a resume from the
-    step-6 checkpoint reproduces the uninterrupted run's steps 7-12 (both runs in the two_ranks
+    step-2 checkpoint reproduces the uninterrupted run's steps 3-4 (both runs in the two_ranks
     launch: rank_fns.set_aside_then_resume)."""
     root, runs = two_ranks
     tmp_path, first, again = root / "sharded", runs["sharded"], runs["sharded-resumed"]
     rows = read_rows(tmp_path / "set-aside" / "metrics.jsonl")  # as the first run left them
-    assert [r["step"] for r in rows] == list(range(1, 13))
-    newest = tmp_path / "set-aside" / "step_000000012"  # moved there before the resume
+    assert [r["step"] for r in rows] == list(range(1, SHARDED_STEPS + 1))
+    newest = tmp_path / "set-aside" / f"step_{SHARDED_STEPS:09d}"  # moved there before the resume
     manifest = json.loads((newest / "manifest.json").read_text())
     assert manifest["format"].endswith("dcp/1") and manifest["world_size"] == 2
     assert {"rank0.pt", "rank1.pt"} <= {p.name for p in newest.iterdir()}
-    assert [r["resumed_from"] for r in again] == [6, 6]
+    assert [r["resumed_from"] for r in again] == [SHARDED_STEPS - SHARDED_EVERY] * 2
     assert [r["loss"] for r in read_rows(tmp_path / "metrics.jsonl")] == [r["loss"] for r in rows]
     assert again[0]["digest"] == again[1]["digest"] == first[0]["digest"]
 
@@ -294,7 +311,7 @@ def test_ddp_with_sharded_checkpoints_resumes_exactly(two_ranks):
 
 # zero1 shares zero2's step (only the norm hook differs, and it makes no host read).
 def test_data_parallel_makes_one_host_read_per_step_on_every_rank(two_ranks):
-    """Every strategy in HOST_READ_STRATEGIES, 10 and 20 steps each, in the two_ranks launch."""
+    """Every strategy in HOST_READ_STRATEGIES, HOST_READ_STEPS and twice that each, in the two_ranks launch."""
     per_rank = two_ranks[1]["host_reads"]
     per_step = {s: [r[s] for r in per_rank] for s in HOST_READ_STRATEGIES}
     assert all(v == [1.0, 1.0] for v in per_step.values()), per_step
