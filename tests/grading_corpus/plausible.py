@@ -50,7 +50,8 @@ PLAUSIBLE = {
 }
 
 # the words of the honest partials of tests/test_grading_batch.PARTIALS
-PARTIAL_WORDS = {"05": "clip", "07": "Verify the new file *before* deleting", "13": "NaN"}
+PARTIAL_WORDS = {"05": "clip", "07": "Verify the new file *before* deleting", "13": "NaN",
+                 "14": "put each back at its row of x"}
 
 
 def plausible_notebook(sol: dict, number: str) -> dict:
