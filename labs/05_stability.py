@@ -55,6 +55,7 @@ from course_lib.labs import plots
 from course_lib.trainer import config as train_config
 from course_lib.checkpoint import CheckpointManager
 from course_lib.kit.checks import check, check_close
+from course_lib.kit.scratch import fresh
 from course_lib.data import BatchStream, MarkovTask
 from course_lib.trainer.metrics import read_rows
 from course_lib.model import INIT_SCHEMES, ModelConfig, TinyGPT
@@ -83,7 +84,8 @@ def run(name, steps, *sets, faults=(), resume=False):
                  *LAB_SETS, *sets]
     with warnings.catch_warnings(record=True) as caught:  # one line per run instead of a stderr block
         warnings.simplefilter("always", RuntimeWarning)
-        result = train(train_config.load(CONFIG, overrides), RUNS / name, faults=list(faults), resume=resume)
+        out = RUNS / name if resume else fresh(RUNS / name)  # a re-run cell starts its run afresh
+        result = train(train_config.load(CONFIG, overrides), out, faults=list(faults), resume=resume)
     RESUMED_FROM[name] = result.resumed_from
     for message in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)):
         print(f"[{name}] the trainer warned: {message}")

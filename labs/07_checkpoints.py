@@ -50,6 +50,7 @@ from course_lib.trainer import config as train_config
 from course_lib.checkpoint import CheckpointError, CheckpointManager
 from course_lib.labs.lab07_checkpoints import kill_while_saving, loaded_step
 from course_lib.kit.checks import check
+from course_lib.kit.scratch import fresh
 from course_lib.kit.predict import show_prediction
 from course_lib.trainer.metrics import read_rows
 from course_lib.model import ModelConfig, TinyGPT
@@ -86,9 +87,9 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")  # child processes: one thread each,
 
 # %%
 WRITERS = "course_lib.labs.lab07_checkpoints:"  # the two save functions under test live there
-reports = {"naive": kill_while_saving(WRITERS + "torch_save_in_place", RUNS / "naive", cycles=KILL_CYCLES,
+reports = {"naive": kill_while_saving(WRITERS + "torch_save_in_place", fresh(RUNS / "naive"), cycles=KILL_CYCLES,
                                       seed=SEED, numel=KILL_NUMEL, final="latest.pt"),
-           "atomic": kill_while_saving(WRITERS + "save_with_manager", RUNS / "atomic", cycles=KILL_CYCLES,
+           "atomic": kill_while_saving(WRITERS + "save_with_manager", fresh(RUNS / "atomic"), cycles=KILL_CYCLES,
                                        seed=SEED, numel=KILL_NUMEL)}
 
 
@@ -169,7 +170,7 @@ if len(random_kills) >= 6:  # with fewer, all missing a write is not unlikely en
 
 # %% tags=["nbval-check-output"]
 losses = [3.0, 2.4, 1.9, 2.2, 2.5, 2.3, 2.6, 2.8]  # the loss at each save: the best is the third
-mgr = CheckpointManager(RUNS / "retention", keep_last=2, keep_best=1, best_metric="loss", async_save=False)
+mgr = CheckpointManager(fresh(RUNS / "retention"), keep_last=2, keep_best=1, best_metric="loss", async_save=False)
 tiny = torch.nn.Linear(4, 4)
 print(f"{'save':>5} {'loss':>5}  on disk after the save")
 for i, loss in enumerate(losses, start=1):
@@ -219,7 +220,7 @@ big(idx, idx)[1].backward()
 opt.step()  # creates Adam's two moments: the state is now weights + 2 x weights
 timing = {}
 for mode in ("sync", "async"):
-    mgr_t = CheckpointManager(RUNS / f"stall-{mode}", keep_last=2, async_save=mode == "async")
+    mgr_t = CheckpointManager(fresh(RUNS / f"stall-{mode}"), keep_last=2, async_save=mode == "async")
     rows = []
     for rep in range(ASYNC_REPEATS + 1):  # the first save allocates the copy buffers: not counted
         t0 = time.perf_counter()
@@ -292,7 +293,7 @@ def resumed_step(log):
 # The reference runs as a process of its own too, at the same time as the victim (one core
 # each): the same program in the same kind of process (a loss summed in another process's memory
 # layout can differ in its last bit).
-ref = subprocess.Popen(trainer(RUNS / "reference"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+ref = subprocess.Popen(trainer(fresh(RUNS / "reference")), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                        env=ENV)
 
 
@@ -302,7 +303,7 @@ def wait_for_rows(path, n, proc, timeout=300):
         time.sleep(0.02)
 
 
-victim = RUNS / "victim"
+victim = fresh(RUNS / "victim")  # fresh: re-running this cell repeats the experiment
 proc = subprocess.Popen(trainer(victim), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
 wait_for_rows(victim / "metrics.jsonl", KILL_AFTER, proc)
 proc.send_signal(signal.SIGKILL)
@@ -361,7 +362,7 @@ print(f"{len(got)} losses identical (max |difference| {max(abs(d) for d in diff)
 # previous one is used. We flip one byte in the middle of the newest checkpoint's weights.
 
 # %%
-corrupt = RUNS / "corrupt"
+corrupt = fresh(RUNS / "corrupt")
 shutil.copytree(victim / "checkpoints", corrupt)
 names = sorted(p.name for p in corrupt.iterdir() if p.name.startswith("step_"))
 weights_file = corrupt / names[-1] / "model.safetensors"
@@ -398,7 +399,7 @@ check(all(torch.equal(net.state_dict()[k], v) for k, v in expected.items()),
 # when `KILL_AFTER` steps are logged, and let torchrun do the rest.
 
 # %%
-out6 = RUNS / "torchrun"
+out6 = fresh(RUNS / "torchrun")
 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
        "--max-restarts", "2", "--monitor-interval", "0.2",
        "-m", "course_lib.train", *ARGS, "--out", str(out6), "--resume", "auto"]
@@ -466,7 +467,7 @@ print(f"the worker was killed after step {rows_at_kill}, restarted by torchrun, 
 # %%
 from course_lib import cli
 
-run7 = RUNS / "fsdp"
+run7 = fresh(RUNS / "fsdp")
 cmd7 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "course_lib.train", "--config", str(CONFIG), "--max-steps", str(EXPORT_STEPS),
         "--save-every", str(EXPORT_STEPS), "--no-progress", "--set", "train.peak_flops=1e12",
@@ -487,7 +488,7 @@ from course_lib.checkpoint.dcp import consolidate_sharded
 import transformers
 
 transformers.utils.logging.disable_progress_bar()  # one bar per load would bury the table
-single_file, hf_dir = RUNS / "model.safetensors", RUNS / "hf"
+single_file, hf_dir = fresh(RUNS / "model.safetensors"), fresh(RUNS / "hf")
 print("$ course ckpt consolidate fsdp --out model.safetensors")
 check(cli.main(["ckpt", "consolidate", str(run7), "--out", str(single_file)]) == 0, "consolidate failed")
 print("$ course ckpt export-hf fsdp --out hf")

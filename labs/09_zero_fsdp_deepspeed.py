@@ -40,6 +40,7 @@ import torch
 import course_lib
 from course_lib.trainer import config as train_config
 from course_lib.kit.checks import check
+from course_lib.kit.scratch import fresh
 from course_lib.estimate import format_bytes
 from course_lib.estimate.comm import comm_elements_per_step
 from course_lib.estimate.memory import RECIPES, PrecisionRecipe, model_state_bytes
@@ -359,7 +360,7 @@ def losses_of(out):
 
 
 single_cfg = trainer_cfg(f"train.micro_batch={GLOBAL_BATCH}")
-single = train(single_cfg, RUNS / "single")  # the one-process reference, in this kernel
+single = train(single_cfg, fresh(RUNS / "single"))  # the one-process reference, in this kernel
 single_losses = losses_of(RUNS / "single")
 HALF = f"train.micro_batch={GLOBAL_BATCH // 2}"
 FSDP_RUNS = {
@@ -369,7 +370,7 @@ FSDP_RUNS = {
     "fsdp, bf16": trainer_cfg(HALF, "train.strategy=fsdp", "train.precision=bf16"),
     "fsdp, cpu_offload": trainer_cfg(HALF, "train.strategy=fsdp", "parallel.cpu_offload=true"),
 }
-runs = [dict(cfg=c, out_dir=str(RUNS / name.replace(", ", "-").replace("=", "")), want_weights=name == "fsdp",
+runs = [dict(cfg=c, out_dir=str(fresh(RUNS / name.replace(", ", "-").replace("=", ""))), want_weights=name == "fsdp",
              probe_memory=True) for name, c in FSDP_RUNS.items()]
 fsdp = dict(zip(FSDP_RUNS, run_ranks(lab09_runs.train_runs, 2, runs, threads_per_rank=1, show_output=False,
                                       timeout=600)[0]))
@@ -488,7 +489,7 @@ print(f"consolidated into a plain TinyGPT: {len(same)} of {len(trained)} tensors
       "weights the 2 ranks trained")
 check(len(same) == len(trained), "every consolidated tensor should equal the trained full weights exactly")
 
-cut = RUNS / "fsdp-resumed-on-1"
+cut = fresh(RUNS / "fsdp-resumed-on-1")
 shutil.copytree(out_fsdp, cut)
 shutil.rmtree(cut / "checkpoints" / ckpts[-1].name)  # as if the run had died before its last save
 one_cfg = trainer_cfg(f"train.micro_batch={GLOBAL_BATCH}", "train.strategy=fsdp")
@@ -533,7 +534,7 @@ plt.show()
 # %%
 DS_RUNS = {f"deepspeed ZeRO-{z}": trainer_cfg(HALF, "train.strategy=deepspeed", f"parallel.zero_stage={z}")
            for z in (1, 2, 3)}
-ds_runs = [dict(cfg=c, out_dir=str(RUNS / f"ds-z{z}")) for z, c in zip((1, 2, 3), DS_RUNS.values())]
+ds_runs = [dict(cfg=c, out_dir=str(fresh(RUNS / f"ds-z{z}"))) for z, c in zip((1, 2, 3), DS_RUNS.values())]
 ds = dict(zip(DS_RUNS, run_ranks(lab09_runs.train_runs, 2, ds_runs, threads_per_rank=1, show_output=False,
                                  timeout=600)[0]))
 print("ds_config.json written by the ZeRO-3 run:")

@@ -51,6 +51,7 @@ import course_lib
 from course_lib import measure
 from course_lib.trainer import config as train_config
 from course_lib.kit.checks import check
+from course_lib.kit.scratch import fresh
 from course_lib.kit.predict import show_prediction
 from course_lib.estimate import activation_bytes_first_stage, bubble_fraction
 from course_lib.model import ModelConfig
@@ -650,9 +651,9 @@ LAYOUTS = {"tp2 x pp2 (dp 1)": ["parallel.tp=2", "parallel.pp=2", f"train.micro_
            "tp2 x dp2": ["parallel.tp=2", f"train.micro_batch={MB // 2}"]}
 if SMOKE:
     LAYOUTS = dict(list(LAYOUTS.items())[:1])
-single = train(trainer_cfg(f"train.micro_batch={MB}"), RUNS / "single")  # one process, in this kernel
+single = train(trainer_cfg(f"train.micro_batch={MB}"), fresh(RUNS / "single"))  # one process, in this kernel
 single_losses = losses_of(RUNS / "single")
-jobs3d = [(trainer_cfg("train.strategy=ddp", *sets), str(RUNS / f"layout{i}"))
+jobs3d = [(trainer_cfg("train.strategy=ddp", *sets), str(fresh(RUNS / f"layout{i}")))
           for i, sets in enumerate(LAYOUTS.values())]
 res3d = run_ranks(lab_runs.train_layouts, 4, jobs3d, threads_per_rank=1, show_output=False, timeout=600)
 print(f"{'layout':<20}" + "".join(f"{'rank ' + str(r) + ' (pp,dp,tp)':>20}" for r in range(4)))
@@ -751,7 +752,7 @@ SHARDED = {"fsdp x tp (dp2 x tp2)": ("fsdp", 3, 2, ["train.strategy=fsdp", "para
                                                   f"train.micro_batch={MB}"])}
 if SMOKE:
     SHARDED = dict(list(SHARDED.items())[1:])
-jobs_sh = [(trainer_cfg(*sets), str(RUNS / f"sharded{i}")) for i, (_, _, _, sets) in enumerate(SHARDED.values())]
+jobs_sh = [(trainer_cfg(*sets), str(fresh(RUNS / f"sharded{i}"))) for i, (_, _, _, sets) in enumerate(SHARDED.values())]
 res_sh = run_ranks(lab_runs.sharded_layouts, 4, jobs_sh, threads_per_rank=1, show_output=False, timeout=900)
 shape = tinygpt_shape(tiny, seq_len=tiny.block_size)
 print(f"{'layout':<24}{'rank':>5} {'(pp,dp,cp,tp)':>14} {'params':>9} {'grads':>9} {'Adam':>9} {'total':>9} "

@@ -48,6 +48,7 @@ import course_lib
 from course_lib import measure
 from course_lib.trainer import config as train_config
 from course_lib.kit.checks import check
+from course_lib.kit.scratch import fresh
 from course_lib.kit.predict import show_prediction
 from course_lib.trainer.metrics import read_rows
 from course_lib.model import ModelConfig
@@ -122,7 +123,7 @@ JOBS = {
     f"overlap on ({BUCKET_MB:g} MiB buckets)": trainer_cfg(*model_sets(OVERLAP_BATCH), "train.strategy='ddp-scratch'",
                                                            f"parallel.bucket_mb={BUCKET_MB}"),
 }
-OUT = {name: RUNS / f"run{i}" for i, name in enumerate(JOBS)}
+OUT = {name: fresh(RUNS / f"run{i}") for i, name in enumerate(JOBS)}
 done = run_ranks(bottleneck_runs.train_jobs, WORLD, [(cfg, str(OUT[n])) for n, cfg in JOBS.items()],
                  threads_per_rank=1, show_output=False, timeout=900)
 print({name: r["steps"] for name, r in zip(JOBS, done[0])})
@@ -473,7 +474,7 @@ print(inspect.getsource(StaleTracker.update))
 
 # %%
 
-report = run_stall_demo(world_size=2, stall_rank=1, timeout_s=STALL_TIMEOUT_S, out_dir=RUNS / "stall")
+report = run_stall_demo(world_size=2, stall_rank=1, timeout_s=STALL_TIMEOUT_S, out_dir=fresh(RUNS / "stall"))
 # torchrun's own exit code is 1 when a worker fails; the ranks' codes are read from its failure report
 rank_codes = list(report.rank_exit_codes.values())
 print(f"stalled rank named by the watchdog: {report.stalled_rank} (last step {report.last_step}); "

@@ -32,6 +32,7 @@ import matplotlib.pyplot as plt
 
 import course_lib
 from course_lib.kit.checks import check
+from course_lib.kit.scratch import fresh
 from course_lib.launchers.cluster import Cluster
 from course_lib.launchers.commands import shell_join, torchrun_single_node
 from course_lib.kit.predict import show_prediction
@@ -539,7 +540,7 @@ except ImportError:
 # shows one whole.
 
 # %%
-plan_dir = RUNS / "plan-70b"
+plan_dir = fresh(RUNS / "plan-70b")
 paths = write_plan(p, plan_dir)
 PURPOSE = {
     "plan.md": "the choice in words: why each degree, the runners-up, how to start it",
@@ -617,7 +618,7 @@ tiny_plan = plan(gpu="custom", gpu_memory_gib=0.001, gpu_tflops=0.05, gpus=4, gp
                  seq=64, global_batch_tokens=8 * 64,
                  shape_overrides=dict(n_layers=2, d_model=64, n_heads=4, vocab_size=256))
 tiny = tiny_plan.best
-tiny_dir = RUNS / "plan-tiny"
+tiny_dir = fresh(RUNS / "plan-tiny")
 write_plan(tiny_plan, tiny_dir)
 print(f"best: {tiny.layout.label()}, {tiny.memory_total / 2**10:.0f} KiB of {tiny_plan.spec.usable_bytes / 2**10:.0f} "
       f"KiB usable per 'GPU'")
@@ -636,7 +637,7 @@ check(tiny_cfg["train"]["strategy"] == "fsdp" and tiny_cfg["parallel"]["tp"] == 
 # own `train.toml`; only the step count (and with it the warm-up) is overridden.
 
 # %%
-tiny_out = RUNS / "tiny-run"
+tiny_out = fresh(RUNS / "tiny-run")  # fresh: a re-run of this cell trains again
 argv = torchrun_single_node(str(tiny_dir / "train.toml"), [f"train.max_steps={TRAIN_STEPS}", "schedule.warmup_steps=2"],
                             Cluster(nodes=1, nproc_per_node=4), str(tiny_out))
 print(shell_join(argv))

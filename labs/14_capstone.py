@@ -42,6 +42,7 @@ from course_lib.kit.predict import show_prediction
 from course_lib.trainer import config as train_config
 from course_lib.labs import lab14_capstone as capstone
 from course_lib.kit.checks import check
+from course_lib.kit.scratch import fresh
 from course_lib.trainer.metrics import read_rows
 from course_lib.trainer.profiling import load_summary
 from course_lib.parallel.mesh import mesh_layout
@@ -117,8 +118,8 @@ for rank, role in layout.describe().items():
 # %%
 print("torchrun", " ".join(capstone.torchrun_command("$RUNS/reference", extra=COMMON + ["--profile"])[3:])
       .replace(str(capstone.CONFIG), "labs/configs/capstone-cpu.toml"))
-ref = capstone.run_job(RUNS / "reference",
-                       extra=COMMON + ["--profile", "--set", f"checkpoint.mirror=file://{MIRROR}"])
+ref = capstone.run_job(fresh(RUNS / "reference"),  # fresh (and its mirror): a re-run of this cell starts over
+                       extra=COMMON + ["--profile", "--set", f"checkpoint.mirror=file://{fresh(MIRROR)}"])
 check(ref.returncode == 0, f"the reference run failed:\n{ref.log[-3000:]}")
 print(f"{ref.seconds:.1f} s wall; " + ref.log.strip().splitlines()[-1])
 
@@ -233,7 +234,7 @@ my_resume_step = None  # your prediction: the step the second job resumes from
 my_steps_recomputed = None  # your prediction: steps computed twice (at least)
 
 # %%
-crashed, restarted = capstone.run_with_killed_worker(RUNS / "killed", KILL_AFTER, extra=COMMON)
+crashed, restarted = capstone.run_with_killed_worker(fresh(RUNS / "killed"), KILL_AFTER, extra=COMMON)
 print(f"{crashed.event}; torchrun exit code {crashed.returncode}; checkpoints on disk: {crashed.checkpoints}")
 print(f"second job: exit code {restarted.returncode}, resumed from step {restarted.resumed_from}, "
       f"{restarted.seconds:.1f} s wall")
@@ -278,7 +279,7 @@ show_prediction("steps computed twice", my_steps_recomputed, lost,
 my_signal_checkpoint = None  # your prediction: the step of the checkpoint the signal causes
 
 # %%
-stopped, resumed = capstone.run_with_signal(RUNS / "signal", SIGNAL_AFTER, sig=signal.SIGUSR1, extra=COMMON)
+stopped, resumed = capstone.run_with_signal(fresh(RUNS / "signal"), SIGNAL_AFTER, sig=signal.SIGUSR1, extra=COMMON)
 stop_steps = stopped.checkpoints  # what was on disk when the stopped job had exited
 print(f"{stopped.event}; signal -> job exit {stopped.event_to_exit_s:.2f} s; checkpoints then: {stop_steps}")
 print([line for line in stopped.log.splitlines() if line.startswith(("course:", "stopped by"))])

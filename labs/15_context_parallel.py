@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 import course_lib
 from course_lib.kit.checks import check
+from course_lib.kit.scratch import fresh
 from course_lib.kit.predict import show_prediction
 from course_lib.estimate import (ModelShape, accelerator, activation_bytes_per_layer, cp_comm_bytes_per_layer,
                                  first_stage_activation_breakdown)
@@ -188,7 +189,7 @@ check(act[hi]["eager"] / act[lo]["eager"] > 3, "eager attention: doubling the lo
 # %%
 ring_cases = [(1, 4, CP_SEQ, 16, layout) for layout in ("contiguous", "zigzag")]
 launch = run_ranks(lab_runs.cp_launch, CP, ring_cases, MODEL, list(SEQ_LENS),
-                   trainer_cfg("parallel.cp=2", "train.strategy=ddp"), str(RUNS / "cp"),
+                   trainer_cfg("parallel.cp=2", "train.strategy=ddp"), str(fresh(RUNS / "cp")),
                    threads_per_rank=1, show_output=False, timeout=600)
 d = MODEL.d_model
 rows = {}
@@ -573,7 +574,7 @@ print("[parallel]", {key: cp_cfg["parallel"][key] for key in ("dp", "tp", "pp", 
 dp_left = CP // (cp_cfg["parallel"]["tp"] * cp_cfg["parallel"]["pp"] * cp_cfg["parallel"]["cp"])
 print(f"dp = {cp_cfg['parallel']['dp']} in the config means 'the ranks that are left': {CP} ranks / (tp "
       f"{cp_cfg['parallel']['tp']} x pp {cp_cfg['parallel']['pp']} x cp {cp_cfg['parallel']['cp']}) = dp {dp_left}")
-train(trainer_cfg(), RUNS / "single")
+train(trainer_cfg(), fresh(RUNS / "single"))
 single = [json.loads(line)["loss"] for line in (RUNS / "single" / "metrics.jsonl").read_text().splitlines()]
 tr = [launch[r]["train"] for r in range(CP)]
 rel_loss = max(abs(a - b) / b for a, b in zip(tr[0]["losses"], single))
