@@ -1,7 +1,7 @@
 """train.precision = "fp8" under pipeline and context parallelism, against one FP8 process.
 
 One 2-rank gloo launch runs every layout (pp2 and cp2, kit tensorwise and rowwise, torchao rowwise
-under pp where torchao is installed), 3 steps of 2 micro-batches of 8 sequences each on
+under pp where torchao is installed), 2 steps of 2 micro-batches of 4 sequences each on
 tiny-cpu.toml, then a single FP8 Linear on zig-zag chunks under every recipe. The one-process
 references run here.
 
@@ -11,7 +11,8 @@ summation order only (the tied embedding and LM head add their gradients across 
 measured 2e-8 relative in the first gradient norm). Context
 parallelism also reorders sums (the ring's online softmax, dW summed over the cp ranks). FP8
 rounding turns such 1-ulp differences into a few FP8-ulp flips where a value lies on a rounding
-boundary, so the losses drift apart slowly: measured up to 2.7e-4 relative over 4 steps (cp2
+boundary, so the losses drift apart slowly: measured up to 2.7e-4 relative over 4 steps of 8-sequence
+micro-batches (cp2
 tensorwise), the same size as that of a run whose cp ranks scale with their own chunk's amax (the
 bug the amax reduction fixes). The training runs therefore cannot tell the two apart; the FP8
 Linear test does: with the cp group's amax, its output and input gradient are bit-equal to one
