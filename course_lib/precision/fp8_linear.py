@@ -23,27 +23,47 @@ import fnmatch
 import torch
 from torch import nn
 
-from course_lib.precision.recipes import AmaxHistory, Recipe, dequantize, get_recipe, quantize
+import torch.distributed as dist
+
+from course_lib.precision.recipes import (AmaxHistory, Recipe, block_amax, dequantize, get_recipe, quantize,
+                                          scale_from_amax)
 
 ROLES = ("input", "weight", "grad_output")
 
 
-def _quantize_operand(t: torch.Tensor, role: str, recipe: Recipe, history: dict | None):
-    """Quantize one GEMM operand (2-D, contraction along its last dimension) for ``role``."""
+def _quantize_operand(t: torch.Tensor, role: str, recipe: Recipe, history: dict | None,
+                      token_dim: int | None = None, token_group=None):
+    """Quantize one GEMM operand (2-D, contraction along its last dimension) for ``role``.
+    ``token_dim``: which of its dimensions runs over the tokens (None: none does, a weight);
+    ``token_group``: the ranks holding the other tokens of the same sequences (context
+    parallelism). Where a scale's block spans the whole token dimension (tensorwise, delayed, and
+    rowwise along the tokens of the weight-gradient GEMM) its amax is max-reduced over that group,
+    so every rank scales with the amax one process would see; blocks of one token are local, and
+    tiles of several tokens are local when the layout keeps them whole (trainer.config checks)."""
     fmt, block = recipe.fmt(role), recipe.block(role)
     scale = None
-    if recipe.history and history is not None:  # delayed: the scale comes from earlier steps
+    if token_group is not None and token_dim is not None and block[token_dim] == -1:
+        amax = block_amax(t, block)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=token_group)
+        if recipe.history and history is not None:  # delayed, from the global amaxes
+            scale = torch.tensor(history[role].scale(fmt, float(amax.max())))
+        else:
+            scale = scale_from_amax(amax, fmt, scale_kind=recipe.scale_kind)
+    elif recipe.history and history is not None:  # delayed: the scale comes from earlier steps
         scale = torch.tensor(history[role].scale(fmt, float(t.detach().abs().max())))
     return quantize(t, fmt, block, scale_kind=recipe.scale_kind, scale=scale)
 
 
 def fp8_gemm(a: torch.Tensor, b_t: torch.Tensor, roles: tuple[str, str], recipe: Recipe,
-             history: dict | None = None) -> torch.Tensor:
+             history: dict | None = None, *, token_dims: tuple[int | None, int | None] = (None, None),
+             token_group=None) -> torch.Tensor:
     """``a @ b_t.T`` in float32 with both operands through FP8. ``a``: (M, K), ``b_t``: (N, K) -
     both hold the contraction dimension K last, so every block lies along it. ``roles`` names the
-    operands ("input", "weight" or "grad_output"), which picks their format and block."""
-    qa = _quantize_operand(a, roles[0], recipe, history)
-    qb = _quantize_operand(b_t, roles[1], recipe, history)
+    operands ("input", "weight" or "grad_output"), which picks their format and block.
+    ``token_dims``: the dimension of each operand that runs over the tokens (None: none), read
+    with ``token_group`` (context parallelism: see :func:`_quantize_operand`)."""
+    qa = _quantize_operand(a, roles[0], recipe, history, token_dims[0], token_group)
+    qb = _quantize_operand(b_t, roles[1], recipe, history, token_dims[1], token_group)
     whole_rows = qa.block[1] == a.shape[1] and qb.block[1] == b_t.shape[1]
     if whole_rows and qa.data.shape == a.shape and qb.data.shape == b_t.shape and a.device.type == "cpu":
         # one scale per row (or per tensor) factors out of every dot product: the FP8 GEMM itself
@@ -55,12 +75,14 @@ def fp8_gemm(a: torch.Tensor, b_t: torch.Tensor, roles: tuple[str, str], recipe:
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, history, out_dtype):
+    def forward(ctx, x, weight, bias, recipe, history, out_dtype, token_group):
         ctx.save_for_backward(x, weight)
         ctx.recipe, ctx.history, ctx.has_bias = recipe, history, bias is not None
+        ctx.token_group = token_group
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).float()
-            y = fp8_gemm(x2, weight.float(), ("input", "weight"), recipe, history)
+            y = fp8_gemm(x2, weight.float(), ("input", "weight"), recipe, history, token_dims=(0, None),
+                         token_group=token_group)
             if bias is not None:
                 y = y + bias.float()
         return y.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype)
@@ -68,16 +90,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        recipe, history = ctx.recipe, ctx.history
+        recipe, history, group = ctx.recipe, ctx.history, ctx.token_group
         with torch.autocast(x.device.type, enabled=False):
             dy = grad_out.reshape(-1, weight.shape[0]).float()
             x2 = x.reshape(-1, x.shape[-1]).float()
             w = weight.float()
-            dx = fp8_gemm(dy, w.t(), ("grad_output", "weight"), recipe, history)          # over out_features
-            dw = fp8_gemm(dy.t(), x2.t(), ("grad_output", "input"), recipe, history)      # over the tokens
+            dx = fp8_gemm(dy, w.t(), ("grad_output", "weight"), recipe, history,           # over out_features
+                          token_dims=(0, None), token_group=group)
+            dw = fp8_gemm(dy.t(), x2.t(), ("grad_output", "input"), recipe, history,       # over the tokens
+                          token_dims=(1, 1), token_group=group)
             db = dy.sum(0) if ctx.has_bias else None
         return (dx.reshape(x.shape).to(x.dtype), dw.to(weight.dtype),
-                None if db is None else db.to(weight.dtype), None, None, None)
+                None if db is None else db.to(weight.dtype), None, None, None, None)
 
 
 class Fp8Linear(nn.Linear):
@@ -92,6 +116,8 @@ class Fp8Linear(nn.Linear):
         self.recipe = get_recipe(recipe)
         # delayed scaling: one amax history per operand, kept on the host (not in checkpoints)
         self.history = {role: AmaxHistory(self.recipe.history) for role in ROLES} if self.recipe.history else None
+        # context parallelism: the ranks holding the other tokens of the same sequences (set_token_group)
+        self.token_group = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: str = "tensorwise") -> "Fp8Linear":
@@ -104,7 +130,8 @@ class Fp8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = x.device.type
         out_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self.recipe, self.history, out_dtype)
+        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self.recipe, self.history, out_dtype,
+                                        self.token_group)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
@@ -139,3 +166,16 @@ def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise", skip=("lm_head"
             setattr(module, child_name, Fp8Linear.from_linear(child, recipe))
             converted.append(full)
     return {"converted": converted, "kept": kept}
+
+
+def set_token_group(model: nn.Module, group) -> int:
+    """Tell every :class:`Fp8Linear` of ``model`` which ranks hold the other tokens of its input's
+    sequences (context parallelism: the cp group; None: this rank holds them all). Scales whose
+    blocks span the tokens then come from the amax over the group (an all-reduce with
+    ``ReduceOp.MAX`` of a few floats per GEMM), so the FP8 values, and the loss, equal one
+    process's. Call it on every rank of the group, in the same order. Returns how many layers
+    were told."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for m in layers:
+        m.token_group = group
+    return len(layers)

@@ -56,6 +56,38 @@ def _block_of(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]
     return tuple(dim if b == -1 else b for dim, b in zip(shape, block))
 
 
+def _tiles(x: torch.Tensor, block: tuple[int, int]):
+    rows, cols = x.shape
+    br, bc = _block_of((rows, cols), block)
+    nr, nc = -(-rows // br), -(-cols // bc)
+    xf = x.detach().float()
+    if (nr * br, nc * bc) != (rows, cols):  # zeros do not change a block's amax
+        xf = torch.nn.functional.pad(xf, (0, nc * bc - cols, 0, nr * br - rows))
+    return br, bc, nr, nc, xf.reshape(nr, br, nc, bc)
+
+
+def block_amax(x: torch.Tensor, block: tuple[int, int] = (-1, -1)) -> torch.Tensor:
+    """Largest magnitude of each ``block`` of a 2-D tensor (same units as ``x``): float32, shape
+    (row blocks, column blocks), the amax :func:`quantize` derives its scales from. A layout that
+    splits a block over ranks max-reduces these over the ranks first (an all-reduce with
+    ``ReduceOp.MAX``), so every rank scales with the whole block's amax, as one process would."""
+    if x.dim() != 2:
+        raise ValueError(f"block_amax takes a 2-D tensor, got shape {tuple(x.shape)}")
+    return _tiles(x, block)[4].abs().amax(dim=(1, 3))
+
+
+def scale_from_amax(amax: torch.Tensor, fmt: str = "e4m3", *, scale_kind: str = "float") -> torch.Tensor:
+    """The dequantization scale of blocks whose largest magnitude is ``amax`` (float32, any shape):
+    ``amax / fp8_max(fmt)`` for ``scale_kind="float"`` (the amax lands on the format's max),
+    ``2^(floor(log2(amax)) - emax(fmt))`` for ``"e8m0"`` (a power of two, OCP MX); 1 where amax is 0."""
+    check_choice("scale_kind", scale_kind, SCALE_KINDS)
+    amax = amax.float()
+    if scale_kind == "float":
+        return torch.where(amax > 0, amax / fp8_max(fmt), torch.ones_like(amax))
+    exponent = torch.floor(torch.log2(amax.clamp(min=2.0**-126))) - emax(fmt)
+    return torch.where(amax > 0, torch.exp2(exponent.clamp(-127, 127)), torch.ones_like(amax))
+
+
 def quantize(x: torch.Tensor, fmt: str = "e4m3", block: tuple[int, int] = (-1, -1), *,
              scale_kind: str = "float", scale: torch.Tensor | None = None) -> Quantized:
     """Quantize a 2-D tensor to FP8 with one scale per ``block`` (rows, cols; -1 = whole dimension).
@@ -71,23 +103,12 @@ def quantize(x: torch.Tensor, fmt: str = "e4m3", block: tuple[int, int] = (-1, -
     for b in block:
         if b != -1:
             check_int("block", b, 1)
-    rows, cols = x.shape
-    br, bc = _block_of((rows, cols), block)
-    nr, nc = -(-rows // br), -(-cols // bc)
-    xf = x.detach().float()
-    if (nr * br, nc * bc) != (rows, cols):  # zeros do not change a block's amax
-        xf = torch.nn.functional.pad(xf, (0, nc * bc - cols, 0, nr * br - rows))
-    tiles = xf.reshape(nr, br, nc, bc)
+    br, bc, nr, nc, tiles = _tiles(x, block)
     if scale is None:
-        amax = tiles.abs().amax(dim=(1, 3))
-        if scale_kind == "float":
-            scale = torch.where(amax > 0, amax / fp8_max(fmt), torch.ones_like(amax))
-        else:
-            exponent = torch.floor(torch.log2(amax.clamp(min=2.0**-126))) - emax(fmt)
-            scale = torch.where(amax > 0, torch.exp2(exponent.clamp(-127, 127)), torch.ones_like(amax))
+        scale = scale_from_amax(tiles.abs().amax(dim=(1, 3)), fmt, scale_kind=scale_kind)
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device).expand(nr, nc)
     data = to_fp8(tiles / scale[:, None, :, None], fmt).reshape(nr * br, nc * bc)
-    return Quantized(data, scale.contiguous(), (br, bc), (rows, cols), fmt, scale_kind)
+    return Quantized(data, scale.contiguous(), (br, bc), tuple(x.shape), fmt, scale_kind)
 
 
 def dequantize(q: Quantized) -> torch.Tensor:

@@ -151,14 +151,77 @@ def _fp8_checks(cfg: dict) -> None:
     if t["strategy"] == "deepspeed":
         raise ConfigError("train.precision = 'fp8' does not compose with train.strategy = 'deepspeed' here (the "
                           "engine casts the model itself); use 'ddp', 'zero1', 'zero2' or 'fsdp'")
-    if model_parallel_size(cfg) > 1:
-        raise ConfigError(f"train.precision = 'fp8' runs with data parallelism only (parallel.tp = pp = cp = 1; got "
-                          f"tp x pp x cp = {model_parallel_size(cfg)}): FP8 Linear layers under tensor/pipeline/"
-                          f"context parallelism are not built here")
+    _fp8_layout_checks(cfg, backend)
     if f8["fsdp_all_gather"] and (t["strategy"] != "fsdp" or backend != "torchao" or f8["recipe"] != "tensorwise"):
         raise ConfigError(f"fp8.fsdp_all_gather = true needs train.strategy = 'fsdp', fp8.recipe = 'tensorwise' and "
                           f"torchao (fp8.backend 'torchao' or 'auto' with torchao installed); got strategy "
                           f"{t['strategy']!r}, recipe {f8['recipe']!r}, backend {backend!r}")
+
+
+def _fp8_layout_checks(cfg: dict, backend: str) -> None:
+    """FP8 under the model-parallel layouts: what runs equals one FP8 process on the same batch
+    (tests/test_train_fp8_layouts.py), everything else is refused with its reason.
+
+    * tp > 1: refused. The tensor-parallel layers are cut from the dense Linear layers and would run
+      in high precision, and FP8 scales span the shards (a tensorwise weight scale needs every
+      shard's amax; rowwise scales of a row-parallel weight and input, and of a column-parallel
+      layer's output gradient in its input-gradient GEMM, run along the split features).
+    * pp > 1: a stage runs its own blocks' FP8 Linear layers on whole micro-batches, as one process
+      does, so current scaling (tensorwise, rowwise, blockwise, mxfp8; kit or torchao) is equal.
+      Delayed scaling's amax history records every GEMM in the order it runs: with more than one
+      micro-batch the schedule orders forwards and backwards differently from one process, so it
+      is refused there, and the interleaved schedule (torch's shape inference runs the stages on
+      stand-in tensors) is refused for FP8.
+    * cp > 1 (kit backend): every Fp8Linear max-reduces the amax of a scale that spans the tokens
+      over the cp group (fp8_linear.set_token_group); 1-token rows are local; the 1 x 128 / 1 x 32
+      tiles along the tokens of the weight-gradient GEMM are local only when each zig-zag piece
+      (data.seq_len / (2 cp) tokens) holds whole tiles. torchao computes its scales from the
+      rank's own chunk: refused. fsdp x cp (the DTensor plan) is not tried with FP8: refused.
+    """
+    par, t, f8 = cfg["parallel"], cfg["train"], cfg["fp8"]
+    tp, pp, cp, recipe = par["tp"], par["pp"], par["cp"], f8["recipe"]
+    if tp > 1:
+        raise ConfigError(f"train.precision = 'fp8' with parallel.tp = {tp} is not built: the tensor-parallel "
+                          f"layers are cut from the dense Linear layers and would run in high precision, and FP8 "
+                          f"scales span the tp shards (fp8.recipe = {recipe!r}: a tensorwise or delayed weight "
+                          f"scale needs the amax of every shard; rowwise scales of a row-parallel layer's weight "
+                          f"and input, and of a column-parallel layer's output gradient, run along the split "
+                          f"features). Use parallel.pp or parallel.cp with fp8, or parallel.tp with "
+                          f"train.precision = 'bf16'")
+    if pp > 1:
+        if par["pp_schedule"] == "interleaved":
+            raise ConfigError("train.precision = 'fp8' with parallel.pp_schedule = 'interleaved' is not built: "
+                              "torch's schedule runs the stages on stand-in tensors to infer shapes, which the FP8 "
+                              "Linear layers were not tried with; use parallel.pp_schedule = 'gpipe' or '1f1b'")
+        if recipe == "delayed" and t["grad_accum"] > 1:
+            raise ConfigError(f"fp8.recipe = 'delayed' with parallel.pp = {pp} and train.grad_accum = "
+                              f"{t['grad_accum']} differs from one process: the amax history records every GEMM "
+                              f"as it runs, and the pipeline runs a stage's forwards and backwards of the "
+                              f"micro-batches in another order ({par['pp_schedule']}: forwards ahead), so its "
+                              f"scales would differ. Use fp8.recipe = 'tensorwise' or 'rowwise' (current "
+                              f"scaling), or train.grad_accum = 1")
+    if cp > 1:
+        if t["strategy"] == "fsdp":
+            raise ConfigError(f"train.precision = 'fp8' with train.strategy = 'fsdp' and parallel.cp = {cp} is not "
+                              f"built (the DTensor plan's weights were not tried with the FP8 Linear layers); use "
+                              f"train.strategy = 'ddp', 'zero1' or 'zero2' with parallel.cp")
+        if backend != "kit":
+            raise ConfigError(f"fp8.backend = {f8['backend']!r} resolves to torchao, which does not compose with "
+                              f"parallel.cp = {cp}: its Float8Linear takes its scales from this rank's chunk of "
+                              f"each sequence (a tensorwise amax, and the rowwise scales along the tokens of the "
+                              f"weight-gradient GEMM, span the whole sequence), so its FP8 values would differ "
+                              f"from one process's; set fp8.backend = 'kit' (its scales are max-reduced over the "
+                              f"cp group)")
+        from course_lib.precision.recipes import get_recipe
+
+        tile = get_recipe(recipe).activation_block[1]
+        piece = cfg["data"]["seq_len"] // (2 * cp)
+        if tile not in (-1, 1) and piece % tile:
+            raise ConfigError(f"fp8.recipe = {recipe!r} with parallel.cp = {cp} needs data.seq_len / (2 x cp) "
+                              f"(= {piece} tokens, one zig-zag piece) to be a multiple of {tile}: its weight-"
+                              f"gradient GEMM scales 1 x {tile} tiles of consecutive tokens, and a tile that "
+                              f"straddles two pieces would lie on two ranks; use data.seq_len a multiple of "
+                              f"{2 * cp * tile}, or fp8.recipe = 'tensorwise', 'delayed' or 'rowwise'")
 
 
 def _cross_checks(cfg: dict) -> None:

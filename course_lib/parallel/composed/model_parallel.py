@@ -159,7 +159,11 @@ class ModelParallel(Distributed):
         if self.cp > 1:  # ring attention in every attention module; forward takes the full batch
             from course_lib.parallel.context_parallel.in_trainer import apply_context_parallel
 
+            from course_lib.precision.fp8_linear import set_token_group
+
             self.module = apply_context_parallel(local, self.mesh.groups["cp"], self.cp, self.cp_rank)
+            # train.precision = "fp8" (kit): scales spanning the tokens take the amax over the cp group
+            set_token_group(local, self.mesh.groups["cp"])
         self.layout.bind(local)
         from course_lib.parallel.composed.dp import make_dp_mode
 
