@@ -1,8 +1,11 @@
-"""Expert parallelism in the trainer (``parallel.ep > 1``, train.strategy "ddp" or "fsdp"): each MoE layer's
-experts sharded over ep ranks, tokens through all-to-all, the rest data-parallel over every rank.
+"""Expert parallelism in the trainer (``parallel.ep > 1``, train.strategy "ddp", "ddp-scratch", "zero1",
+"zero2" or "fsdp"): each MoE layer's experts sharded over ep ranks, tokens through all-to-all, the rest
+data-parallel over every rank.
 
-Layouts: train.strategy "ddp" (torch DDP over the non-expert weights) and "fsdp" (FSDP2, experts
-DTensors on an (edp, ep) mesh sharded over edp, the rest over every rank).
+Layouts: train.strategy "ddp" (torch DDP over the non-expert weights), "ddp-scratch" (the kit's
+BucketedDDP in its place), "zero1"/"zero2" (the kit's ZeRO: dense optimizer state sharded over every
+rank, the expert slices' over the expert-DP group) and "fsdp" (FSDP2, experts DTensors on an (edp, ep)
+mesh sharded over edp, the rest over every rank).
 
 The model is moe-tiny shrunk to 2 layers of 4 experts (d_model 16; capacity factor 1.25: an
 expert takes at most 10 of a micro-batch's 32 routed slots; the balancing loss and the DeepSeek-V3
@@ -14,10 +17,11 @@ an EP layout must equal. EP 2 (world 2, 2 micro-batches a rank) and EP 2 x exper
 match its per-step losses, gradient norms and final weights within 1e-4 relative (fp32: summation
 order only), with the expert biases equal on every rank.
 
-Checkpoints: ddp's are full, in the one-process layout (experts and their AdamW moments gathered),
-fsdp's sharded (DCP). Each EP 2 run resumes bit-exact at EP 2; ddp's EP 2 file resumed in one
-process, the one-process file resumed at EP 2, and fsdp's EP 2 checkpoint
-resumed at ep 1 end where the uninterrupted runs end (within 1e-4).
+Checkpoints: ddp's, ddp-scratch's and zero1/zero2's are full, in the one-process layout (experts and
+their AdamW moments gathered; ZeRO's shards consolidated), fsdp's sharded (DCP). Each EP 2 run resumes
+bit-exact at EP 2; ddp's and zero1's EP 2 files resumed in one process, the one-process file resumed at
+EP 2, fsdp's and zero2's EP 2 checkpoints resumed at ep 1, and zero1's EP 2 file (2 ranks) resumed at
+EP 2 x expert-DP 2 (4 ranks) end where the uninterrupted runs end (within 1e-4).
 
 One launch per world size (the 4-rank one in its own fixture, runs4).
 """
@@ -156,6 +160,7 @@ def test_resume_across_ep_sizes(runs4, name, want):
     ref = ({k: v.float() for k, v in runs["single"].model.state_dict().items()} if want == "single"
            else runs[want]["first"][0]["weights"])
     assert got["resumed_from"] == START and got["steps"] == STEPS
+    print(f"{name}: relative L2 to the uninterrupted run = {rel_l2(got['weights'], ref):.2e}")
     assert rel_l2(got["weights"], ref) <= 1e-4
 
 

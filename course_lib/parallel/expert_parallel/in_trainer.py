@@ -1,4 +1,5 @@
-"""Expert parallelism inside the trainer (``parallel.ep > 1``, ``train.strategy`` "ddp" or "fsdp").
+"""Expert parallelism inside the trainer (``parallel.ep > 1``, ``train.strategy`` "ddp", "ddp-scratch"
+or "fsdp"; "zero1" / "zero2" are :mod:`.zero_in_trainer`).
 
 World = ep x expert-dp (:func:`.group.make_ep_group`: ep consecutive ranks share one set of experts).
 Every rank builds the same full model (same seed), keeps its E / ep experts of every MoE layer and
@@ -26,8 +27,12 @@ reshard across EP sizes and into plain ``fsdp``.
 The expert-bias update (DeepSeek-V3) needs nothing here: the router runs before the dispatch on
 each rank's own tokens, and the trainer sums the loads over every rank before updating the bias.
 
-Not built (trainer.config refuses them with ep > 1, naming why): ZeRO / DeepSpeed / the scratch
-strategies with experts, ep with tp/pp/cp (Megatron's ETP), sharded checkpoints under ``ddp``.
+:class:`ExpertParallelScratchDDP` (``ddp-scratch``): :class:`ExpertParallelDDP` with the kit's
+:class:`BucketedDDP`, the expert slices its ``ignored_params``.
+
+Not built (trainer.config refuses them with ep > 1, naming why): DeepSpeed and the from-scratch
+ZeRO-3 (SimpleFSDP) with experts, ep with tp/pp/cp (Megatron's ETP), sharded checkpoints under
+``ddp`` / ``ddp-scratch``.
 """
 from __future__ import annotations
 
