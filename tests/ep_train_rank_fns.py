@@ -13,7 +13,7 @@ def state_numel(optimizer) -> dict | None:
     held = lambda part: sum(v.numel() for st in part.state.values() for v in st.values()  # noqa: E731
                             if hasattr(v, "dim") and v.dim() > 0)
     params = lambda part: sum(p.numel() for g in part.param_groups for p in g["params"])  # noqa: E731
-    return {"dense": held(optimizer.dense), "expert": held(optimizer.experts),
+    return {"dense": held(optimizer.dense), "expert": held(optimizer.experts), "all": held(optimizer),
             "dense_params": params(optimizer.dense), "expert_params": params(optimizer.experts)}
 
 

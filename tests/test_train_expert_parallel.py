@@ -141,6 +141,7 @@ def test_zero_ep2_edp2_shards_the_expert_state_over_expert_dp(runs4):
         for a, b in ((0, 2), (1, 3)):
             assert counts[a]["expert"] + counts[b]["expert"] == 2 * counts[a]["expert_params"], (name, counts)
         assert sum(c["dense"] for c in counts) == 2 * counts[0]["dense_params"], (name, counts)
+        assert all(c["all"] == c["dense"] + c["expert"] for c in counts)  # optimizer.state: both parts
 
 
 @pytest.mark.parametrize("name", ["ddp-ep2", "fsdp-ep2", *ZERO_EP2])

@@ -114,11 +114,13 @@ class ExpertParallelScratchDDP(ExpertParallelDDP):
     name = "ddp-scratch"
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        """BucketedDDP over every rank, the expert slices left out."""
         mb = self.cfg["parallel"]["bucket_mb"]  # 0 = one bucket, as ScratchDDP
         return BucketedDDP(model, bucket_mb=mb or None, find_unused_parameters=False,
                            ignored_params=self._experts)
 
     def forward_backward(self, batches, **step) -> torch.Tensor:
+        """The step's micro-batches; then the dense buckets' sync and the experts' expert-DP reduce."""
         loss = TorchDDP.forward_backward(self, batches, **step)
         self.module.finish_gradient_synchronization()  # the dense buckets' rank-mean
         self._reduce_experts()

@@ -28,6 +28,7 @@ EP size, under ``ddp``/``fsdp`` EP, or in one process; loading slices a full sta
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -71,6 +72,7 @@ class ExpertShardedOptimizer(torch.optim.Optimizer):
         else:  # one rank per slice: nothing to shard over
             self.experts = optimizer_cls(split(True), **kwargs)
         self._consolidated: dict | None = None
+        self.state = _JoinedState(self)  # this rank's shards of both parts (memory census, measure)
 
     def _parts(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
         return self.dense, self.experts
@@ -186,6 +188,30 @@ class ExpertShardedOptimizer(torch.optim.Optimizer):
         self.experts.load_state_dict(parts[True])
 
 
+class _JoinedState(Mapping):
+    """Read-only ``{param: state}`` over both parts' local state, looked up at each access (a part's
+    ``load_state_dict`` replaces its dict)."""
+
+    def __init__(self, optimizer: ExpertShardedOptimizer):
+        self._opt = optimizer
+
+    def _maps(self):
+        return self._opt.dense.state, self._opt.experts.state
+
+    def __getitem__(self, key):
+        for m in self._maps():
+            if key in m:
+                return m[key]
+        raise KeyError(key)
+
+    def __iter__(self):
+        for m in self._maps():
+            yield from m
+
+    def __len__(self) -> int:
+        return sum(len(m) for m in self._maps())
+
+
 class _FullShardedView:
     """The optimizer as the checkpoint loader sees it: the one-process parameter shapes (an expert
     slice as its full [E, ...] meta tensor) for the shape check, no live state, and the optimizer's
@@ -225,6 +251,7 @@ class ExpertParallelZero1(Zero1):
         self.reduce_grad_sq = self._reduce_grad_sq
 
     def full_weights(self) -> dict[str, torch.Tensor]:
+        """The one-process state dict on every rank (experts gathered over the EP group: a collective)."""
         return gather_experts(self.model, self.ep)
 
     def checkpoint_state(self, state, *, saving: bool):
