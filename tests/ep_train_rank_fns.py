@@ -2,14 +2,31 @@
 from __future__ import annotations
 
 
+def state_numel(optimizer) -> dict | None:
+    """Under zero1/zero2 with ep (ExpertShardedOptimizer): this rank's optimizer-state elements
+    (tensors, not step counters) of the dense part and of the expert part, and the elements of the
+    dense weights and of the expert slices it holds. None for the other strategies."""
+    from course_lib.parallel.expert_parallel.zero_in_trainer import ExpertShardedOptimizer
+
+    if not isinstance(optimizer, ExpertShardedOptimizer):
+        return None
+    held = lambda part: sum(v.numel() for st in part.state.values() for v in st.values()  # noqa: E731
+                            if hasattr(v, "dim") and v.dim() > 0)
+    params = lambda part: sum(p.numel() for g in part.param_groups for p in g["params"])  # noqa: E731
+    return {"dense": held(optimizer.dense), "expert": held(optimizer.experts), "all": held(optimizer),
+            "dense_params": params(optimizer.dense), "expert_params": params(optimizer.experts)}
+
+
 def entry(rank, result) -> dict:
     """model_parallel_rank_fns.weights_entry (the gathered one-process weights on rank 0) plus every
-    rank's expert biases (the bias update must leave them equal everywhere)."""
+    rank's expert biases (the bias update must leave them equal everywhere) and its optimizer-state
+    counts (:func:`state_numel`)."""
     from course_lib.model.moe import moe_layers
     from model_parallel_rank_fns import weights_entry
 
     return {**weights_entry(rank, result),
-            "bias": [m.router.expert_bias.detach().clone() for m in moe_layers(result.model)]}
+            "bias": [m.router.expert_bias.detach().clone() for m in moe_layers(result.model)],
+            "state_numel": state_numel(result.strategy.optimizer)}
 
 
 def train_and_cross_resume(rank, world_size, runs, crosses, resume=True):

@@ -1,8 +1,11 @@
-"""Expert parallelism in the trainer (``parallel.ep > 1``, train.strategy "ddp" or "fsdp"): each MoE layer's
-experts sharded over ep ranks, tokens through all-to-all, the rest data-parallel over every rank.
+"""Expert parallelism in the trainer (``parallel.ep > 1``, train.strategy "ddp", "ddp-scratch", "zero1",
+"zero2" or "fsdp"): each MoE layer's experts sharded over ep ranks, tokens through all-to-all, the rest
+data-parallel over every rank.
 
-Layouts: train.strategy "ddp" (torch DDP over the non-expert weights) and "fsdp" (FSDP2, experts
-DTensors on an (edp, ep) mesh sharded over edp, the rest over every rank).
+Layouts: train.strategy "ddp" (torch DDP over the non-expert weights), "ddp-scratch" (the kit's
+BucketedDDP in its place), "zero1"/"zero2" (the kit's ZeRO: dense optimizer state sharded over every
+rank, the expert slices' over the expert-DP group) and "fsdp" (FSDP2, experts DTensors on an (edp, ep)
+mesh sharded over edp, the rest over every rank).
 
 The model is moe-tiny shrunk to 2 layers of 4 experts (d_model 16; capacity factor 1.25: an
 expert takes at most 10 of a micro-batch's 32 routed slots; the balancing loss and the DeepSeek-V3
@@ -14,10 +17,11 @@ an EP layout must equal. EP 2 (world 2, 2 micro-batches a rank) and EP 2 x exper
 match its per-step losses, gradient norms and final weights within 1e-4 relative (fp32: summation
 order only), with the expert biases equal on every rank.
 
-Checkpoints: ddp's are full, in the one-process layout (experts and their AdamW moments gathered),
-fsdp's sharded (DCP). Each EP 2 run resumes bit-exact at EP 2; ddp's EP 2 file resumed in one
-process, the one-process file resumed at EP 2, and fsdp's EP 2 checkpoint
-resumed at ep 1 end where the uninterrupted runs end (within 1e-4).
+Checkpoints: ddp's, ddp-scratch's and zero1/zero2's are full, in the one-process layout (experts and
+their AdamW moments gathered; ZeRO's shards consolidated), fsdp's sharded (DCP). Each EP 2 run resumes
+bit-exact at EP 2; ddp's and zero1's EP 2 files resumed in one process, the one-process file resumed at
+EP 2, fsdp's and zero2's EP 2 checkpoints resumed at ep 1, and zero1's EP 2 file (2 ranks) resumed at
+EP 2 x expert-DP 2 (4 ranks) end where the uninterrupted runs end (within 1e-4).
 
 One launch per world size (the 4-rank one in its own fixture, runs4).
 """
@@ -52,12 +56,22 @@ def cfg(world=1, ep=1, strategy="ddp", **sets):
 
 LAYOUTS = {  # name -> (world, ep, strategy)
     "ddp-ep2": (2, 2, "ddp"), "fsdp-ep2": (2, 2, "fsdp"),
+    "zero1-ep2": (2, 2, "zero1"), "zero2-ep2": (2, 2, "zero2"), "ddp-scratch-ep2": (2, 2, "ddp-scratch"),
     "ddp-ep2-edp2": (4, 2, "ddp"), "fsdp-ep2-edp2": (4, 2, "fsdp"),
+    "zero1-ep2-edp2": (4, 2, "zero1"), "zero2-ep2-edp2": (4, 2, "zero2"),
+    "ddp-scratch-ep2-edp2": (4, 2, "ddp-scratch"),
 }
+ZERO_EP2 = ["zero1-ep2", "zero2-ep2", "ddp-scratch-ep2"]  # the from-scratch data parallelism around the experts
 # (resumed layout's cfg, source run folder, name): a checkpoint resumed at another EP size
 # (ddp's ep 2 file at ep 1 is the one-process state dict in a plain model: the one-process resume
 # below reads it)
-CROSSES = [((2, 2, "ddp"), "single", "single-at-ddp-ep2"), ((2, 1, "fsdp"), "fsdp-ep2/full", "fsdp-ep2-at-ep1")]
+CROSSES = [((2, 2, "ddp"), "single", "single-at-ddp-ep2"), ((2, 1, "fsdp"), "fsdp-ep2/full", "fsdp-ep2-at-ep1"),
+           # zero2's ep 2 file (experts and their moments consolidated into the one-process layout)
+           # resumed by plain zero2 at ep 1
+           ((2, 1, "zero2"), "zero2-ep2/full", "zero2-ep2-at-ep1")]
+# ... and in the 4-rank launch: zero1's ep 2 file (2 ranks) resumed at ep 2 x expert-DP 2, each rank
+# keeping its EDP shard of its EP slice of every expert's moments
+CROSSES4 = [((4, 2, "zero1"), "zero1-ep2/full", "zero1-ep2-at-ep2-edp2")]
 
 
 def launch(root, world, resume, crosses=()) -> dict:
@@ -82,7 +96,7 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs4(runs):
     """The 4-rank launch (EP 2 x expert-DP 2), beside the same one-process run."""
-    return {**runs, **launch(runs["root"], 4, False)}
+    return {**runs, **launch(runs["root"], 4, False, CROSSES4)}
 
 
 def check_layout(runs, name):
@@ -102,42 +116,66 @@ def check_layout(runs, name):
     assert sum(b.abs().sum() for b in first["bias"]) > 0
 
 
-@pytest.mark.parametrize("name", ["ddp-ep2", "fsdp-ep2"])
+@pytest.mark.parametrize("name", ["ddp-ep2", "fsdp-ep2", *ZERO_EP2])
 def test_ep2_matches_one_process(runs, name):
     check_layout(runs, name)
 
 
-@pytest.mark.parametrize("name", ["ddp-ep2-edp2", "fsdp-ep2-edp2"])
+@pytest.mark.parametrize("name", ["ddp-ep2-edp2", "fsdp-ep2-edp2", *(n + "-edp2" for n in ZERO_EP2)])
 def test_ep2_edp2_matches_one_process(runs4, name):
-    """Expert gradients reduced over the expert-DP group (FSDP2: its divide factor, gloo's sum)."""
+    """Expert gradients reduced over the expert-DP group (FSDP2: its divide factor, gloo's sum; ZeRO:
+    the expert slices' reduce-scatter over it, divided by the world)."""
     check_layout(runs4, name)
 
 
-@pytest.mark.parametrize("name", ["ddp-ep2", "fsdp-ep2"])
+def test_zero_ep2_edp2_shards_the_expert_state_over_expert_dp(runs4):
+    """Under zero1/zero2 at EP 2 x expert-DP 2 each rank holds the AdamW moments of part of its
+    slices only (the other expert-DP rank the rest), and of part of the dense weights."""
+    for name in ("zero1-ep2-edp2", "zero2-ep2-edp2"):
+        counts = [r["state_numel"] for r in runs4[name]["first"]]
+        for kind in ("dense", "expert"):
+            per_rank = [c[kind] for c in counts]
+            whole = counts[0][kind + "_params"]  # this layout's elements of that kind on one rank
+            assert all(0 < n < 2 * whole for n in per_rank), (name, kind, per_rank, whole)
+        # expert-DP pairs (0, 2) and (1, 3) split their slices' moments: 2 moments x the slice, once
+        for a, b in ((0, 2), (1, 3)):
+            assert counts[a]["expert"] + counts[b]["expert"] == 2 * counts[a]["expert_params"], (name, counts)
+        assert sum(c["dense"] for c in counts) == 2 * counts[0]["dense_params"], (name, counts)
+        assert all(c["all"] == c["dense"] + c["expert"] for c in counts)  # optimizer.state: both parts
+
+
+@pytest.mark.parametrize("name", ["ddp-ep2", "fsdp-ep2", *ZERO_EP2])
 def test_resume_at_the_same_ep_is_bit_exact(runs, name):
     assert_resumed_bit_exact(name, runs[name]["first"][0], runs[name]["second"], START, STEPS, runs["root"] / name)
 
 
-@pytest.mark.parametrize("name, want", [("single-at-ddp-ep2", "single"), ("fsdp-ep2-at-ep1", "fsdp-ep2")])
-def test_resume_across_ep_sizes(runs, name, want):
+@pytest.mark.parametrize("name, want", [("single-at-ddp-ep2", "single"), ("fsdp-ep2-at-ep1", "fsdp-ep2"),
+                                        ("zero2-ep2-at-ep1", "zero2-ep2"), ("zero1-ep2-at-ep2-edp2", "zero1-ep2")])
+def test_resume_across_ep_sizes(runs4, name, want):
     """A full checkpoint saved in one process resumed at ep 2 (ddp); a sharded one (fsdp, DCP) saved
-    at ep 2 resumed at ep 1: each ends where the uninterrupted run ends."""
+    at ep 2 resumed at ep 1; zero2's full one saved at ep 2 resumed by plain zero2 (ep 1), zero1's
+    saved at ep 2 on 2 ranks resumed at ep 2 x expert-DP 2 on 4: each ends where the uninterrupted
+    run ends."""
+    runs = runs4
     got = runs[name]
     ref = ({k: v.float() for k, v in runs["single"].model.state_dict().items()} if want == "single"
            else runs[want]["first"][0]["weights"])
     assert got["resumed_from"] == START and got["steps"] == STEPS
+    print(f"{name}: relative L2 to the uninterrupted run = {rel_l2(got['weights'], ref):.2e}")
     assert rel_l2(got["weights"], ref) <= 1e-4
 
 
-def test_ep2_full_checkpoint_resumes_in_one_process(runs, tmp_path):
-    """ddp's ep 2 checkpoint is the one-process state dict (experts and AdamW moments gathered)."""
+@pytest.mark.parametrize("name", ["ddp-ep2", "zero1-ep2"])
+def test_ep2_full_checkpoint_resumes_in_one_process(runs, tmp_path, name):
+    """ddp's and zero1's ep 2 checkpoints are the one-process state dict (experts and AdamW moments
+    gathered; zero1's optimizer shards consolidated first)."""
     out = tmp_path / "ep2-in-one-process"  # the ep 2 file is the one-process state dict
-    shutil.copytree(runs["root"] / "ddp-ep2" / "full", out)
+    shutil.copytree(runs["root"] / name / "full", out)
     shutil.rmtree(sorted((out / "checkpoints").glob("step_*"))[-1])
     resumed = train(cfg(), out, resume=True)
     assert resumed.resumed_from == START
     assert rel_l2({k: v.float() for k, v in resumed.model.state_dict().items()},
-                  runs["ddp-ep2"]["first"][0]["weights"]) <= 1e-4
+                  runs[name]["first"][0]["weights"]) <= 1e-4
 
 
 # ---------------------------------------------------------------- no ranks
@@ -145,12 +183,15 @@ def test_ep2_full_checkpoint_resumes_in_one_process(runs, tmp_path):
     ({"parallel__ep": 2, "model__moe_experts": None}, r"parallel.ep = 2 shards the experts of an MoE model"),
     ({"parallel__ep": 3}, r"parallel.ep = 3 must divide model.moe_experts \(4\)"),
     ({"parallel__ep": 2, "parallel__tp": 2}, r"parallel.ep = 2 with parallel.tp = 2 is not built: Megatron .*ETP = TP or 1"),
-    ({"parallel__ep": 2, "train__strategy": "ddp-scratch"}, r"parallel.ep = 2 does not run with train.strategy = 'ddp-scratch'"),
-    ({"parallel__ep": 2, "train__strategy": "deepspeed"}, r"parallel.ep = 2 does not run with train.strategy = 'deepspeed'"),
-    ({"parallel__ep": 2, "train__strategy": "zero1"}, r"parallel.ep = 2 does not run with train.strategy = 'zero1'"),
-    ({"parallel__ep": 2, "train__strategy": "zero2"}, r"parallel.ep = 2 does not run with train.strategy = 'zero2'"),
+    ({"parallel__ep": 2, "train__strategy": "deepspeed"}, r"parallel.ep = 2 does not run with train.strategy = "
+                                                          r"'deepspeed'.*must be one of 'ddp', 'ddp-scratch', 'zero1', "
+                                                          r"'zero2', 'fsdp'"),
     ({"parallel__ep": 2, "train__strategy": "fsdp-scratch"}, r"parallel.ep = 2 does not run with train.strategy = 'fsdp-scratch'"),
     ({"parallel__ep": 2, "checkpoint__format": "sharded"}, r"checkpoint.format = 'sharded' does not fit parallel.ep"),
+    ({"parallel__ep": 2, "train__strategy": "ddp-scratch", "checkpoint__format": "sharded"},
+     r"checkpoint.format = 'sharded' does not fit parallel.ep = 2 with train.strategy = 'ddp-scratch'"),
+    ({"parallel__ep": 2, "train__strategy": "zero1", "checkpoint__format": "sharded"},
+     r"checkpoint.format = 'sharded' does not fit train.strategy = 'zero1'"),
     ({"parallel__ep": 2, "model__checkpointing": "full"}, r"parallel.ep = 2 does not run with model.checkpointing"),
     ({"parallel__ep": 0}, r"parallel.ep must be >= 1"),
 ])

@@ -55,15 +55,23 @@ MODEL_PARALLEL = ("course_lib.parallel.composed.model_parallel", "ModelParallel"
 FSDP_MODEL_PARALLEL = ("course_lib.parallel.composed.fsdp_tp", "FSDPTensorParallel",
                        "FSDP2 over dp on a DTensor tensor-parallel (parallel.tp) model, one device mesh")
 
-#: Chosen for ``train.strategy = "ddp"`` with ``parallel.ep > 1`` (trainer.config refuses ep with the
-#: other strategies and with tp/pp/cp > 1, naming why).
-EXPERT_PARALLEL = ("course_lib.parallel.expert_parallel.in_trainer", "ExpertParallelDDP",
-                   "torch DDP over the non-expert weights, experts sharded over parallel.ep ranks (all-to-all)")
+#: Chosen with ``parallel.ep > 1`` (experts sharded over parallel.ep ranks, tokens through all-to-all),
+#: ``train.strategy`` name -> (module, class, description): the data-parallel dimension around the
+#: experts. trainer.config refuses ep with the other strategies and with tp/pp/cp > 1, naming why.
+EXPERT_PARALLEL_STRATEGIES: dict[str, tuple[str, str, str]] = {
+    "ddp": ("course_lib.parallel.expert_parallel.in_trainer", "ExpertParallelDDP",
+            "torch DDP over the non-expert weights, expert gradients reduced over the expert-DP group"),
+    "ddp-scratch": ("course_lib.parallel.expert_parallel.in_trainer", "ExpertParallelScratchDDP",
+                    "the from-scratch BucketedDDP over the non-expert weights, experts reduced over expert-DP"),
+    "zero1": ("course_lib.parallel.expert_parallel.zero_in_trainer", "ExpertParallelZero1",
+              "the from-scratch ZeRO-1: dense state sharded over every rank, expert slices' over expert-DP"),
+    "zero2": ("course_lib.parallel.expert_parallel.zero_in_trainer", "ExpertParallelZero2",
+              "the from-scratch ZeRO-2: as zero1, and each rank keeps only the gradients it owns"),
+    "fsdp": ("course_lib.parallel.expert_parallel.in_trainer", "ExpertParallelFSDP",
+             "FSDP2: experts DTensors on an (edp, ep) mesh, sharded over edp; the rest over every rank"),
+}
 #: ``train.strategy`` names that run with ``parallel.ep > 1``.
-EXPERT_PARALLEL_DP = ("ddp", "fsdp")
-#: ... and with train.strategy = "fsdp": FSDP2, experts sharded over the expert-DP mesh
-FSDP_EXPERT_PARALLEL = ("course_lib.parallel.expert_parallel.in_trainer", "ExpertParallelFSDP",
-                        "FSDP2: experts DTensors on an (edp, ep) mesh, sharded over edp; the rest over every rank")
+EXPERT_PARALLEL_DP = tuple(EXPERT_PARALLEL_STRATEGIES)
 
 #: The ``train.strategy`` names that compose with tp/pp/cp > 1 (modes of
 #: :mod:`course_lib.parallel.composed.dp`), name -> what the data-parallel dimension does.
@@ -97,5 +105,5 @@ def make_strategy(name: str, info: Any, device: Any, cfg: dict | None = None):
         if name not in EXPERT_PARALLEL_DP:  # trainer.config refuses it first, saying why
             raise ValueError(f"strategy {name!r} does not run with parallel.ep > 1; use one of "
                              f"{', '.join(EXPERT_PARALLEL_DP)}")
-        module, cls, _ = FSDP_EXPERT_PARALLEL if name == "fsdp" else EXPERT_PARALLEL
+        module, cls, _ = EXPERT_PARALLEL_STRATEGIES[name]
     return getattr(importlib.import_module(module), cls)(info, device, cfg)

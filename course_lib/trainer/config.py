@@ -409,7 +409,8 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
 
 def _expert_parallel_checks(cfg: dict, mcfg) -> None:
     """``parallel.ep`` (course_lib.parallel.expert_parallel.in_trainer): an MoE model whose expert count
-    it divides, torch DDP or FSDP2 as the data-parallel dimension, no model parallelism. That
+    it divides, a data-parallel dimension that keeps the expert slices apart (ddp, ddp-scratch,
+    zero1, zero2, fsdp: registry.EXPERT_PARALLEL_STRATEGIES), no model parallelism. That
     ep divides the world size is checked when the ranks start (trainer.check_config.check_world)."""
     from course_lib.parallel.registry import EXPERT_PARALLEL_DP
 
@@ -435,17 +436,14 @@ def _expert_parallel_checks(cfg: dict, mcfg) -> None:
         why = {
             "deepspeed": "the DeepSpeed engine would average the expert slices over every rank (its own MoE "
                          "layer is not wired into the trainer)",
-            "zero1": "the from-scratch ZeRO shards one flat buffer over every rank, experts included",
-            "zero2": "the from-scratch ZeRO shards one flat buffer over every rank, experts included",
             "fsdp-scratch": "the from-scratch SimpleFSDP shards every weight over every rank, experts included",
-            "ddp-scratch": "the from-scratch BucketedDDP averages every gradient over every rank (it has no "
-                           "ignored parameters)",
             "single": "'single' is one process (ep = 1)",
         }.get(t["strategy"], "not built")
         raise ConfigError(f"{what} does not run with train.strategy = {t['strategy']!r}: {why}. With parallel.ep "
                           f"> 1 train.strategy must be one of {', '.join(repr(n) for n in EXPERT_PARALLEL_DP)}")
-    if cfg["checkpoint"]["format"] == "sharded" and t["strategy"] == "ddp":
-        raise ConfigError(f"checkpoint.format = 'sharded' does not fit {what} with train.strategy = 'ddp': its "
+    if cfg["checkpoint"]["format"] == "sharded" and t["strategy"] in ("ddp", "ddp-scratch"):
+        raise ConfigError(f"checkpoint.format = 'sharded' does not fit {what} with train.strategy = "
+                          f"{t['strategy']!r}: its "
                           f"expert slices are plain tensors, not DTensors over an (expert-dp, ep) mesh, so DCP "
                           f"could not reshard them across EP sizes; full checkpoints gather the experts into the "
                           f"one-process layout (use 'auto' or 'full'), or use train.strategy = 'fsdp', whose "

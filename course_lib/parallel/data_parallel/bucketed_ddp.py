@@ -89,12 +89,16 @@ class BucketedDDP(nn.Module):
     ``launched_in_backward``: how many bucket all-reduces the last sync started from hooks, i.e.
     overlapped with backward (the rest started in ``finish_gradient_synchronization``).
 
+    ``ignored_params``: parameters left out entirely (not broadcast at construction, not bucketed,
+    their gradients untouched): expert slices, which differ between ranks and are reduced over
+    their own expert-data-parallel group (torch DDP's ``_set_params_and_buffers_to_ignore_for_model``).
+
     ``record_timeline``: append timing events to :attr:`timeline` (a list of dicts, see the module
     docstring); ``False`` (the default): ``timeline`` is ``None`` and nothing is recorded.
     """
 
     def __init__(self, module: nn.Module, bucket_mb: float | None = 25.0, process_group=None,
-                 find_unused_parameters: bool = True, record_timeline: bool = False):
+                 find_unused_parameters: bool = True, record_timeline: bool = False, ignored_params=()):
         super().__init__()
         self.find_unused_parameters = check_bool("find_unused_parameters", find_unused_parameters)
         self.timeline: list[dict] | None = [] if check_bool("record_timeline", record_timeline) else None
@@ -105,12 +109,14 @@ class BucketedDDP(nn.Module):
         self.process_group = require_group(process_group, "BucketedDDP")
         self.module = module
         self.world_size = dist.get_world_size(process_group)
-        broadcast_from_first_rank(module, process_group)
+        ignored_params = list(ignored_params)
+        ignored = {id(p) for p in ignored_params}
+        broadcast_from_first_rank(module, process_group, skip=ignored_params)
         cap = float("inf") if bucket_mb is None else bucket_mb * MB
         self._buckets: list[_Bucket] = []
         self._where: dict[nn.Parameter, int] = {}  # keyed by identity (Parameter hashes by id)
         group: list[nn.Parameter] = []
-        for p in reversed(trainable_params(module)):
+        for p in reversed([p for p in trainable_params(module) if id(p) not in ignored]):
             size = sum(q.numel() * q.element_size() for q in group)
             if group and (size + p.numel() * p.element_size() > cap or p.dtype != group[0].dtype
                           or p.device != group[0].device):

@@ -33,13 +33,16 @@ def require_group(process_group, who: str):
     return process_group
 
 
-def broadcast_from_first_rank(module: nn.Module, process_group) -> None:
+def broadcast_from_first_rank(module: nn.Module, process_group, skip=()) -> None:
     """Copy the first rank's parameters (frozen ones too) and buffers into every rank's module,
-    so all replicas start bit-identical whatever seed each rank used."""
+    so all replicas start bit-identical whatever seed each rank used. ``skip``: parameters that
+    are not replicas (expert slices, different on every EP rank), left as they are."""
     src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    skipped = {id(p) for p in skip}
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):  # each tied tensor once
-            dist.broadcast(t.data, src=src, group=process_group)
+            if id(t) not in skipped:
+                dist.broadcast(t.data, src=src, group=process_group)
 
 
 def trainable_params(module: nn.Module) -> list[nn.Parameter]:

@@ -50,6 +50,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
       parameter then counts as having a gradient (zeros where None), as in a model whose
       parameters are all used every step - the trainer's case.
 
+    ``gradient_divide_factor``: what the reduce-scattered sum is divided by (None: the group's
+    size, the rank-average). Expert parallelism shards experts over an expert-data-parallel group
+    smaller than the world, yet one process's gradient is that group's sum divided by the *world*
+    size (FSDP2's ``set_gradient_divide_factor`` does the same).
+
     Every rank must call :meth:`step` together (it communicates); afterwards every rank holds the
     updated parameters (broadcast from each owner).
     Hyperparameters live in :attr:`param_groups` (all parameters, full option set): an lr
@@ -60,7 +65,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, optimizer_cls: type, *, reduce_scatter_grads: bool = False,
-                 process_group=None, find_unused_parameters: bool = True, **kwargs: Any):
+                 process_group=None, find_unused_parameters: bool = True,
+                 gradient_divide_factor: float | None = None, **kwargs: Any):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)) \
                 or issubclass(optimizer_cls, ShardedOptimizer):
             raise TypeError("optimizer_cls must be a torch.optim.Optimizer subclass (the class, e.g. "
@@ -73,6 +79,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._pg = process_group if process_group is not None else dist.group.WORLD
         self._rank = dist.get_rank(self._pg)
         self._world = dist.get_world_size(self._pg)
+        if gradient_divide_factor is not None and not (isinstance(gradient_divide_factor, (int, float))
+                                                       and not isinstance(gradient_divide_factor, bool)
+                                                       and gradient_divide_factor > 0):
+            raise ValueError(f"gradient_divide_factor must be a number > 0 or None (the group size), "
+                             f"got {gradient_divide_factor!r}")
+        self._divide = gradient_divide_factor if gradient_divide_factor is not None else self._world
         self._cls, self._kwargs, self._zero2 = optimizer_cls, kwargs, reduce_scatter_grads
         self._owner: dict[torch.Tensor, int] = {}  # parameter -> owning rank in the group
         self._load = [0] * self._world  # elements owned per rank so far
@@ -161,7 +173,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         mine = [p for p in by_owner[self._rank] if id(p) in keep]
         recv = torch.empty_like(sends[self._rank])
         dist.reduce_scatter(recv, sends, op=dist.ReduceOp.SUM, group=self._pg)
-        recv.div_(self._world)  # the average; exact when N is a power of two
+        recv.div_(self._divide)  # the average (or the caller's factor); exact for powers of two
         for p, g in zip(mine, _unflatten_dense_tensors(recv, mine) if mine else []):
             p.grad = g.view_as(p)
         for ps in by_owner:  # everything this rank does not own: freed (ZeRO-2) or zeroed (ZeRO-1)

@@ -9,7 +9,8 @@ and back with ``torch.distributed.all_to_all_single``.
 | ``dispatch`` | ``AllToAllDispatcher``: counts first, then tokens, local experts, combine |
 | ``shard`` | ``shard_experts``, ``sync_gradients``, ``gather_experts`` |
 | ``wire`` | ``expected_bytes`` (the formula) and ``measured_bytes`` (what the run handed over) |
-| ``in_trainer`` | ``ExpertParallelDDP``: the trainer's ``parallel.ep`` with ``train.strategy = "ddp"`` (imported by the registry) |
+| ``in_trainer`` | the trainer's ``parallel.ep`` with ``train.strategy`` "ddp", "ddp-scratch", "fsdp" (imported by the registry) |
+| ``zero_in_trainer`` | ... with "zero1" / "zero2": ``ExpertShardedOptimizer``, expert state sharded over expert-DP |
 
     ep = make_ep_group(2)                       # every rank, after init_process_group
     dispatchers = shard_experts(model, ep)      # model: a TinyGPT with moe_experts set, same weights everywhere

@@ -1,4 +1,5 @@
-"""Expert parallelism inside the trainer (``parallel.ep > 1``, ``train.strategy`` "ddp" or "fsdp").
+"""Expert parallelism inside the trainer (``parallel.ep > 1``, ``train.strategy`` "ddp", "ddp-scratch"
+or "fsdp"; "zero1" / "zero2" are :mod:`.zero_in_trainer`).
 
 World = ep x expert-dp (:func:`.group.make_ep_group`: ep consecutive ranks share one set of experts).
 Every rank builds the same full model (same seed), keeps its E / ep experts of every MoE layer and
@@ -26,8 +27,12 @@ reshard across EP sizes and into plain ``fsdp``.
 The expert-bias update (DeepSeek-V3) needs nothing here: the router runs before the dispatch on
 each rank's own tokens, and the trainer sums the loads over every rank before updating the bias.
 
-Not built (trainer.config refuses them with ep > 1, naming why): ZeRO / DeepSpeed / the scratch
-strategies with experts, ep with tp/pp/cp (Megatron's ETP), sharded checkpoints under ``ddp``.
+:class:`ExpertParallelScratchDDP` (``ddp-scratch``): :class:`ExpertParallelDDP` with the kit's
+:class:`BucketedDDP`, the expert slices its ``ignored_params``.
+
+Not built (trainer.config refuses them with ep > 1, naming why): DeepSpeed and the from-scratch
+ZeRO-3 (SimpleFSDP) with experts, ep with tp/pp/cp (Megatron's ETP), sharded checkpoints under
+``ddp`` / ``ddp-scratch``.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.model.moe import moe_layers
+from course_lib.parallel.data_parallel.bucketed_ddp import BucketedDDP
 from course_lib.parallel.data_parallel.fsdp2 import FSDP2
 from course_lib.parallel.data_parallel.torch_ddp import TorchDDP
 from course_lib.parallel.expert_parallel.group import EPGroup, make_ep_group
@@ -53,6 +59,7 @@ class ExpertParallelDDP(TorchDDP):
         self.ep = make_ep_group(self.cfg["parallel"]["ep"])
         self.dispatchers = shard_experts(model, self.ep)  # each layer's all-to-all log, for the labs
         experts = [n for n, p in model.named_parameters() if is_expert(p)]
+        self._experts = [p for p in model.parameters() if is_expert(p)]  # what wrap() leaves out
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
         self.model = model
         self.module = self.wrap(model)
@@ -62,13 +69,17 @@ class ExpertParallelDDP(TorchDDP):
 
     def forward_backward(self, batches, **step) -> torch.Tensor:
         loss = super().forward_backward(batches, **step)  # DDP averaged the rest with the last micro-batch
+        self._reduce_experts()
+        return loss
+
+    def _reduce_experts(self) -> None:
+        # One process's expert gradient: the sum over the expert-DP group / the world size.
         world = dist.get_world_size()
-        for p in self.model.parameters():
-            if is_expert(p) and p.grad is not None:
+        for p in self._experts:
+            if p.grad is not None:
                 if self.ep.edp_group is not None:
                     dist.all_reduce(p.grad, group=self.ep.edp_group)
                 p.grad.div_(world)
-        return loss
 
     def _reduce_grad_sq(self, sq: torch.Tensor) -> torch.Tensor:
         # Per-tensor squared norms, in the order of the parameters with a gradient (GradientMonitor):
@@ -93,6 +104,27 @@ class ExpertParallelDDP(TorchDDP):
         view = _FullModelView(self.model, self.ep, gather=saving)
         return replace(state, model=view, optimizer=_FullOptimizerView(self.model, self.optimizer, self.ep,
                                                                        gather=saving))
+
+
+class ExpertParallelScratchDDP(ExpertParallelDDP):
+    """:class:`ExpertParallelDDP` with the from-scratch :class:`BucketedDDP` in place of torch DDP
+    (``train.strategy = "ddp-scratch"``): the expert slices are its ``ignored_params`` (neither
+    broadcast nor bucketed over the world), reduced over the expert-DP group after its sync."""
+
+    name = "ddp-scratch"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """BucketedDDP over every rank, the expert slices left out."""
+        mb = self.cfg["parallel"]["bucket_mb"]  # 0 = one bucket, as ScratchDDP
+        return BucketedDDP(model, bucket_mb=mb or None, find_unused_parameters=False,
+                           ignored_params=self._experts)
+
+    def forward_backward(self, batches, **step) -> torch.Tensor:
+        """The step's micro-batches; then the dense buckets' sync and the experts' expert-DP reduce."""
+        loss = TorchDDP.forward_backward(self, batches, **step)
+        self.module.finish_gradient_synchronization()  # the dense buckets' rank-mean
+        self._reduce_experts()
+        return loss
 
 
 def _expert_names(model: nn.Module) -> dict[str, nn.Parameter]:
