@@ -26,6 +26,9 @@ def entry(rank, result) -> dict:
 
     return {**weights_entry(rank, result),
             "bias": [m.router.expert_bias.detach().clone() for m in moe_layers(result.model)],
+            # the rank's last micro-batch, per MoE layer: pairs dropped over capacity, tokens per expert
+            "dropped": [int(m.last_dropped) for m in moe_layers(result.model)],
+            "load": [m.last_load.tolist() for m in moe_layers(result.model)],
             "state_numel": state_numel(result.strategy.optimizer)}
 
 

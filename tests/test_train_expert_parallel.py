@@ -114,6 +114,9 @@ def check_layout(runs, name):
     for r in runs[name]["first"]:  # the bias update sums every rank's loads: one bias everywhere, and it moved
         assert all(torch.equal(b, b0) for b, b0 in zip(r["bias"], first["bias"]))
     assert sum(b.abs().sum() for b in first["bias"]) > 0
+    # ... while the capacity dropped tokens and the routing was uneven (last micro-batch of each rank)
+    assert sum(sum(r["dropped"]) for r in runs[name]["first"]) > 0, name
+    assert any(max(load) > min(load) for r in runs[name]["first"] for load in r["load"]), name
 
 
 @pytest.mark.parametrize("name", ["ddp-ep2", "fsdp-ep2", *ZERO_EP2])
