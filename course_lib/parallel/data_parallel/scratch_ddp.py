@@ -22,7 +22,13 @@ class ScratchDDP(TorchDDP):
     def wrap(self, model: nn.Module) -> nn.Module:
         # No host read of "who has a gradient" flags: the trainer's step makes exactly one.
         mb = self.cfg["parallel"]["bucket_mb"]  # 0 = one bucket
-        return BucketedDDP(model, bucket_mb=mb or None, find_unused_parameters=False)
+        return BucketedDDP(model, bucket_mb=mb or None, find_unused_parameters=False,
+                           ignored_params=self.ignored_params())
+
+    def ignored_params(self) -> list[nn.Parameter]:
+        """Parameters BucketedDDP leaves out (neither broadcast nor reduced over the world): none
+        here; expert parallelism's slices (expert_parallel.in_trainer.ExpertParallelScratchDDP)."""
+        return []
 
     def forward_backward(self, batches, **step) -> torch.Tensor:
         loss = super().forward_backward(batches, **step)

@@ -27,8 +27,8 @@ reshard across EP sizes and into plain ``fsdp``.
 The expert-bias update (DeepSeek-V3) needs nothing here: the router runs before the dispatch on
 each rank's own tokens, and the trainer sums the loads over every rank before updating the bias.
 
-:class:`ExpertParallelScratchDDP` (``ddp-scratch``): :class:`ExpertParallelDDP` with the kit's
-:class:`BucketedDDP`, the expert slices its ``ignored_params``.
+:class:`ExpertParallelScratchDDP` (``ddp-scratch``): :class:`ExpertParallelDDP` over the kit's
+ScratchDDP (BucketedDDP), the expert slices its ``ignored_params``.
 
 Not built (trainer.config refuses them with ep > 1, naming why): DeepSpeed and the from-scratch
 ZeRO-3 (SimpleFSDP) with experts, ep with tp/pp/cp (Megatron's ETP), sharded checkpoints under
@@ -41,8 +41,8 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.model.moe import moe_layers
-from course_lib.parallel.data_parallel.bucketed_ddp import BucketedDDP
 from course_lib.parallel.data_parallel.fsdp2 import FSDP2
+from course_lib.parallel.data_parallel.scratch_ddp import ScratchDDP
 from course_lib.parallel.data_parallel.torch_ddp import TorchDDP
 from course_lib.parallel.expert_parallel.group import EPGroup, make_ep_group
 from course_lib.parallel.expert_parallel.shard import gather_experts, is_expert, shard_experts
@@ -106,25 +106,17 @@ class ExpertParallelDDP(TorchDDP):
                                                                        gather=saving))
 
 
-class ExpertParallelScratchDDP(ExpertParallelDDP):
-    """:class:`ExpertParallelDDP` with the from-scratch :class:`BucketedDDP` in place of torch DDP
-    (``train.strategy = "ddp-scratch"``): the expert slices are its ``ignored_params`` (neither
-    broadcast nor bucketed over the world), reduced over the expert-DP group after its sync."""
+class ExpertParallelScratchDDP(ExpertParallelDDP, ScratchDDP):
+    """:class:`ExpertParallelDDP` with the from-scratch :class:`ScratchDDP` (BucketedDDP) in place of
+    torch DDP (``train.strategy = "ddp-scratch"``): the expert slices are BucketedDDP's
+    ``ignored_params`` (neither broadcast nor bucketed over the world); its forward_backward finishes
+    the dense buckets' sync, then :class:`ExpertParallelDDP`'s reduces the experts over expert-DP."""
 
     name = "ddp-scratch"
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """BucketedDDP over every rank, the expert slices left out."""
-        mb = self.cfg["parallel"]["bucket_mb"]  # 0 = one bucket, as ScratchDDP
-        return BucketedDDP(model, bucket_mb=mb or None, find_unused_parameters=False,
-                           ignored_params=self._experts)
-
-    def forward_backward(self, batches, **step) -> torch.Tensor:
-        """The step's micro-batches; then the dense buckets' sync and the experts' expert-DP reduce."""
-        loss = TorchDDP.forward_backward(self, batches, **step)
-        self.module.finish_gradient_synchronization()  # the dense buckets' rank-mean
-        self._reduce_experts()
-        return loss
+    def ignored_params(self) -> list[nn.Parameter]:
+        """The expert slices (set by setup before the model is wrapped)."""
+        return self._experts
 
 
 def _expert_names(model: nn.Module) -> dict[str, nn.Parameter]:
