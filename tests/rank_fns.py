@@ -20,6 +20,17 @@ def fail_on_rank_1(rank, world_size):
     return rank
 
 
+def peer_loss_first_then_the_cause(rank, world_size):
+    """Rank 0 reports a gloo-style "peer gone" error at once, rank 1 the real cause 0.5 s later:
+    the order a crashed rank and its stranded peer often reach the launcher in."""
+    import time
+
+    if rank == 0:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Connection closed by peer [127.0.0.1]:1234")
+    time.sleep(0.5)
+    raise ValueError("planted failure on rank 1")
+
+
 def write_pid_then_sleep(rank, world_size, folder):
     with open(os.path.join(folder, f"pid{rank}"), "w") as f:
         f.write(str(os.getpid()))

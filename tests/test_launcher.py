@@ -59,6 +59,14 @@ def test_exception_on_rank_1_surfaces_with_its_traceback_quickly():
     assert elapsed < 10, f"failure took {elapsed:.1f} s to surface"
 
 
+def test_the_cause_is_reported_over_a_peer_that_only_lost_its_connection():
+    """A rank's "connection closed by peer" is a consequence: the launcher waits briefly for the
+    rank that caused it (the race test_exception_on_rank_1... once lost under load)."""
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(rank_fns.peer_loss_first_then_the_cause, 2)
+    assert info.value.rank == 1 and info.value.exc_type == "ValueError", str(info.value)
+
+
 def test_timeout_kills_every_child(tmp_path):
     with pytest.raises(TimeoutError, match="did not finish within"):
         run_ranks(rank_fns.write_pid_then_sleep, 2, str(tmp_path), timeout=8)

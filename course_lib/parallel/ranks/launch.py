@@ -384,6 +384,18 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, backend: str | None = N
             pass
 
 
+#: seconds a rank's "peer gone" error is held back while the rank that caused it may still report
+PEER_ERROR_GRACE_S = 3.0
+#: what gloo / NCCL / torch say when the other end of a collective went away (not the cause itself)
+_PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "pair.cc", "Broken pipe",
+                      "NCCL communicator was aborted", "remote process exited")
+
+
+def _peer_loss(message: str) -> bool:
+    """Whether a rank's error says only that another rank left a collective (a consequence)."""
+    return any(m in message for m in _PEER_LOSS_MARKERS)
+
+
 def _collect(procs, conns, relay: _OutputRelay, deadline: float, timeout: float,
              exit_grace_s: float) -> list:
     """Wait for every rank's message; fail fast on the first error or unexplained death."""
@@ -391,8 +403,11 @@ def _collect(procs, conns, relay: _OutputRelay, deadline: float, timeout: float,
     results: list[Any] = [None] * world_size
     done = [False] * world_size
     waiting = {conns[r]: r for r in range(world_size)}
+    secondary: RankFailedError | None = None  # a peer-loss error, held while the cause may still come
     while waiting:
         left = deadline - time.monotonic()
+        if left <= 0 and secondary is not None:
+            raise secondary
         if left <= 0:
             relay.pump()
             missing = [r for r in range(world_size) if not done[r]]
@@ -413,8 +428,16 @@ def _collect(procs, conns, relay: _OutputRelay, deadline: float, timeout: float,
                                       relay.tail(rank)) from None
             if kind == "ok":
                 results[rank], done[rank] = value, True
-            else:
-                raise RankFailedError(rank, value, tb, exc_type=value.split(":", 1)[0])
+                continue
+            error = RankFailedError(rank, value, tb, exc_type=value.split(":", 1)[0])
+            if not _peer_loss(value):
+                raise error
+            # A rank that lost its peer in a collective is usually not the cause: the peer that
+            # raised first may report a moment later. Wait briefly for it, then report this one.
+            if secondary is None:
+                secondary, deadline = error, min(deadline, time.monotonic() + PEER_ERROR_GRACE_S)
+    if secondary is not None:
+        raise secondary
     # Every rank has handed back its result; give them a moment to leave on their own. A crash
     # from here on (gloo's SIGABRT at exit) cannot cost a result, so it is not an error.
     grace_end = time.monotonic() + exit_grace_s
