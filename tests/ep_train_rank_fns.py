@@ -29,7 +29,9 @@ def entry(rank, result) -> dict:
             # the rank's last micro-batch, per MoE layer: pairs dropped over capacity, tokens per expert
             "dropped": [int(m.last_dropped) for m in moe_layers(result.model)],
             "load": [m.last_load.tolist() for m in moe_layers(result.model)],
-            "state_numel": state_numel(result.strategy.optimizer)}
+            "state_numel": state_numel(result.strategy.optimizer),
+            # per MoE layer (none at ep 1): local experts that received no rows, summed over the forwards
+            "idle": [d.idle_experts for d in getattr(result.strategy, "dispatchers", [])]}
 
 
 def train_and_cross_resume(rank, world_size, runs, crosses, resume=True):

@@ -69,6 +69,9 @@ EXPERT_PARALLEL_STRATEGIES: dict[str, tuple[str, str, str]] = {
               "the from-scratch ZeRO-2: as zero1, and each rank keeps only the gradients it owns"),
     "fsdp": ("course_lib.parallel.expert_parallel.in_trainer", "ExpertParallelFSDP",
              "FSDP2: experts DTensors on an (edp, ep) mesh, sharded over edp; the rest over every rank"),
+    "fsdp-scratch": ("course_lib.parallel.expert_parallel.fsdp_scratch_in_trainer", "ExpertParallelFSDPScratch",
+                     "the from-scratch ZeRO-3 (SimpleFSDP) over the dense weights, expert slices whole and "
+                     "reduced over expert-DP"),
 }
 #: ``train.strategy`` names that run with ``parallel.ep > 1``.
 EXPERT_PARALLEL_DP = tuple(EXPERT_PARALLEL_STRATEGIES)

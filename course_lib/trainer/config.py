@@ -410,7 +410,7 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
 def _expert_parallel_checks(cfg: dict, mcfg) -> None:
     """``parallel.ep`` (course_lib.parallel.expert_parallel.in_trainer): an MoE model whose expert count
     it divides, a data-parallel dimension that keeps the expert slices apart (ddp, ddp-scratch,
-    zero1, zero2, fsdp: registry.EXPERT_PARALLEL_STRATEGIES), no model parallelism. That
+    zero1, zero2, fsdp, fsdp-scratch: registry.EXPERT_PARALLEL_STRATEGIES), no model parallelism. That
     ep divides the world size is checked when the ranks start (trainer.check_config.check_world)."""
     from course_lib.parallel.registry import EXPERT_PARALLEL_DP
 
@@ -436,7 +436,6 @@ def _expert_parallel_checks(cfg: dict, mcfg) -> None:
         why = {
             "deepspeed": "the DeepSpeed engine would average the expert slices over every rank (its own MoE "
                          "layer is not wired into the trainer)",
-            "fsdp-scratch": "the from-scratch SimpleFSDP shards every weight over every rank, experts included",
             "single": "'single' is one process (ep = 1)",
         }.get(t["strategy"], "not built")
         raise ConfigError(f"{what} does not run with train.strategy = {t['strategy']!r}: {why}. With parallel.ep "

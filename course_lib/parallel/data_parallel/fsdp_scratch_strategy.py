@@ -33,11 +33,17 @@ class FSDPScratch(Distributed):
         base = make_optimizer(model)  # grouped on the original shapes
         named = groups_by_name(base, model)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(self.cfg["train"]["precision"])
-        self.module = SimpleFSDP(model, compute_dtype=dtype, find_unused_parameters=False)  # no host read
+        self.module = SimpleFSDP(model, compute_dtype=dtype, find_unused_parameters=False,  # no host read
+                                 ignored_params=self.ignored_params())
         self.model = model  # the same tree, its weights now the shards (checkpoint names unchanged)
         self.optimizer = type(base)(groups_for(named, model), **constructor_kwargs(base))
         self._mask = None
         self.reduce_grad_sq = self._reduce_grad_sq
+
+    def ignored_params(self) -> list[nn.Parameter]:
+        """Parameters SimpleFSDP leaves out (neither broadcast, sharded nor averaged over the world):
+        none here; expert parallelism's slices (expert_parallel.fsdp_scratch_in_trainer)."""
+        return []
 
     def precision_policy(self, precision: str):
         """SimpleFSDP casts to its compute dtype itself (and keeps fp32 masters); fp16 still needs
@@ -57,11 +63,16 @@ class FSDPScratch(Distributed):
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self._mask is None or self._mask[0] != len(params):
             replicated = {id(p) for p in self.module._replicated}
-            keep = [0.0 if id(p) in replicated and self.info.rank != 0 else 1.0 for p in params]
+            keep = [1.0 if self._counts_here(p, id(p) in replicated) else 0.0 for p in params]
             self._mask = (len(params), torch.tensor(keep, device=sq.device))
         out = sq * self._mask[1]
         dist.all_reduce(out)
         return out
+
+    def _counts_here(self, p: nn.Parameter, replicated: bool) -> bool:
+        """Whether this rank's squared norm of ``p`` enters the world sum: a shard's on every rank,
+        a replicated tensor's on rank 0 only."""
+        return not replicated or self.info.rank == 0
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         return _FullModelView(self.module, gather=True).state_dict()

@@ -6,7 +6,8 @@ the tensor is flattened, zero-padded at the end to a multiple of the world size 
 evenly; the padding is at most N-1 elements, never read by the model, and its gradient is
 dropped), and rank r keeps slice r as the trainable fp32 ``nn.Parameter``, registered under the
 original name (``model.module.fc1.weight`` is now that rank's shard). Norms and every other
-parameter stay replicated; their gradients are averaged in :meth:`finish_gradient_synchronization`.
+parameter stay replicated; their gradients are averaged in :meth:`finish_gradient_synchronization`,
+except ``ignored_params`` (expert slices under expert parallelism), which SimpleFSDP leaves alone.
 
 Per sharded layer and step:
 
@@ -88,10 +89,13 @@ class SimpleFSDP(nn.Module):
     :meth:`finish_gradient_synchronization`. ``compute_dtype``: ``None`` (fp32), ``torch.bfloat16``
     or ``torch.float16``. ``process_group``: the ranks that share the model (``None``: all).
     ``find_unused_parameters=False``: every replicated parameter is known to get a gradient, so
-    the per-step flag all-reduce and its host read are skipped (the trainer's setting)."""
+    the per-step flag all-reduce and its host read are skipped (the trainer's setting).
+    ``ignored_params``: parameters left out entirely (not broadcast, not replicated, their
+    gradients untouched; they must not be a Linear's or Embedding's): expert slices, which differ
+    between ranks and are reduced over their own expert-data-parallel group, as BucketedDDP's."""
 
     def __init__(self, module: nn.Module, compute_dtype=None, process_group=None,
-                 prefetch: bool = True, find_unused_parameters: bool = True):
+                 prefetch: bool = True, find_unused_parameters: bool = True, ignored_params=()):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -106,7 +110,9 @@ class SimpleFSDP(nn.Module):
         self.module, self.compute_dtype = module, compute_dtype
         self.world_size = dist.get_world_size(process_group)
         rank = dist.get_rank(process_group)
-        broadcast_from_first_rank(module, process_group)
+        ignored_params = list(ignored_params)
+        ignored = {id(p) for p in ignored_params}
+        broadcast_from_first_rank(module, process_group, skip=ignored_params)
 
         self._shards: dict[int, _Shard] = {}  # id(original Parameter) -> its shard (ties: once)
         self._layer_entries: dict[nn.Module, list[tuple[str, _Shard]]] = {}
@@ -116,6 +122,10 @@ class SimpleFSDP(nn.Module):
                 p = layer._parameters.get(attr)
                 if p is None:
                     continue
+                if id(p) in ignored:  # a sharded layer's weight cannot also be left alone
+                    raise ValueError(f"SimpleFSDP: ignored_params holds the {attr} of a "
+                                     f"{type(layer).__name__}, which SimpleFSDP shards; ignore only "
+                                     "parameters of other modules (e.g. stacked expert weights)")
                 entry = self._shards.setdefault(id(p), _Shard(p, rank, self.world_size))
                 layer._parameters[attr] = entry.param  # same name, now the flat shard
                 entries.append((attr, entry))
@@ -125,7 +135,7 @@ class SimpleFSDP(nn.Module):
         self._entry_by_name = {name: self._shard_of(name) for name, _ in
                                module.named_parameters(remove_duplicate=False)}
         sharded = {id(e.param) for e in self._shards.values()}
-        self._replicated = [p for p in trainable_params(module) if id(p) not in sharded]
+        self._replicated = [p for p in trainable_params(module) if id(p) not in sharded | ignored]
         self._active: dict[nn.Module, tuple] = {}
         self._order: list[nn.Module] = []  # sharded layers in the last forward's order
         self._seen: list[nn.Module] = []   # ... in this forward's order, so far

@@ -24,11 +24,13 @@ from course_lib.parallel.expert_parallel.permute import group_by_local_expert, u
 class AllToAllDispatcher:
     """``dispatcher(rows, counts, experts)`` for an MoE layer whose experts are sharded over ``ep``.
     ``log``: every exchange this layer made (see all_to_all.exchange), for the wire check; cleared
-    by the caller."""
+    by the caller. ``idle_experts``: local experts that received no rows, summed over every call
+    (they still run, on zero rows: a zero gradient), so a test can tell that case was exercised."""
 
     def __init__(self, ep: EPGroup) -> None:
         self.ep = ep
         self.log: list[dict] = []
+        self.idle_experts = 0
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:
         ep, L = self.ep.size, experts.n_local
@@ -39,7 +41,9 @@ class AllToAllDispatcher:
         recv = recv_counts.sum(1).tolist()
         arrived = AllToAll.apply(rows, send, recv, self.ep.group, self.log, "dispatch")
         grouped, local_counts, index = group_by_local_expert(arrived, recv_counts)
-        out = ungroup(experts(grouped, local_counts), index)
+        sizes = local_counts.tolist()  # the host read Experts would make of a tensor, made here once
+        self.idle_experts += sizes.count(0)
+        out = ungroup(experts(grouped, sizes), index)
         return AllToAll.apply(out, recv, send, self.ep.group, self.log, "combine")
 
 

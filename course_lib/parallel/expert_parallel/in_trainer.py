@@ -45,7 +45,8 @@ from course_lib.parallel.data_parallel.fsdp2 import FSDP2
 from course_lib.parallel.data_parallel.scratch_ddp import ScratchDDP
 from course_lib.parallel.data_parallel.torch_ddp import TorchDDP
 from course_lib.parallel.expert_parallel.group import EPGroup, make_ep_group
-from course_lib.parallel.expert_parallel.shard import gather_experts, is_expert, shard_experts
+from course_lib.parallel.expert_parallel.shard import (gather_experts, is_expert, reduce_expert_gradients,
+                                                       shard_experts)
 
 
 class ExpertParallelDDP(TorchDDP):
@@ -74,12 +75,7 @@ class ExpertParallelDDP(TorchDDP):
 
     def _reduce_experts(self) -> None:
         # One process's expert gradient: the sum over the expert-DP group / the world size.
-        world = dist.get_world_size()
-        for p in self._experts:
-            if p.grad is not None:
-                if self.ep.edp_group is not None:
-                    dist.all_reduce(p.grad, group=self.ep.edp_group)
-                p.grad.div_(world)
+        reduce_expert_gradients(self._experts, self.ep)
 
     def _reduce_grad_sq(self, sq: torch.Tensor) -> torch.Tensor:
         # Per-tensor squared norms, in the order of the parameters with a gradient (GradientMonitor):

@@ -57,6 +57,19 @@ def sync_gradients(model: nn.Module, ep: EPGroup) -> None:
         p.grad.div_(world)
 
 
+def reduce_expert_gradients(params: list[nn.Parameter], ep: EPGroup) -> None:
+    """One process's gradient of the mean loss for expert slices whose ``.grad`` holds this rank's
+    local sum (over its micro-batches, the combine's backward having summed the EP group's tokens):
+    all-reduce over the expert-DP group, divide by the world size. Used after the dense part's own
+    synchronization by the trainer's ddp, ddp-scratch and fsdp-scratch expert layouts."""
+    world = dist.get_world_size()
+    for p in params:
+        if p.grad is not None:
+            if ep.edp_group is not None:
+                dist.all_reduce(p.grad, group=ep.edp_group)
+            p.grad.div_(world)
+
+
 def gather_experts(model: nn.Module, ep: EPGroup) -> dict[str, torch.Tensor]:
     """The full state dict (every expert) on every rank: the sharded stacks all-gathered over the
     EP group in expert order. A collective over the EP group."""
