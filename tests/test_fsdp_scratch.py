@@ -108,3 +108,6 @@ def test_bad_input_errors():
         SimpleFSDP(torch.nn.Linear(2, 2), prefetch="yes")
     with pytest.raises(ValueError, match="nothing to shard"):
         SimpleFSDP(torch.nn.Sequential(torch.nn.LayerNorm(3)))
+    layer = torch.nn.Linear(2, 2)  # ignored_params may not hold a weight SimpleFSDP shards
+    with pytest.raises(ValueError, match="ignored_params holds the weight of a Linear"):
+        SimpleFSDP(layer, ignored_params=[layer.weight])

@@ -1,11 +1,12 @@
 """Expert parallelism in the trainer (``parallel.ep > 1``, train.strategy "ddp", "ddp-scratch", "zero1",
-"zero2" or "fsdp"): each MoE layer's experts sharded over ep ranks, tokens through all-to-all, the rest
+"zero2", "fsdp" or "fsdp-scratch"): each MoE layer's experts sharded over ep ranks, tokens through all-to-all, the rest
 data-parallel over every rank.
 
 Layouts: train.strategy "ddp" (torch DDP over the non-expert weights), "ddp-scratch" (the kit's
 BucketedDDP in its place), "zero1"/"zero2" (the kit's ZeRO: dense optimizer state sharded over every
-rank, the expert slices' over the expert-DP group) and "fsdp" (FSDP2, experts DTensors on an (edp, ep)
-mesh sharded over edp, the rest over every rank).
+rank, the expert slices' over the expert-DP group), "fsdp" (FSDP2, experts DTensors on an (edp, ep)
+mesh sharded over edp, the rest over every rank) and "fsdp-scratch" (the kit's SimpleFSDP over the
+dense weights, the expert slices whole on their rank, reduced over expert-DP).
 
 The model is moe-tiny shrunk to 2 layers of 4 experts (d_model 16; capacity factor 1.25: an
 expert takes at most 10 of a micro-batch's 32 routed slots; the balancing loss and the DeepSeek-V3
@@ -22,6 +23,12 @@ their AdamW moments gathered; ZeRO's shards consolidated), fsdp's sharded (DCP).
 bit-exact at EP 2; ddp's and zero1's EP 2 files resumed in one process, the one-process file resumed at
 EP 2, fsdp's and zero2's EP 2 checkpoints resumed at ep 1, and zero1's EP 2 file (2 ranks) resumed at
 EP 2 x expert-DP 2 (4 ranks) end where the uninterrupted runs end (within 1e-4).
+
+Beside them, in the same 2-rank launch, two variants, each against one process with the same change
+(VARIANTS): zero2 at EP 2 under bf16 autocast (tolerances BF16_REL, from measurement), and 16 experts
+with top-1 routing, where some rank's local expert receives no row in some micro-batch (the
+dispatchers count it) and the run still equals one process. fsdp-scratch's EP 2 file resumes under
+plain fsdp-scratch (ep 1), and the one-process file at fsdp-scratch EP 2 x expert-DP 2.
 
 One launch per world size (the 4-rank one in its own fixture, runs4).
 """
@@ -129,8 +136,9 @@ def check_layout(runs, name):
     got, ref = rows(runs["root"] / name / "full"), rows(runs["root"] / single)
     first = runs[name]["first"][0]
     want = runs[single].model.state_dict()
-    print(f"{name}: max |loss - one process| / loss = {max_rel([x['loss'] for x in got], [x['loss'] for x in ref]):.2e}, "
-          f"grad norms {max_rel([x['grad_norm'] for x in got], [x['grad_norm'] for x in ref]):.2e}, "
+    col = lambda rs, k: [x[k] for x in rs]  # noqa: E731
+    print(f"{name}: max |loss - one process| / loss = {max_rel(col(got, 'loss'), col(ref, 'loss')):.2e}, "
+          f"grad norms {max_rel(col(got, 'grad_norm'), col(ref, 'grad_norm')):.2e}, "
           f"weights relative L2 {rel_l2(first['weights'], want):.2e}, "
           f"max abs diff {max((first['weights'][k] - v).abs().max().item() for k, v in want.items()):.2e}")
     rel = TIGHT.get(name, FP32_REL)
@@ -166,8 +174,8 @@ def test_bf16_ep2_matches_one_bf16_process(runs):
     got, bf16, fp32 = (rows(runs["root"] / n) for n in ("zero2-ep2-bf16/full", "single-bf16", "single"))
     weights = runs["zero2-ep2-bf16"]["first"][0]["weights"]
     want, want32 = ({k: v.float() for k, v in runs[n].model.state_dict().items()} for n in ("single-bf16", "single"))
-    diffs = {k: (max_rel([x[k] for x in got], [x[k] for x in bf16]), max_rel([x[k] for x in bf16], [x[k] for x in fp32]))
-             for k in ("loss", "grad_norm")}
+    col = lambda rs, k: [x[k] for x in rs]  # noqa: E731
+    diffs = {k: (max_rel(col(got, k), col(bf16, k)), max_rel(col(bf16, k), col(fp32, k))) for k in ("loss", "grad_norm")}
     diffs["weights"] = (rel_l2(weights, want), rel_l2(want, want32))
     for k, (measured, gap) in diffs.items():
         print(f"zero2-ep2-bf16 {k}: {measured:.2e} from one bf16 process (tolerance {BF16_REL[k]:.0e}); "

@@ -106,12 +106,18 @@ class SimpleFSDP(nn.Module):
         if not layers:
             raise ValueError("SimpleFSDP: the module has no nn.Linear or nn.Embedding, so there is "
                              "nothing to shard; use NaiveDDP or BucketedDDP for it")
+        ignored_params = list(ignored_params)
+        ignored = {id(p) for p in ignored_params}
+        for layer in layers:  # a sharded layer's weight cannot also be left alone
+            for attr in ("weight", "bias"):
+                if id(layer._parameters.get(attr)) in ignored:
+                    raise ValueError(f"SimpleFSDP: ignored_params holds the {attr} of a {type(layer).__name__}, "
+                                     "which SimpleFSDP shards; ignore only parameters of other modules (e.g. "
+                                     "stacked expert weights)")
         self.process_group = require_group(process_group, "SimpleFSDP")
         self.module, self.compute_dtype = module, compute_dtype
         self.world_size = dist.get_world_size(process_group)
         rank = dist.get_rank(process_group)
-        ignored_params = list(ignored_params)
-        ignored = {id(p) for p in ignored_params}
         broadcast_from_first_rank(module, process_group, skip=ignored_params)
 
         self._shards: dict[int, _Shard] = {}  # id(original Parameter) -> its shard (ties: once)
@@ -122,10 +128,6 @@ class SimpleFSDP(nn.Module):
                 p = layer._parameters.get(attr)
                 if p is None:
                     continue
-                if id(p) in ignored:  # a sharded layer's weight cannot also be left alone
-                    raise ValueError(f"SimpleFSDP: ignored_params holds the {attr} of a "
-                                     f"{type(layer).__name__}, which SimpleFSDP shards; ignore only "
-                                     "parameters of other modules (e.g. stacked expert weights)")
                 entry = self._shards.setdefault(id(p), _Shard(p, rank, self.world_size))
                 layer._parameters[attr] = entry.param  # same name, now the flat shard
                 entries.append((attr, entry))

@@ -7,10 +7,11 @@ and back with ``torch.distributed.all_to_all_single``.
 | ``all_to_all`` | ``exchange`` / ``AllToAll``: variable-split all-to-all, differentiable, logged |
 | ``permute`` | received rows regrouped by local expert and back |
 | ``dispatch`` | ``AllToAllDispatcher``: counts first, then tokens, local experts, combine |
-| ``shard`` | ``shard_experts``, ``sync_gradients``, ``gather_experts`` |
+| ``shard`` | ``shard_experts``, ``sync_gradients``, ``reduce_expert_gradients``, ``gather_experts`` |
 | ``wire`` | ``expected_bytes`` (the formula) and ``measured_bytes`` (what the run handed over) |
 | ``in_trainer`` | the trainer's ``parallel.ep`` with ``train.strategy`` "ddp", "ddp-scratch", "fsdp" (imported by the registry) |
 | ``zero_in_trainer`` | ... with "zero1" / "zero2": ``ExpertShardedOptimizer``, expert state sharded over expert-DP |
+| ``fsdp_scratch_in_trainer`` | ... with "fsdp-scratch": SimpleFSDP over the dense weights, expert slices whole, reduced over expert-DP |
 
     ep = make_ep_group(2)                       # every rank, after init_process_group
     dispatchers = shard_experts(model, ep)      # model: a TinyGPT with moe_experts set, same weights everywhere

@@ -1,5 +1,5 @@
 """Expert parallelism inside the trainer (``parallel.ep > 1``, ``train.strategy`` "ddp", "ddp-scratch"
-or "fsdp"; "zero1" / "zero2" are :mod:`.zero_in_trainer`).
+or "fsdp"; "zero1" / "zero2" are :mod:`.zero_in_trainer`, "fsdp-scratch" :mod:`.fsdp_scratch_in_trainer`).
 
 World = ep x expert-dp (:func:`.group.make_ep_group`: ep consecutive ranks share one set of experts).
 Every rank builds the same full model (same seed), keeps its E / ep experts of every MoE layer and
@@ -30,9 +30,8 @@ each rank's own tokens, and the trainer sums the loads over every rank before up
 :class:`ExpertParallelScratchDDP` (``ddp-scratch``): :class:`ExpertParallelDDP` over the kit's
 ScratchDDP (BucketedDDP), the expert slices its ``ignored_params``.
 
-Not built (trainer.config refuses them with ep > 1, naming why): DeepSpeed and the from-scratch
-ZeRO-3 (SimpleFSDP) with experts, ep with tp/pp/cp (Megatron's ETP), sharded checkpoints under
-``ddp`` / ``ddp-scratch``.
+Not built (trainer.config refuses them with ep > 1, naming why): DeepSpeed with experts, ep with
+tp/pp/cp (Megatron's ETP), sharded checkpoints under ``ddp`` / ``ddp-scratch``.
 """
 from __future__ import annotations
 

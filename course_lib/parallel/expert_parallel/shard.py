@@ -5,7 +5,8 @@ stacked weights: nothing else changes) and sets the all-to-all dispatcher. :func
 averages gradients as one process with the global batch would have them: non-expert parameters
 over the whole world (plain data parallelism), expert parameters over the expert-DP group. Both
 divide by the world size: an expert's gradient already sums, through the combine's backward, the
-contributions of every token of its EP group.
+contributions of every token of its EP group. :func:`reduce_expert_gradients` is the expert half
+alone, for the trainer's layouts whose wrapper already synchronized the rest.
 """
 from __future__ import annotations
 
