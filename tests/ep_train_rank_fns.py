@@ -31,7 +31,9 @@ def entry(rank, result) -> dict:
             "load": [m.last_load.tolist() for m in moe_layers(result.model)],
             "state_numel": state_numel(result.strategy.optimizer),
             # per MoE layer (none at ep 1): local experts that received no rows, summed over the forwards
-            "idle": [d.idle_experts for d in getattr(result.strategy, "dispatchers", [])]}
+            "idle": [d.idle_experts for d in getattr(result.strategy, "dispatchers", [])],
+            # the trainer's dispatchers record no exchanges (a record each would grow for the whole run)
+            "logs": [d.log for d in getattr(result.strategy, "dispatchers", [])]}
 
 
 def train_and_cross_resume(rank, world_size, runs, crosses, resume=True):

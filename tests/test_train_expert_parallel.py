@@ -154,6 +154,7 @@ def check_layout(runs, name):
     # ... while the capacity dropped tokens and the routing was uneven (last micro-batch of each rank)
     assert sum(sum(r["dropped"]) for r in runs[name]["first"]) > 0, name
     assert any(max(load) > min(load) for r in runs[name]["first"] for load in r["load"]), name
+    assert all(log is None for r in runs[name]["first"] for log in r["logs"]), f"{name}: a dispatcher kept a log"
 
 
 @pytest.mark.parametrize("name", ["ddp-ep2", "fsdp-ep2", *ZERO_EP2])

@@ -24,12 +24,12 @@ from course_lib.parallel.expert_parallel.permute import group_by_local_expert, u
 class AllToAllDispatcher:
     """``dispatcher(rows, counts, experts)`` for an MoE layer whose experts are sharded over ``ep``.
     ``log``: every exchange this layer made (see all_to_all.exchange), for the wire check; cleared
-    by the caller. ``idle_experts``: local experts that received no rows, summed over every call
+    by the caller (None when built with ``log=False``: nothing recorded). ``idle_experts``: local experts that received no rows, summed over every call
     (they still run, on zero rows: a zero gradient), so a test can tell that case was exercised."""
 
-    def __init__(self, ep: EPGroup) -> None:
+    def __init__(self, ep: EPGroup, log: bool = True) -> None:
         self.ep = ep
-        self.log: list[dict] = []
+        self.log: list[dict] | None = [] if log else None
         self.idle_experts = 0
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:

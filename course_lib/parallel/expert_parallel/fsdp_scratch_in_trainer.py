@@ -47,7 +47,7 @@ class ExpertParallelFSDPScratch(FSDPScratch):
 
     def setup(self, model: nn.Module, make_optimizer) -> None:
         self.ep = make_ep_group(self.cfg["parallel"]["ep"])
-        self.dispatchers = shard_experts(model, self.ep)  # before SimpleFSDP: it must see the slices
+        self.dispatchers = shard_experts(model, self.ep, log=False)  # before SimpleFSDP: it must see the slices
         self._experts = [p for p in model.parameters() if is_expert(p)]
         super().setup(model, make_optimizer)  # the optimizer is regrouped by name: slices included
 

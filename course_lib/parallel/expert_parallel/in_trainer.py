@@ -57,7 +57,7 @@ class ExpertParallelDDP(TorchDDP):
 
     def setup(self, model: nn.Module, make_optimizer) -> None:
         self.ep = make_ep_group(self.cfg["parallel"]["ep"])
-        self.dispatchers = shard_experts(model, self.ep)  # each layer's all-to-all log, for the labs
+        self.dispatchers = shard_experts(model, self.ep, log=False)  # the run's own dispatchers: idle_experts, no log
         experts = [n for n, p in model.named_parameters() if is_expert(p)]
         self._experts = [p for p in model.parameters() if is_expert(p)]  # what wrap() leaves out
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
@@ -217,7 +217,7 @@ class ExpertParallelFSDP(FSDP2):
 
         world, ep = self.info.world_size, self.cfg["parallel"]["ep"]
         self.ep = make_ep_group(ep)
-        self.dispatchers = shard_experts(model, self.ep)
+        self.dispatchers = shard_experts(model, self.ep, log=False)
         # One mesh per layout per process: FSDP2 keeps the first (edp, ep) mesh it saw and refuses
         # DTensors on an equal but new one (a second trainer run in the same process, e.g. a resume).
         key = (self.device.type, world // ep, ep)

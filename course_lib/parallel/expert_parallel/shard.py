@@ -20,10 +20,12 @@ from course_lib.parallel.expert_parallel.group import EPGroup
 
 
 @torch.no_grad()
-def shard_experts(model: nn.Module, ep: EPGroup) -> list[AllToAllDispatcher]:
+def shard_experts(model: nn.Module, ep: EPGroup, log: bool = True) -> list[AllToAllDispatcher]:
     """Keep this rank's experts in every MoE layer of ``model`` (which holds all of them, the same
-    weights on every rank) and route through all-to-all. Returns the layers' dispatchers (their
-    ``log`` records the traffic). ValueError when E is not divisible by ep."""
+    weights on every rank) and route through all-to-all. Returns the layers' dispatchers (with
+    ``log``, their ``log`` records every exchange for the wire check; the trainer passes False: a
+    record per exchange for a whole run would grow without bound). ValueError when E is not
+    divisible by ep."""
     out = []
     for m in moe_layers(model):
         keep = ep.local_experts(m.n_experts)
@@ -32,7 +34,7 @@ def shard_experts(model: nn.Module, ep: EPGroup) -> list[AllToAllDispatcher]:
             part = nn.Parameter(full[keep.start:keep.stop].clone(), requires_grad=full.requires_grad)
             part.is_expert = True  # read by sync_gradients and checkpoint gathering
             setattr(m.experts, name, part)
-        m.dispatcher = AllToAllDispatcher(ep)
+        m.dispatcher = AllToAllDispatcher(ep, log=log)
         out.append(m.dispatcher)
     return out
 

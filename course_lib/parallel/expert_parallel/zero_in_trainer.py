@@ -243,7 +243,7 @@ class ExpertParallelZero1(Zero1):
     def setup(self, model: nn.Module, make_optimizer) -> None:
         self.ep = make_ep_group(self.cfg["parallel"]["ep"])
         broadcast_from_first_rank(model, None)  # one full model everywhere, then each rank keeps its experts
-        self.dispatchers = shard_experts(model, self.ep)
+        self.dispatchers = shard_experts(model, self.ep, log=False)
         self.model = self.module = model
         base = make_optimizer(model)  # the trainer's optimizer, only to copy its groups and options
         self.optimizer = ExpertShardedOptimizer([dict(g) for g in base.param_groups], type(base), self.ep,
