@@ -13,7 +13,13 @@ Gradients: GRAD_REL = 1e-5 of each tensor's largest HF gradient; measured 3e-7 t
 mapping (a transposed matrix, q and k swapped, a missed bias) moves logits by O(0.1-1): see
 ``test_a_wrong_mapping_is_caught``.
 
-``model.init_from`` of an HF folder: every config.json key transformers' Llama and GPT-2 code reads
+Experts: ``MixtralForCausalLM`` (no QK-norm) and ``Qwen3MoeForCausalLM`` (experts with QK-norm; the
+first k layers dense through ``mlp_only_layers``, un-normalised top-k through ``norm_topk_prob``),
+measured: logits 0.0 and 4.8e-7 apart, gradients 5.6e-7 and 7.8e-7 relative; through the files both
+ways (``export-hf`` -> ``from_pretrained``: 0.0; ``save_pretrained`` -> ``init_from``: 2.4e-7 to
+6.0e-7). The ``qwen3-30b-a3b`` preset is transformers' Qwen3-MoE of 30,532,122,624 parameters.
+
+``model.init_from`` of an HF folder: every config.json key transformers' Llama, Qwen3-MoE and GPT-2 code reads
 is read or refused by name (``hf_map.FUNCTION_KEYS``; the list is held against the installed
 modeling files), and each accepted key, set off its default, gives a TinyGPT with transformers'
 logits for the same folder (transformers 4.x spellings included).
@@ -53,8 +59,10 @@ CONFIGS = {
     # top-2 of 4 normalised (norm_topk_prob true), a dense width unlike the experts'
     "qwen3moe-first-dense": ModelConfig.preset("moe-tiny", moe_experts=4, qk_norm=True, n_layers=3, moe_first_dense=1,
                                                d_ff=48),
-    # ... top-3 of 4 *not* normalised (norm_topk_prob false, Qwen3MoeConfig's default), every layer sparse
-    "qwen3moe-raw-topk": ModelConfig.preset("moe-tiny", moe_experts=4, moe_top_k=3, qk_norm=True, moe_norm_topk=False),
+    # ... top-3 of 4 *not* normalised (norm_topk_prob false, Qwen3MoeConfig's default), every layer
+    # sparse, a sliding window of 16 (use_sliding_window, sliding_window)
+    "qwen3moe-raw-topk-window": ModelConfig.preset("moe-tiny", moe_experts=4, moe_top_k=3, qk_norm=True,
+                                                   moe_norm_topk=False, attention_window=16),
 }
 HF_CLASS = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "qwen3moe": "Qwen3MoeForCausalLM", "tiny": "GPT2LMHeadModel", "gpt2": "GPT2LMHeadModel"}
@@ -162,7 +170,7 @@ def test_a_wrong_mapping_is_caught(monkeypatch):
     (dict(preset="moe-tiny", qk_norm=True, moe_capacity_factor=1.25), "model.moe_capacity_factor = 1.25.*dropless"),
     (dict(preset="moe-tiny", qk_norm=True, moe_bias_update_rate=1e-3), "model.moe_bias_update_rate = 0.001"),
     (dict(preset="moe-tiny", qk_norm=True, moe_route_scale=2.5), "model.moe_route_scale = 2.5.*Qwen3-MoE"),
-    (dict(preset="moe-tiny", qk_norm=True, attention_window=8), "model.attention_window"),
+    (dict(preset="moe-tiny", attention_window=8), "model.attention_window = 8 .*MixtralConfig"),
     (dict(preset="moe-tiny", qk_norm=True, logit_softcap=30.0), "model.logit_softcap"),
 ])
 def test_variants_no_hf_class_expresses_are_refused_by_switch(overrides, named):
@@ -179,7 +187,8 @@ def test_hf_configs_read_back_as_the_same_model_config():
         back = ModelConfig(**fields)
         for k in ("vocab_size", "block_size", "d_model", "n_layers", "n_heads", "kv_heads", "ffn_dim", "norm", "mlp",
                   "position", "bias", "tie_embeddings", "norm_eps", "rope_theta", "rope_linear_factor", "moe_experts",
-                  "moe_top_k", "expert_dim", "moe_aux_loss_coef", "qk_norm", "moe_norm_topk", "moe_first_dense"):
+                  "moe_top_k", "expert_dim", "moe_aux_loss_coef", "qk_norm", "moe_norm_topk", "moe_first_dense",
+                  "attention_window"):
             if k.startswith("rope") and cfg.position != "rope":
                 continue
             assert getattr(back, k) == getattr(cfg, k), (k, getattr(back, k), getattr(cfg, k))
@@ -253,6 +262,9 @@ ACCEPTED = {
     "qwen3moe-defaults": ("Qwen3MoeForCausalLM", dict(QWEN3_MOE_BASE)),
     # decoder_sparse_step 2 on 2 layers: layer 0 dense, layer 1 sparse (model.moe_first_dense = 1)
     "qwen3moe-sparse-step": ("Qwen3MoeForCausalLM", dict(QWEN3_MOE_BASE, num_hidden_layers=2, decoder_sparse_step=2)),
+    # a window of 8 on every layer (model.attention_window = 8); and use_sliding_window with a null window: none
+    "qwen3moe-window": ("Qwen3MoeForCausalLM", dict(QWEN3_MOE_BASE, use_sliding_window=True, sliding_window=8)),
+    "qwen3moe-window-null": ("Qwen3MoeForCausalLM", dict(QWEN3_MOE_BASE, use_sliding_window=True, sliding_window=None)),
 }
 
 
@@ -282,7 +294,7 @@ def test_an_accepted_hf_folder_computes_transformers_logits_after_init_from(name
             c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob), name
         assert [cfg.is_moe_layer(i) for i in range(cfg.n_layers)] == [
             type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in hf.model.layers], name
-        assert cfg.moe_aux_loss_coef == c.router_aux_loss_coef, name
+        assert (cfg.moe_aux_loss_coef, cfg.attention_window) == (c.router_aux_loss_coef, c.sliding_window), name
     if cls_name != "GPT2LMHeadModel":
         rope = c.rope_parameters
         assert cfg.rope_theta == rope["rope_theta"] and cfg.rope_linear_factor == rope.get("factor", 1.0), name
@@ -304,12 +316,12 @@ REFUSED = [
     (dict(GPT2_BASE, scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx = true"),
     (dict(GPT2_BASE, reorder_and_upcast_attn=True), "reorder_and_upcast_attn = true"),
     (dict(GPT2_BASE, add_cross_attention=True), "add_cross_attention = true"),
-    # Qwen3-MoE: dense layers that are not the first k, no sparse layer at all, a window, biases
+    # Qwen3-MoE: dense layers that are not the first k, no sparse layer at all, a window of 0, biases
     (dict(QWEN3_MOE_BASE, num_hidden_layers=4, decoder_sparse_step=2), r"decoder_sparse_step = 2, .*dense layers \[0, 2\]"),
     (dict(QWEN3_MOE_BASE, mlp_only_layers=[1]), r"mlp_only_layers = \[1\].*dense layers \[1\] of 3"),
     (dict(QWEN3_MOE_BASE, mlp_only_layers=[0, 1, 2]), r"dense layers \[0, 1, 2\] of 3.*at least one"),
     (dict(QWEN3_MOE_BASE, num_experts=0), r"num_experts = 0: dense layers \[0, 1, 2\]"),
-    (dict(QWEN3_MOE_BASE, use_sliding_window=True, sliding_window=8), "use_sliding_window = true"),
+    (dict(QWEN3_MOE_BASE, use_sliding_window=True, sliding_window=0), "sliding_window = 0: a window of >= 1"),
     (dict(QWEN3_MOE_BASE, attention_bias=True), "attention_bias = true"),
     (dict(QWEN3_MOE_BASE, decoder_sparse_step=0), "decoder_sparse_step = 0: an integer >= 1"),
 ]
@@ -354,7 +366,7 @@ def _config_keys_read(module) -> set[str]:
 
 def test_every_key_transformers_reads_is_read_refused_or_explained():
     """The list of keys that change the function (hf_map.FUNCTION_KEYS) is complete for the
-    installed transformers: every ``config.X`` its Llama and GPT-2 modeling files read is in it,
+    installed transformers: every ``config.X`` its Llama, Qwen3-MoE and GPT-2 modeling files read is in it,
     or is one of the keys below that only other heads, the cache or the initialisation use. A
     transformers upgrade that starts reading a new key fails here until the key is handled."""
     import transformers
@@ -383,7 +395,7 @@ def test_qwen3_moe_defaults_are_transformers_own():
     """A config.json that leaves an expert key out gets Qwen3MoeConfig's default, not a guess."""
     import transformers
 
-    c = transformers.Qwen3MoeConfig()
+    c = transformers.Qwen3MoeConfig(use_sliding_window=True)  # else it keeps no sliding_window
     assert {k: getattr(c, k) for k in hf_map.QWEN3_MOE_DEFAULTS} == hf_map.QWEN3_MOE_DEFAULTS
 
 
@@ -434,7 +446,8 @@ def test_qwen3_moe_export_hf_loads_in_transformers_and_its_folders_load_in_the_k
         diff = (loaded(idx)[0] - theirs(input_ids=idx).logits).abs().max().item()
     assert diff <= LOGIT_ATOL, diff
     for wrong, named in ((dict(moe_norm_topk=False), r"model\.moe_norm_topk = False vs True in the source"),
-                         (dict(moe_first_dense=0), r"model\.moe_first_dense = 0 vs 1 in the source")):
+                         (dict(moe_first_dense=0), r"model\.moe_first_dense = 0 vs 1 in the source"),
+                         (dict(attention_window=8), r"model\.attention_window = 8 vs None in the source")):
         with pytest.raises(ValueError, match=named):
             check_init_source(tmp_path / "pretrained", dataclasses.replace(back, **wrong))
 

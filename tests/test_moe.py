@@ -181,7 +181,7 @@ def test_published_presets_equal_transformers_own_classes(meta_counts):
     specs = {
         "mixtral-8x7b": (tf.MixtralForCausalLM, tf.MixtralConfig(
             vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-            num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2), 0),
+            num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2)),
         "qwen3-30b-a3b": (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
             vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
             num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,

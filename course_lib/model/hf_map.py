@@ -12,9 +12,9 @@ Five HF classes express TinyGPT:
 | the Llama switches with qk_norm (RMSNorm on each head's q and k), bias off | ``Qwen3ForCausalLM`` | ``Qwen3Config`` |
 | layernorm with bias, gelu, learned positions, kv heads = heads, bias on, tied or not | ``GPT2LMHeadModel`` | ``GPT2Config`` |
 | the Llama switches with experts (softmax top-k, normalised, no shared experts, dropless), no qk_norm | ``MixtralForCausalLM`` | ``MixtralConfig`` |
-| the Llama switches with experts and qk_norm (softmax top-k, normalised or not, no shared experts, dropless; the first k layers dense or none) | ``Qwen3MoeForCausalLM`` | ``Qwen3MoeConfig`` |
+| the Llama switches with experts and qk_norm (softmax top-k, normalised or not, no shared experts, dropless; the first k layers dense or none; a sliding window or none) | ``Qwen3MoeForCausalLM`` | ``Qwen3MoeConfig`` |
 
-Anything else (a bounded embedding, a sliding window, no positions, a mix of the families,
+Anything else (a bounded embedding, a sliding window outside Qwen3-MoE, no positions, a mix of the families,
 soft-capped logits) has no HF class that computes the same function: :func:`hf_unsupported` names
 the switch. model.z_loss and model.smooth_swiglu change training only, not the function: they export.
 The other way (``model.init_from`` of an HF folder), :data:`FUNCTION_KEYS` lists every ``config.json``
@@ -101,9 +101,10 @@ def hf_unsupported(cfg: ModelConfig) -> list[str]:
     if cfg.embedding_bound is not None:
         why.append(f"model.embedding_bound = {cfg.embedding_bound} (a bounded token embedding): no HF class "
                    f"bounds its embedding output")
-    if cfg.attention_window is not None:
-        why.append(f"model.attention_window = {cfg.attention_window} (sliding window): LlamaConfig and GPT2Config "
-                   f"carry no window")
+    if cfg.attention_window is not None and family(cfg) != "qwen3_moe":  # Qwen3-MoE's use_sliding_window is it
+        why.append(f"model.attention_window = {cfg.attention_window} (sliding window): LlamaConfig, Qwen3Config "
+                   f"(a window on some layers only), MixtralConfig (TinyGPT's MoE exports as Mixtral without "
+                   f"qk_norm) and GPT2Config carry none for every layer")
     for key in ("logit_softcap", "attn_logit_softcap"):
         if getattr(cfg, key) is not None:
             why.append(f"model.{key} = {getattr(cfg, key)} (soft-capping): LlamaConfig, Qwen3Config and GPT2Config "
@@ -156,7 +157,9 @@ def hf_config_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
             _rope_family_kwargs(cfg, cfg.ffn_dim), moe_intermediate_size=cfg.expert_dim, num_experts=cfg.moe_experts,
             num_experts_per_tok=cfg.moe_top_k, norm_topk_prob=cfg.moe_norm_topk, decoder_sparse_step=1,
             mlp_only_layers=list(range(cfg.moe_first_dense)), router_aux_loss_coef=cfg.moe_aux_loss_coef,
-            output_router_logits=False, attention_bias=False, use_sliding_window=False)
+            output_router_logits=False, attention_bias=False,
+            # the same window: each token sees itself and the w - 1 before it (transformers' sliding mask)
+            use_sliding_window=cfg.attention_window is not None, sliding_window=cfg.attention_window)
     if family(cfg) == "qwen3":  # Llama plus q_norm / k_norm; every layer full attention
         return "Qwen3ForCausalLM", dict(_rope_family_kwargs(cfg, cfg.ffn_dim), attention_bias=False,
                                         use_sliding_window=False)
@@ -213,8 +216,9 @@ FUNCTION_KEYS = {
         "output_router_logits": "no effect on the logits (the router logits returned, and the aux loss added to "
                                 "the loss)",
         "attention_bias": "refused unless false (Qwen3-MoE's MLP has no bias, TinyGPT's experts neither)",
-        "use_sliding_window": "refused unless false", "sliding_window": "no effect unless use_sliding_window "
-                                                                       "(Qwen3MoeConfig sets it to None then)",
+        "use_sliding_window": "read: true sets model.attention_window = sliding_window (every layer, the same "
+                              "window: each token sees itself and the sliding_window - 1 before it)",
+        "sliding_window": "read with use_sliding_window; no effect without it (Qwen3MoeConfig sets it to None)",
         "attention_dropout": "no effect: dropout, training only",
         "pad_token_id": "no effect on the forward pass (see llama)",
         "quantization_config": "refused: quantized weights are not TinyGPT's fp32/bf16 tensors",
@@ -239,7 +243,8 @@ FUNCTION_KEYS = {
 #: one out (tests/test_hf_parity.py holds them against the class). norm_topk_prob is *false* by
 #: default there, though Qwen3-30B-A3B's own config.json sets it true.
 QWEN3_MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
-                          decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)
+                          decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+                          sliding_window=4096)
 
 #: GPT-2 activations that are the tanh GELU TinyGPT's MLP computes (transformers' ACT2FN)
 GPT2_TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
@@ -350,8 +355,11 @@ def qwen3_moe_dense_layers(hf: dict) -> list[int]:
 def _qwen3_moe_fields(hf: dict) -> dict:
     """The ModelConfig fields of a ``qwen3_moe`` config.json (see :func:`config_from_hf`)."""
     d = QWEN3_MOE_DEFAULTS
-    if hf.get("use_sliding_window", False):
-        raise ValueError("use_sliding_window = true: TinyGPT's Qwen3-MoE attends to every earlier token")
+    # Qwen3MoeConfig keeps sliding_window only with use_sliding_window, and None there is full attention
+    window = hf.get("sliding_window", d["sliding_window"]) if hf.get("use_sliding_window", False) else None
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"use_sliding_window = true with sliding_window = {window!r}: a window of >= 1 tokens "
+                         f"(or null: none) expected")
     if hf.get("attention_bias", False):
         raise ValueError("attention_bias = true: TinyGPT's experts and router carry no bias (model.bias = false)")
     dense = qwen3_moe_dense_layers(hf)
@@ -362,7 +370,7 @@ def _qwen3_moe_fields(hf: dict) -> dict:
             f"dense layers {dense} of {hf['num_hidden_layers']}; TinyGPT's dense layers are the first k "
             f"(model.moe_first_dense) with experts in every later one, at least one")
     llama = config_from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False})
-    return {**llama, "qk_norm": True,
+    return {**llama, "qk_norm": True, "attention_window": window,
             "moe_experts": hf.get("num_experts", hf.get("num_local_experts", d["num_experts"])),
             "moe_top_k": hf.get("num_experts_per_tok", d["num_experts_per_tok"]),
             "moe_ffn_dim": hf.get("moe_intermediate_size", d["moe_intermediate_size"]),

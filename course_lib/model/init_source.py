@@ -4,8 +4,8 @@ Two kinds of source, told apart by what the path is:
 
 * a Hugging Face model folder (``config.json`` + ``model.safetensors``: ``LlamaForCausalLM``,
   ``Qwen3ForCausalLM``, ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` or ``GPT2LMHeadModel``;
-  what ``course ckpt export-hf`` writes, or a pretrained model saved with ``save_pretrained``): its config must describe the run's model, its tensors are renamed
-  (:mod:`course_lib.model.hf_map`);
+  what ``course ckpt export-hf`` writes, or a pretrained model saved with ``save_pretrained``): its
+  config must describe the run's model, its tensors are renamed (:mod:`course_lib.model.hf_map`);
 * a consolidated file ``FILE.safetensors`` (``course ckpt consolidate``), TinyGPT's own names, its
   model config in the file's metadata (and in ``FILE.json`` beside it for people).
 
@@ -29,7 +29,7 @@ CONFIG_KEY = "course_lib.model_config"
 FUNCTION_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "head_dim", "ffn_dim", "norm", "mlp",
                    "position", "bias", "tie_embeddings", "norm_eps", "rope_theta", "rope_linear_factor", "moe_experts", "moe_top_k",
                    "expert_dim", "moe_shared_experts", "moe_first_dense", "moe_score", "moe_norm_topk",
-                   "moe_route_scale", "qk_norm", "logit_softcap",
+                   "moe_route_scale", "qk_norm", "attention_window", "logit_softcap",
                    "attn_logit_softcap")
 
 
