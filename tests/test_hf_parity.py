@@ -14,10 +14,12 @@ mapping (a transposed matrix, q and k swapped, a missed bias) moves logits by O(
 ``test_a_wrong_mapping_is_caught``.
 
 Experts: ``MixtralForCausalLM`` (no QK-norm) and ``Qwen3MoeForCausalLM`` (experts with QK-norm; the
-first k layers dense through ``mlp_only_layers``, un-normalised top-k through ``norm_topk_prob``),
-measured: logits 0.0 and 4.8e-7 apart, gradients 5.6e-7 and 7.8e-7 relative; through the files both
-ways (``export-hf`` -> ``from_pretrained``: 0.0; ``save_pretrained`` -> ``init_from``: 2.4e-7 to
-6.0e-7). The ``qwen3-30b-a3b`` preset is transformers' Qwen3-MoE of 30,532,122,624 parameters.
+first k layers dense through ``mlp_only_layers``, un-normalised top-k through ``norm_topk_prob``, the
+attention window through ``use_sliding_window``), measured: logits 0.0 and 6.0e-7 apart, gradients
+5.6e-7 and 7.2e-7 relative; through the files both ways (``export-hf`` -> ``from_pretrained``: 0.0;
+``save_pretrained`` -> ``init_from``: 2.4e-7 to 6.0e-7). A gate/up swap or an ignored
+``norm_topk_prob`` moves logits by O(0.1): ``test_a_wrong_qwen3_moe_mapping_is_caught``. The
+``qwen3-30b-a3b`` preset is transformers' Qwen3-MoE of 30,532,122,624 parameters.
 
 ``model.init_from`` of an HF folder: every config.json key transformers' Llama, Qwen3-MoE and GPT-2 code reads
 is read or refused by name (``hf_map.FUNCTION_KEYS``; the list is held against the installed
