@@ -172,6 +172,7 @@ def test_published_presets_count_the_published_parameters(meta_counts):
         assert rounds_to(total, pub["total"], pub["step"]), (name, total)
         assert rounds_to(active, pub["active"], pub["step"], pub.get("active_truncated", False)), (name, active)
     assert meta_counts["mixtral-8x7b"] == (46_702_792_704, 12_879_925_248)
+    assert meta_counts["qwen3-30b-a3b"] == (30_532_122_624, 3_353_032_704)  # its QK-norm weights included
     assert meta_counts["deepseek-v3"][0] == 671_026_404_352
 
 
@@ -180,17 +181,17 @@ def test_published_presets_equal_transformers_own_classes(meta_counts):
     specs = {
         "mixtral-8x7b": (tf.MixtralForCausalLM, tf.MixtralConfig(
             vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-            num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2), 0),
+            num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2)),
         "qwen3-30b-a3b": (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
             vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
             num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-            num_experts_per_tok=8, tie_word_embeddings=False), 48 * 2 * 128),  # Qwen3's QK-norm weights
-        "deepseek-v3": (tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(), 0),  # its defaults are V3's shape
+            num_experts_per_tok=8, tie_word_embeddings=False)),
+        "deepseek-v3": (tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config()),  # its defaults are V3's shape
     }
-    for name, (cls, config, extra) in specs.items():
+    for name, (cls, config) in specs.items():
         with torch.device("meta"):
             hf = cls(config)
-        assert sum(p.numel() for p in hf.parameters()) == meta_counts[name][0] + extra, name
+        assert sum(p.numel() for p in hf.parameters()) == meta_counts[name][0], name
 
 
 def test_bad_moe_settings_are_named():

@@ -41,8 +41,9 @@ def add_ckpt_parser(subparsers) -> argparse.ArgumentParser:
                         "set_optimizer_state_dict loads it into one process); full and sharded checkpoints")
     _trust_flag(c)
     c.set_defaults(func=run_consolidate)
-    e = sub.add_parser("export-hf", help="a folder transformers loads with from_pretrained (LlamaForCausalLM "
-                                         "or GPT2LMHeadModel)")
+    e = sub.add_parser("export-hf", help="a folder transformers loads with from_pretrained (LlamaForCausalLM, "
+                                         "Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM or "
+                                         "GPT2LMHeadModel)")
     e.add_argument("run", help="the run folder, or a consolidated FILE.safetensors")
     e.add_argument("--step", type=int, help="the step to take (default: the newest checkpoint by save sequence "
                                              "that verifies; newer ones passed over are named on stderr)")

@@ -47,13 +47,16 @@ PRESETS: dict[str, dict] = {
         norm="rmsnorm", mlp="swiglu", position="rope", bias=False, tie_embeddings=False, rope_theta=1e6,
         moe_experts=8, moe_top_k=2, moe_aux_loss_coef=0.02,
     ),
-    # Qwen3-30B-A3B: 30.5B total, 3.3B active (8 of 128 experts of width 768, no shared expert).
-    # head_dim 128 with 32 heads: the attention is 4096 wide on a 2048 residual stream. Qwen3 also
-    # has QK-norm (2 x 128 weights a layer, 12,288 in all), which TinyGPT does not carry here.
+    # Qwen3-30B-A3B: 30.5B total, 3.3B active (8 of 128 experts of width 768, normalised top-8, no
+    # shared expert, every layer sparse). head_dim 128 with 32 heads: the attention is 4096 wide on a
+    # 2048 residual stream. QK-norm (2 x 128 weights a layer) as Qwen3 has it, so the preset exports
+    # as transformers' Qwen3MoeForCausalLM (tests/test_hf_parity.py). d_ff: Qwen's intermediate_size,
+    # the width its dense layers would have (it has none).
     "qwen3-30b-a3b": dict(
         vocab_size=151936, block_size=40960, n_layers=48, n_heads=32, n_kv_heads=4, attn_head_dim=128, d_model=2048,
         d_ff=6144, norm="rmsnorm", mlp="swiglu", position="rope", bias=False, tie_embeddings=False,
-        norm_eps=1e-6, rope_theta=1e6, moe_experts=128, moe_top_k=8, moe_ffn_dim=768, moe_aux_loss_coef=0.001,
+        norm_eps=1e-6, rope_theta=1e6, qk_norm=True, moe_experts=128, moe_top_k=8, moe_ffn_dim=768,
+        moe_aux_loss_coef=0.001,
     ),
     # DeepSeek-V3: 671B total, 37B active. 61 layers, the first 3 dense (width 18432), then 256
     # routed experts (top 8, sigmoid scores, normalised top-k weights x 2.5, bias balancing) plus one

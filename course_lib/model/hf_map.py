@@ -4,26 +4,30 @@ Torch-free (the trainer's config check reads it): the name mapping is the only t
 hand; the HF side is ``transformers``' own config classes and ``from_pretrained``
 (:mod:`course_lib.model.hf_weights` moves the tensors).
 
-Three HF classes express TinyGPT:
+Five HF classes express TinyGPT:
 
 | TinyGPT switches | HF class | config |
 | --- | --- | --- |
 | rmsnorm, swiglu, rope (plain or linearly scaled), any kv heads, bias on or off, tied or not | ``LlamaForCausalLM`` | ``LlamaConfig`` |
 | the Llama switches with qk_norm (RMSNorm on each head's q and k), bias off | ``Qwen3ForCausalLM`` | ``Qwen3Config`` |
 | layernorm with bias, gelu, learned positions, kv heads = heads, bias on, tied or not | ``GPT2LMHeadModel`` | ``GPT2Config`` |
-| the Llama switches with experts (softmax top-k, normalised, no shared experts, dropless) | ``MixtralForCausalLM`` | ``MixtralConfig`` |
+| the Llama switches with experts (softmax top-k, normalised, no shared experts, dropless), no qk_norm | ``MixtralForCausalLM`` | ``MixtralConfig`` |
+| the Llama switches with experts and qk_norm (softmax top-k, normalised or not, no shared experts, dropless; the first k layers dense or none; a sliding window or none) | ``Qwen3MoeForCausalLM`` | ``Qwen3MoeConfig`` |
 
-Anything else (a bounded embedding, a sliding window, no positions, a mix of the families,
+Anything else (a bounded embedding, a sliding window outside Qwen3-MoE, no positions, a mix of the families,
 soft-capped logits) has no HF class that computes the same function: :func:`hf_unsupported` names
 the switch. model.z_loss and model.smooth_swiglu change training only, not the function: they export.
 The other way (``model.init_from`` of an HF folder), :data:`FUNCTION_KEYS` lists every ``config.json``
-key transformers' Llama and GPT-2 code reads and whether :func:`config_from_hf` reads it or refuses it.
+key transformers' Llama, Qwen3-MoE and GPT-2 code reads and whether :func:`config_from_hf` reads it or refuses it.
 
 GPT-2 stores its linear layers as ``Conv1D`` with the weight transposed ([in, out]) and q, k, v as
 one fused ``c_attn`` matrix; the mapping says so per tensor (``kind``). Mixtral's files (what
 ``save_pretrained`` writes) keep one tensor per expert (``block_sparse_moe.experts.E.w1/w3/w2``: gate,
 up, down); TinyGPT stacks them ([E, F, C]), so each is ``kind="expert"`` with its ``index``. In
 memory transformers fuses them again (``mlp.experts.gate_up_proj``): :func:`mixtral_runtime_names`.
+Qwen3-MoE's files do the same under other names (``mlp.experts.E.gate_proj/up_proj/down_proj``, the
+router ``mlp.gate``), fused alike in memory (:func:`runtime_names`); its dense layers
+(``mlp_only_layers``: TinyGPT's ``moe_first_dense``) keep Qwen3's ``mlp.gate_proj/up_proj/down_proj``.
 """
 from __future__ import annotations
 
@@ -52,12 +56,43 @@ class Entry:
 
 
 def family(cfg: ModelConfig) -> str:
-    """"mixtral", "qwen3", "llama" or "gpt2": which HF class family the switches call for (see :func:`hf_unsupported`)."""
+    """"mixtral", "qwen3_moe", "qwen3", "llama" or "gpt2": which HF class family the switches call for
+    (see :func:`hf_unsupported`). Experts with QK-norm are Qwen3-MoE (Mixtral has no q/k norm, and
+    Qwen3-MoE has no switch to turn its q/k norm off); experts without it are Mixtral."""
     if cfg.moe_experts is not None:
-        return "mixtral"
+        return "qwen3_moe" if cfg.qk_norm else "mixtral"
     if cfg.qk_norm:
         return "qwen3"
     return "llama" if cfg.position == "rope" or cfg.norm == "rmsnorm" or cfg.mlp == "swiglu" else "gpt2"
+
+
+#: family -> its HF class
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel",
+              "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+_QWEN3_MOE_ONLY = "Qwen3MoeForCausalLM expresses it, but only with model.qk_norm = true (another function)"
+#: The MoE switches each HF MoE family fixes: {ModelConfig field: (the value it needs, why)}. The
+#: fields not listed are free: Qwen3-MoE's ``norm_topk_prob`` carries model.moe_norm_topk and its
+#: ``mlp_only_layers`` the first dense layers (model.moe_first_dense); ``moe_drop_policy`` only
+#: matters with a capacity factor.
+MOE_NEEDS = {
+    "mixtral": {
+        "moe_score": ("softmax", "Mixtral's router is a softmax"),
+        "moe_norm_topk": (True, f"Mixtral divides the top-k scores by their sum; {_QWEN3_MOE_ONLY}"),
+        "moe_route_scale": (1.0, "Mixtral does not scale the combine weights"),
+        "moe_shared_experts": (0, "Mixtral has no shared experts"),
+        "moe_first_dense": (0, f"every Mixtral layer has experts; {_QWEN3_MOE_ONLY}"),
+        "moe_bias_update_rate": (None, "Mixtral's router has no selection bias"),
+        "moe_capacity_factor": (None, "Mixtral is dropless"),
+    },
+    "qwen3_moe": {
+        "moe_score": ("softmax", "Qwen3-MoE's router is a softmax"),
+        "moe_route_scale": (1.0, "Qwen3-MoE does not scale the combine weights"),
+        "moe_shared_experts": (0, "Qwen3-MoE has no shared experts"),
+        "moe_bias_update_rate": (None, "Qwen3-MoE's router has no selection bias"),
+        "moe_capacity_factor": (None, "Qwen3-MoE is dropless (no token is dropped over a capacity)"),
+    },
+}
 
 
 def hf_unsupported(cfg: ModelConfig) -> list[str]:
@@ -66,26 +101,20 @@ def hf_unsupported(cfg: ModelConfig) -> list[str]:
     if cfg.embedding_bound is not None:
         why.append(f"model.embedding_bound = {cfg.embedding_bound} (a bounded token embedding): no HF class "
                    f"bounds its embedding output")
-    if cfg.attention_window is not None:
-        why.append(f"model.attention_window = {cfg.attention_window} (sliding window): LlamaConfig and GPT2Config "
-                   f"carry no window")
+    if cfg.attention_window is not None and family(cfg) != "qwen3_moe":  # Qwen3-MoE's use_sliding_window is it
+        why.append(f"model.attention_window = {cfg.attention_window} (sliding window): LlamaConfig, Qwen3Config "
+                   f"(a window on some layers only), MixtralConfig (TinyGPT's MoE exports as Mixtral without "
+                   f"qk_norm) and GPT2Config carry none for every layer")
     for key in ("logit_softcap", "attn_logit_softcap"):
         if getattr(cfg, key) is not None:
             why.append(f"model.{key} = {getattr(cfg, key)} (soft-capping): LlamaConfig, Qwen3Config and GPT2Config "
                        f"carry no cap")
-    if family(cfg) == "mixtral":
-        for key, want, why_not in (
-                ("moe_score", "softmax", "Mixtral's router is a softmax"),
-                ("moe_norm_topk", True, "Mixtral divides the top-k scores by their sum"),
-                ("moe_route_scale", 1.0, "Mixtral does not scale the combine weights"),
-                ("moe_shared_experts", 0, "Mixtral has no shared experts"),
-                ("moe_first_dense", 0, "every Mixtral layer has experts"),
-                ("moe_bias_update_rate", None, "Mixtral's router has no selection bias"),
-                ("moe_capacity_factor", None, "Mixtral is dropless"),
-                ("qk_norm", False, "Mixtral has no QK-norm")):
+    if family(cfg) in MOE_NEEDS:
+        cls = HF_CLASSES[family(cfg)]
+        for key, (want, why_not) in MOE_NEEDS[family(cfg)].items():
             if getattr(cfg, key) != want:
-                why.append(f"model.{key} = {getattr(cfg, key)!r}: {why_not} (MixtralForCausalLM needs {want!r})")
-    if family(cfg) in ("llama", "qwen3", "mixtral"):
+                why.append(f"model.{key} = {getattr(cfg, key)!r}: {why_not} ({cls} needs {want!r})")
+    if family(cfg) in ("llama", "qwen3", "mixtral", "qwen3_moe"):
         wrong = [f"model.{k} = {getattr(cfg, k)!r} (Llama needs {v!r})" for k, v in
                  (("norm", "rmsnorm"), ("mlp", "swiglu"), ("position", "rope")) if getattr(cfg, k) != v]
         if wrong:
@@ -123,6 +152,14 @@ def hf_config_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
             _rope_family_kwargs(cfg, cfg.expert_dim), sliding_window=None, num_local_experts=cfg.moe_experts,
             num_experts_per_tok=cfg.moe_top_k, router_aux_loss_coef=cfg.moe_aux_loss_coef, router_jitter_noise=0.0,
             output_router_logits=False)
+    if family(cfg) == "qwen3_moe":  # every layer from moe_first_dense on sparse, the ones before dense
+        return "Qwen3MoeForCausalLM", dict(
+            _rope_family_kwargs(cfg, cfg.ffn_dim), moe_intermediate_size=cfg.expert_dim, num_experts=cfg.moe_experts,
+            num_experts_per_tok=cfg.moe_top_k, norm_topk_prob=cfg.moe_norm_topk, decoder_sparse_step=1,
+            mlp_only_layers=list(range(cfg.moe_first_dense)), router_aux_loss_coef=cfg.moe_aux_loss_coef,
+            output_router_logits=False, attention_bias=False,
+            # the same window: each token sees itself and the w - 1 before it (transformers' sliding mask)
+            use_sliding_window=cfg.attention_window is not None, sliding_window=cfg.attention_window)
     if family(cfg) == "qwen3":  # Llama plus q_norm / k_norm; every layer full attention
         return "Qwen3ForCausalLM", dict(_rope_family_kwargs(cfg, cfg.ffn_dim), attention_bias=False,
                                         use_sliding_window=False)
@@ -137,8 +174,8 @@ def hf_config_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
         tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None, eos_token_id=None)
 
 
-#: Every key of an HF ``config.json`` that changes what a Llama or GPT-2 checkpoint computes, as
-#: ``transformers`` 5.24 reads it (``modeling_llama.py``, ``modeling_gpt2.py``: each ``config.X`` of
+#: Every key of an HF ``config.json`` that changes what a Llama, Qwen3-MoE or GPT-2 checkpoint computes, as
+#: ``transformers`` 5.24 reads it (``modeling_llama.py``, ``modeling_qwen3_moe.py``, ``modeling_gpt2.py``: each ``config.X`` of
 #: their forward paths; tests/test_hf_parity.py holds this list against those files), and what
 #: :func:`config_from_hf` does with it: "read" (a ModelConfig field), "refused" unless its value is
 #: the one TinyGPT computes (named in the error), or "no effect" (why the weights compute the same).
@@ -163,6 +200,29 @@ FUNCTION_KEYS = {
                         "gradient; TinyGPT trains it)",
         "quantization_config": "refused: quantized weights are not TinyGPT's fp32/bf16 tensors",
     },
+    "qwen3_moe": {  # the Llama keys read as for Llama, then the experts'
+        "vocab_size": "read", "hidden_size": "read", "num_hidden_layers": "read", "num_attention_heads": "read",
+        "num_key_value_heads": "read", "max_position_embeddings": "read", "rms_norm_eps": "read (also the eps of "
+        "q_norm / k_norm, as TinyGPT's qk_norm uses model.norm_eps)", "tie_word_embeddings": "read",
+        "rope_parameters": "read as for Llama", "head_dim": "read as for Llama", "hidden_act": "as for Llama",
+        "intermediate_size": "read: model.d_ff, the width of the dense layers (mlp_only_layers)",
+        "moe_intermediate_size": "read: model.moe_ffn_dim", "num_experts": "read: model.moe_experts",
+        "num_local_experts": "read: the name save_pretrained writes num_experts under (attribute_map)",
+        "num_experts_per_tok": "read: model.moe_top_k", "norm_topk_prob": "read: model.moe_norm_topk",
+        "decoder_sparse_step": "read with mlp_only_layers: the dense layers must be the first k "
+                               "(model.moe_first_dense), at least one layer sparse; refused otherwise",
+        "mlp_only_layers": "read, as decoder_sparse_step",
+        "router_aux_loss_coef": "read: model.moe_aux_loss_coef (the training loss only)",
+        "output_router_logits": "no effect on the logits (the router logits returned, and the aux loss added to "
+                                "the loss)",
+        "attention_bias": "refused unless false (Qwen3-MoE's MLP has no bias, TinyGPT's experts neither)",
+        "use_sliding_window": "read: true sets model.attention_window = sliding_window (every layer, the same "
+                              "window: each token sees itself and the sliding_window - 1 before it)",
+        "sliding_window": "read with use_sliding_window; no effect without it (Qwen3MoeConfig sets it to None)",
+        "attention_dropout": "no effect: dropout, training only",
+        "pad_token_id": "no effect on the forward pass (see llama)",
+        "quantization_config": "refused: quantized weights are not TinyGPT's fp32/bf16 tensors",
+    },
     "gpt2": {
         "vocab_size": "read", "n_embd": "read", "n_layer": "read", "n_head": "read", "n_positions": "read",
         "n_inner": "read", "layer_norm_epsilon": "read", "tie_word_embeddings": "read",
@@ -178,6 +238,13 @@ FUNCTION_KEYS = {
         "quantization_config": "refused: quantized weights are not TinyGPT's fp32/bf16 tensors",
     },
 }
+
+#: Qwen3MoeConfig's defaults (transformers 5.24) of the expert keys, for a config.json that leaves
+#: one out (tests/test_hf_parity.py holds them against the class). norm_topk_prob is *false* by
+#: default there, though Qwen3-30B-A3B's own config.json sets it true.
+QWEN3_MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+                          decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+                          sliding_window=4096)
 
 #: GPT-2 activations that are the tanh GELU TinyGPT's MLP computes (transformers' ACT2FN)
 GPT2_TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
@@ -215,8 +282,9 @@ def config_from_hf(hf: dict) -> dict:
     setting TinyGPT does not compute (naming the key and its value; :data:`FUNCTION_KEYS` lists
     every key that changes what the weights compute and what happens to it)."""
     kind = hf.get("model_type")
-    if kind not in ("llama", "qwen3", "mixtral", "gpt2"):
-        raise ValueError(f"model_type = {kind!r}: TinyGPT reads 'llama', 'qwen3', 'mixtral' and 'gpt2' folders only")
+    if kind not in ("llama", "qwen3", "mixtral", "qwen3_moe", "gpt2"):
+        raise ValueError(f"model_type = {kind!r}: TinyGPT reads 'llama', 'qwen3', 'mixtral', 'qwen3_moe' and 'gpt2' "
+                         f"folders only")
     if hf.get("quantization_config"):
         method = (hf["quantization_config"] or {}).get("quant_method", "?") if isinstance(
             hf["quantization_config"], dict) else "?"
@@ -231,6 +299,8 @@ def config_from_hf(hf: dict) -> dict:
         return {**llama, "d_ff": None, "moe_experts": hf["num_local_experts"], "moe_top_k": hf["num_experts_per_tok"],
                 "moe_ffn_dim": hf["intermediate_size"],
                 "moe_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0))}
+    if kind == "qwen3_moe":
+        return _qwen3_moe_fields(hf)
     if kind == "qwen3":
         if hf.get("use_sliding_window", False):
             raise ValueError("use_sliding_window = true: TinyGPT's qk_norm model attends to every earlier token")
@@ -269,29 +339,64 @@ def config_from_hf(hf: dict) -> dict:
                 bias=True, tie_embeddings=tied, norm_eps=hf.get("layer_norm_epsilon", 1e-5))
 
 
+def qwen3_moe_dense_layers(hf: dict) -> list[int]:
+    """The layers (0-based indices) of a ``qwen3_moe`` config.json that keep a dense MLP, chosen the
+    way ``Qwen3MoeDecoderLayer`` chooses: listed in ``mlp_only_layers``, or no experts, or
+    (index + 1) not a multiple of ``decoder_sparse_step``."""
+    d = QWEN3_MOE_DEFAULTS
+    only = hf.get("mlp_only_layers") or []
+    step = hf.get("decoder_sparse_step", d["decoder_sparse_step"])
+    experts = hf.get("num_experts", hf.get("num_local_experts", d["num_experts"]))
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"decoder_sparse_step = {step!r}: an integer >= 1 expected")
+    return [i for i in range(hf["num_hidden_layers"]) if i in only or not experts > 0 or (i + 1) % step]
+
+
+def _qwen3_moe_fields(hf: dict) -> dict:
+    """The ModelConfig fields of a ``qwen3_moe`` config.json (see :func:`config_from_hf`)."""
+    d = QWEN3_MOE_DEFAULTS
+    # Qwen3MoeConfig keeps sliding_window only with use_sliding_window, and None there is full attention
+    window = hf.get("sliding_window", d["sliding_window"]) if hf.get("use_sliding_window", False) else None
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"use_sliding_window = true with sliding_window = {window!r}: a window of >= 1 tokens "
+                         f"(or null: none) expected")
+    if hf.get("attention_bias", False):
+        raise ValueError("attention_bias = true: TinyGPT's experts and router carry no bias (model.bias = false)")
+    dense = qwen3_moe_dense_layers(hf)
+    if dense != list(range(len(dense))) or len(dense) == hf["num_hidden_layers"]:
+        raise ValueError(
+            f"decoder_sparse_step = {hf.get('decoder_sparse_step', d['decoder_sparse_step'])}, mlp_only_layers = "
+            f"{hf.get('mlp_only_layers') or []}, num_experts = {hf.get('num_experts', hf.get('num_local_experts'))}: "
+            f"dense layers {dense} of {hf['num_hidden_layers']}; TinyGPT's dense layers are the first k "
+            f"(model.moe_first_dense) with experts in every later one, at least one")
+    llama = config_from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False})
+    return {**llama, "qk_norm": True, "attention_window": window,
+            "moe_experts": hf.get("num_experts", hf.get("num_local_experts", d["num_experts"])),
+            "moe_top_k": hf.get("num_experts_per_tok", d["num_experts_per_tok"]),
+            "moe_ffn_dim": hf.get("moe_intermediate_size", d["moe_intermediate_size"]),
+            "moe_norm_topk": bool(hf.get("norm_topk_prob", d["norm_topk_prob"])), "moe_first_dense": len(dense),
+            "moe_aux_loss_coef": float(hf.get("router_aux_loss_coef", d["router_aux_loss_coef"]))}
+
+
 def name_map(cfg: ModelConfig) -> list[Entry]:
     """Every tensor of the HF model's state dict (as ``save_pretrained`` writes it: a tied head is
     stored once, as the embedding) and the TinyGPT tensors it comes from."""
     out: list[Entry] = []
-    if family(cfg) in ("llama", "qwen3", "mixtral"):
+    if family(cfg) in ("llama", "qwen3", "mixtral", "qwen3_moe"):
         out.append(Entry("model.embed_tokens.weight", ("tok_emb.weight",)))
         parts = [("norm1", "input_layernorm"), ("attn.q_proj", "self_attn.q_proj"), ("attn.k_proj", "self_attn.k_proj"),
                  ("attn.v_proj", "self_attn.v_proj"), ("attn.out_proj", "self_attn.o_proj"),
                  ("norm2", "post_attention_layernorm")]
-        if family(cfg) in ("llama", "qwen3"):
-            parts += [("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj")]
+        dense = [("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj")]
         for i in range(cfg.n_layers):
-            for ours, theirs in parts:
+            for ours, theirs in parts + ([] if cfg.is_moe_layer(i) else dense):
                 suffixes = ("weight", "bias") if cfg.bias and not ours.startswith("norm") else ("weight",)
                 out += [Entry(f"model.layers.{i}.{theirs}.{s}", (f"blocks.{i}.{ours}.{s}",)) for s in suffixes]
             if cfg.qk_norm:
                 out += [Entry(f"model.layers.{i}.self_attn.{n}_norm.weight", (f"blocks.{i}.attn.{n}_norm.weight",))
                         for n in "qk"]
-            if family(cfg) == "mixtral":  # as save_pretrained writes it: one tensor per expert
-                moe = f"model.layers.{i}.block_sparse_moe"
-                out.append(Entry(f"{moe}.gate.weight", (f"blocks.{i}.mlp.router.proj.weight",)))
-                out += [Entry(f"{moe}.experts.{e}.{w}.weight", (f"blocks.{i}.mlp.experts.{ours}",), "expert", e)
-                        for e in range(cfg.moe_experts) for w, ours in (("w1", "gate"), ("w2", "down"), ("w3", "up"))]
+            if cfg.is_moe_layer(i):  # as save_pretrained writes it: one tensor per expert
+                out += _expert_entries(cfg, i)
         out.append(Entry("model.norm.weight", ("norm_f.weight",)))
     else:
         out += [Entry("transformer.wte.weight", ("tok_emb.weight",)), Entry("transformer.wpe.weight", ("pos_emb.weight",))]
@@ -311,6 +416,22 @@ def name_map(cfg: ModelConfig) -> list[Entry]:
         out += [Entry("transformer.ln_f.weight", ("norm_f.weight",)), Entry("transformer.ln_f.bias", ("norm_f.bias",))]
     if not cfg.tie_embeddings:
         out.append(Entry("lm_head.weight", ("lm_head.weight",)))
+    return out
+
+
+#: the file names of one expert's (gate, up, down) and the router, per MoE family
+EXPERT_FILE_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+                     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def _expert_entries(cfg: ModelConfig, layer: int) -> list[Entry]:
+    """The file tensors of MoE layer ``layer``: the router (``<prefix>.gate``), then each expert's
+    gate, up and down, row e of TinyGPT's stacked [E, ...] tensors."""
+    prefix, names = EXPERT_FILE_NAMES[family(cfg)]
+    moe, ours = f"model.layers.{layer}.{prefix}", f"blocks.{layer}.mlp"
+    out = [Entry(f"{moe}.gate.weight", (f"{ours}.router.proj.weight",))]
+    out += [Entry(f"{moe}.experts.{e}.{w}.weight", (f"{ours}.experts.{part}",), "expert", e)
+            for e in range(cfg.moe_experts) for w, part in zip(names, ("gate", "up", "down"))]
     return out
 
 
@@ -381,18 +502,31 @@ SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2":
                            "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
-def mixtral_runtime_names(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
-    """How ``MixtralForCausalLM`` holds the per-expert file tensors in memory (transformers fuses
-    them when it loads): ``{in-memory name: (how, file names)}``, how = "gate_up" (each expert's w1
-    then w3 along the output dim, stacked over experts), "stack" (w2 stacked) or "same"."""
+def runtime_names(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """How the HF MoE classes hold the per-expert file tensors in memory (transformers fuses them
+    when it loads): ``{in-memory name: (how, file names)}``, how = "gate_up" (each expert's gate
+    then up along the output dim, stacked over experts: [E, 2F, C]), "stack" (down stacked: [E, C, F])
+    or "same" (one tensor, renamed). Empty for the dense families (the files are the memory)."""
+    if family(cfg) not in EXPERT_FILE_NAMES:
+        return {}
+    prefix, (gate, up, down) = EXPERT_FILE_NAMES[family(cfg)]
     out = {}
     for i in range(cfg.n_layers):
-        moe, E = f"model.layers.{i}.block_sparse_moe", range(cfg.moe_experts)
+        if not cfg.is_moe_layer(i):
+            continue
+        moe, E = f"model.layers.{i}.{prefix}", range(cfg.moe_experts)
         out[f"model.layers.{i}.mlp.gate.weight"] = ("same", (f"{moe}.gate.weight",))
         out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = (
-            "gate_up", tuple(f"{moe}.experts.{e}.{w}.weight" for e in E for w in ("w1", "w3")))
-        out[f"model.layers.{i}.mlp.experts.down_proj"] = ("stack", tuple(f"{moe}.experts.{e}.w2.weight" for e in E))
+            "gate_up", tuple(f"{moe}.experts.{e}.{w}.weight" for e in E for w in (gate, up)))
+        out[f"model.layers.{i}.mlp.experts.down_proj"] = ("stack", tuple(f"{moe}.experts.{e}.{down}.weight" for e in E))
     return out
+
+
+def mixtral_runtime_names(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """:func:`runtime_names` of a Mixtral config (``MixtralForCausalLM``: w1 gate, w3 up, w2 down)."""
+    if family(cfg) != "mixtral":
+        raise ValueError(f"mixtral_runtime_names: cfg is a {family(cfg)!r} model, not 'mixtral'")
+    return runtime_names(cfg)
 
 
 def safetensors_header(path: str | Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:

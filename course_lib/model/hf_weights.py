@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from course_lib.model.config import ModelConfig
-from course_lib.model.hf_map import family, hf_config_kwargs, hf_unsupported, mixtral_runtime_names, name_map
+from course_lib.model.hf_map import hf_config_kwargs, hf_unsupported, name_map, runtime_names
 
 INSTALL_HINT = ("Hugging Face transformers is not installed; `course ckpt export-hf` and the parity tests need it: "
                 "pip install 'transformers==5.24.0' (or reinstall the kit with its dev extra: ./kit setup)")
@@ -56,15 +56,13 @@ def hf_model(cfg: ModelConfig, state: dict | None = None, dtype: torch.dtype = t
 
 
 def to_runtime(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The file layout (:func:`to_hf`) -> the HF model's in-memory state dict: the same for Llama
-    and GPT-2; Mixtral's per-expert tensors fused the way transformers holds them
-    (:func:`course_lib.model.hf_map.mixtral_runtime_names`)."""
-    if family(cfg) != "mixtral":
-        return hf_state
+    """The file layout (:func:`to_hf`) -> the HF model's in-memory state dict: the same for Llama,
+    Qwen3 and GPT-2; Mixtral's and Qwen3-MoE's per-expert tensors fused the way transformers holds
+    them (:func:`course_lib.model.hf_map.runtime_names`)."""
     out = dict(hf_state)
-    for name, (how, files) in mixtral_runtime_names(cfg).items():
+    for name, (how, files) in runtime_names(cfg).items():
         ts = [out.pop(f) for f in files]
-        if how == "gate_up":  # [w1_0, w3_0, w1_1, w3_1, ...] -> [E, 2F, C]
+        if how == "gate_up":  # [gate_0, up_0, gate_1, up_1, ...] -> [E, 2F, C]
             out[name] = torch.stack([torch.cat(ts[j:j + 2]) for j in range(0, len(ts), 2)])
         elif how == "stack":
             out[name] = torch.stack(ts)

@@ -2,10 +2,10 @@
 
 Two kinds of source, told apart by what the path is:
 
-* a Hugging Face model folder (``config.json`` + ``model.safetensors``, ``LlamaForCausalLM`` or
-  ``GPT2LMHeadModel``; what ``course ckpt export-hf`` writes, or a pretrained model saved with
-  ``save_pretrained``): its config must describe the run's model, its tensors are renamed
-  (:mod:`course_lib.model.hf_map`);
+* a Hugging Face model folder (``config.json`` + ``model.safetensors``: ``LlamaForCausalLM``,
+  ``Qwen3ForCausalLM``, ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` or ``GPT2LMHeadModel``;
+  what ``course ckpt export-hf`` writes, or a pretrained model saved with ``save_pretrained``): its
+  config must describe the run's model, its tensors are renamed (:mod:`course_lib.model.hf_map`);
 * a consolidated file ``FILE.safetensors`` (``course ckpt consolidate``), TinyGPT's own names, its
   model config in the file's metadata (and in ``FILE.json`` beside it for people).
 
@@ -29,7 +29,7 @@ CONFIG_KEY = "course_lib.model_config"
 FUNCTION_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "head_dim", "ffn_dim", "norm", "mlp",
                    "position", "bias", "tie_embeddings", "norm_eps", "rope_theta", "rope_linear_factor", "moe_experts", "moe_top_k",
                    "expert_dim", "moe_shared_experts", "moe_first_dense", "moe_score", "moe_norm_topk",
-                   "moe_route_scale", "qk_norm", "logit_softcap",
+                   "moe_route_scale", "qk_norm", "attention_window", "logit_softcap",
                    "attn_logit_softcap")
 
 
@@ -62,6 +62,11 @@ def source_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_dict(json.loads(meta[CONFIG_KEY]))
 
 
+def _has_dense_mlp(cfg: ModelConfig) -> bool:
+    """Whether some block of ``cfg`` has a dense MLP (whose width, ``ffn_dim``, is then a shape)."""
+    return not all(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+
+
 def check_init_source(path: str | Path, cfg: ModelConfig) -> None:
     """Torch-free: ValueError naming every difference between the weights at ``path`` and the
     run's model ``cfg`` (config fields: the run's value and the source's; then tensor shapes, the
@@ -69,6 +74,8 @@ def check_init_source(path: str | Path, cfg: ModelConfig) -> None:
     p = Path(path)
     src = source_config(p)
     fields = FUNCTION_FIELDS + (("block_size",) if cfg.position == "learned" else ())
+    if not (_has_dense_mlp(cfg) or _has_dense_mlp(src)):  # the dense width is then no tensor's shape: an
+        fields = tuple(k for k in fields if k != "ffn_dim")  # HF MoE folder's intermediate_size may be anything
     diffs = [f"model.{k} = {getattr(cfg, k)!r} vs {getattr(src, k)!r} in the source" for k in fields
              if getattr(cfg, k) != getattr(src, k)]
     if cfg.position == "rope" and src.block_size < cfg.block_size:

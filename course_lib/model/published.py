@@ -13,8 +13,9 @@ Counting convention, the one Mistral and Qwen use: *active* = every parameter ex
 experts a token does not visit (both embedding matrices included). DeepSeek-V3's "37B activated"
 is stated to two digits; this convention gives 37.55B (36.63B without the input embedding), and
 Qwen3-30B-A3B's "3.3B" is 3.353B: both figures are truncated, not rounded (``active_truncated``).
-Qwen3 also has QK-norm (2 x 128 weights a layer: 12,288), not in TinyGPT's count (far below the
-published 0.1B rounding).
+Its preset carries Qwen3's QK-norm (2 x 128 weights a layer), so TinyGPT's counts are the model's own:
+30,532,122,624 total, 3,353,032,704 active, equal to ``transformers``' ``Qwen3MoeForCausalLM`` of the
+config the preset exports to (tests/test_hf_parity.py).
 """
 from __future__ import annotations
 
