@@ -42,16 +42,20 @@ from layout_checks import (assert_matches_one_process, assert_resumed_bit_exact,
 
 STEPS, SEQS = 6, 4  # optimizer steps; sequences per step (the global batch), one per micro-batch
 START = STEPS - resume_save_every(STEPS)  # saves at 2, 4, 6; the resumes start from 4 (the newest dropped)
-MODEL = dict(model__preset="moe-tiny", model__n_layers=2, model__d_model=16, model__n_heads=2, model__n_kv_heads=1,
+MODEL = dict(model__preset="moe-tiny", model__n_layers=2, model__d_model=16, model__n_heads=2, model__n_kv_heads=2,
              model__moe_experts=4, model__moe_ffn_dim=8, model__moe_bias_update_rate=0.01,
              model__moe_capacity_factor=1.25, data__seq_len=16)
 
 
-def cfg(world=1, ep=1, strategy="ddp", **sets):
-    """One sequence per micro-batch, SEQS / world micro-batches per rank: the same global batch."""
-    return tiny_cfg(SEQS // world, train__micro_batch=1, train__max_steps=STEPS,
+def cfg(world=1, ep=1, strategy="ddp", par=None, **sets):
+    """One sequence per micro-batch, SEQS / dp micro-batches per data-parallel replica (dp = world
+    / (tp * pp)): the same global batch. ``par``: more [parallel] keys (tp, pp, sequence_parallel)."""
+    par = dict(par or {})
+    dp = world // (par.get("tp", 1) * par.get("pp", 1))
+    return tiny_cfg(SEQS // dp, train__micro_batch=1, train__max_steps=STEPS,
                     train__strategy="single" if world == 1 else strategy, parallel__ep=ep,
-                    checkpoint__save_every=resume_save_every(STEPS), **MODEL, **sets)
+                    checkpoint__save_every=resume_save_every(STEPS), **MODEL,
+                    **{f"parallel__{k}": v for k, v in par.items()}, **sets)
 
 
 LAYOUTS = {  # name -> (world, ep, strategy)
