@@ -58,13 +58,21 @@ def cfg(world=1, ep=1, strategy="ddp", par=None, **sets):
                     **{f"parallel__{k}": v for k, v in par.items()}, **sets)
 
 
-LAYOUTS = {  # name -> (world, ep, strategy)
+SP = {"tp": 2, "sequence_parallel": True}
+LAYOUTS = {  # name -> (world, ep, strategy[, more [parallel] keys])
     "ddp-ep2": (2, 2, "ddp"), "fsdp-ep2": (2, 2, "fsdp"),
     "zero1-ep2": (2, 2, "zero1"), "zero2-ep2": (2, 2, "zero2"), "ddp-scratch-ep2": (2, 2, "ddp-scratch"),
     "ddp-ep2-edp2": (4, 2, "ddp"), "fsdp-ep2-edp2": (4, 2, "fsdp"),
     "zero1-ep2-edp2": (4, 2, "zero1"), "zero2-ep2-edp2": (4, 2, "zero2"),
     "ddp-scratch-ep2-edp2": (4, 2, "ddp-scratch"),
+    # composed with model parallelism (course_lib.parallel.composed.experts): the experts of each
+    # pipeline stage folded over its dp x tp ranks; under tp each rank routes its sequence slice
+    "ddp-pp2-dp2-ep2": (4, 2, "ddp", {"pp": 2}), "zero1-pp2-dp2-ep2": (4, 2, "zero1", {"pp": 2}),
+    "zero2-pp2-dp2-ep2": (4, 2, "zero2", {"pp": 2}),
+    "ddp-tp2sp-dp2-ep2": (4, 2, "ddp", SP), "zero1-tp2sp-dp2-ep4": (4, 4, "zero1", SP),
+    "ddp-tp2sp-dp2-ep1": (4, 1, "ddp", SP),  # every expert on every rank: expert-DP is the whole stage
 }
+COMPOSED = [n for n, v in LAYOUTS.items() if len(v) > 3]
 ZERO_EP2 = ["zero1-ep2", "zero2-ep2", "ddp-scratch-ep2"]  # the from-scratch data parallelism around the experts
 # (resumed layout's cfg, source run folder, name): a checkpoint resumed at another EP size
 # (ddp's ep 2 file at ep 1 is the one-process state dict in a plain model: the one-process resume
@@ -75,13 +83,16 @@ CROSSES = [((2, 2, "ddp"), "single", "single-at-ddp-ep2"), ((2, 1, "fsdp"), "fsd
            ((2, 1, "zero2"), "zero2-ep2/full", "zero2-ep2-at-ep1")]
 # ... and in the 4-rank launch: zero1's ep 2 file (2 ranks) resumed at ep 2 x expert-DP 2, each rank
 # keeping its EDP shard of its EP slice of every expert's moments
-CROSSES4 = [((4, 2, "zero1"), "zero1-ep2/full", "zero1-ep2-at-ep2-edp2")]
+CROSSES4 = [((4, 2, "zero1"), "zero1-ep2/full", "zero1-ep2-at-ep2-edp2"),
+            # the one-process file resumed at pp 2 x dp 2 x ep 2; pp 2 x ep 2's file at tp 2 (SP) x ep 4
+            ((4, 2, "ddp", {"pp": 2}), "single", "single-at-ddp-pp2-dp2-ep2"),
+            ((4, 4, "zero1", SP), "ddp-pp2-dp2-ep2/full", "ddp-pp2-dp2-ep2-at-zero1-tp2sp-dp2-ep4")]
 
 
 def launch(root, world, resume, crosses=()) -> dict:
     """The LAYOUTS of ``world`` ranks (and ``crosses``) in one launch: {name: {"first": every rank's
     entry, "second": rank 0's resume (with ``resume``)}, cross name: rank 0's entry}."""
-    names = [n for n, (w, _, _) in LAYOUTS.items() if w == world]
+    names = [n for n, v in LAYOUTS.items() if v[0] == world]
     ranks = run_ranks(fns.train_and_cross_resume, world, [(cfg(*LAYOUTS[n]), str(root / n)) for n in names],
                       [(cfg(*c), str(root / src), str(root / dst)) for c, src, dst in crosses], resume, timeout=600)
     out = {n: {"first": [r["first"][i] for r in ranks], "second": ranks[0]["second"][i] if resume else None}
@@ -93,8 +104,10 @@ def launch(root, world, resume, crosses=()) -> dict:
 def runs(tmp_path_factory):
     """One process, then the 2-rank launch (layouts, their resumes, the resumes across EP sizes)."""
     root = tmp_path_factory.mktemp("expert_parallel")
+    fns.record_grad_norms()
+    fns.take_grad_norms()
     single = train(cfg(), root / "single")
-    return {"root": root, "single": single, **launch(root, 2, True, CROSSES)}
+    return {"root": root, "single": single, "single_norms": fns.take_grad_norms(), **launch(root, 2, True, CROSSES)}
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +128,10 @@ def check_layout(runs, name):
     # mfu / tokens_per_s = FLOPs per token / (peak * world)
     world = LAYOUTS[name][0]
     assert got[-1]["mfu"] / got[-1]["tokens_per_s"] * world == pytest.approx(ref[-1]["mfu"] / ref[-1]["tokens_per_s"])
-    for r in runs[name]["first"]:  # the bias update sums every rank's loads: one bias everywhere, and it moved
-        assert all(torch.equal(b, b0) for b, b0 in zip(r["bias"], first["bias"]))
+    stage = lambda r: r["coords"]["pp"] if r["coords"] else 0  # noqa: E731  (a stage holds its own layers)
+    for r in runs[name]["first"]:  # the bias update sums every rank's loads: one bias per layer, and it moved
+        same = next(q for q in runs[name]["first"] if stage(q) == stage(r))
+        assert all(torch.equal(b, b0) for b, b0 in zip(r["bias"], same["bias"]))
     assert sum(b.abs().sum() for b in first["bias"]) > 0
     # ... while the capacity dropped tokens and the routing was uneven (last micro-batch of each rank)
     assert sum(sum(r["dropped"]) for r in runs[name]["first"]) > 0, name
@@ -133,6 +148,26 @@ def test_ep2_edp2_matches_one_process(runs4, name):
     """Expert gradients reduced over the expert-DP group (FSDP2: its divide factor, gloo's sum; ZeRO:
     the expert slices' reduce-scatter over it, divided by the world)."""
     check_layout(runs4, name)
+
+
+@pytest.mark.parametrize("name", COMPOSED)
+def test_ep_composed_with_pp_or_tp_matches_one_process(runs4, name):
+    """EP inside ModelParallel: pipeline stages (each stage's experts over its dp ranks, the balancing
+    loss of stage 0 joining its backward), tp 2 with sequence parallelism (each tp rank routes its
+    half of every sequence, capacity and balancing loss decided over both halves, experts over tp
+    and dp ranks); ddp, zero1 and zero2 as the data-parallel dimension."""
+    check_layout(runs4, name)
+    # Per step, the gradient norm of every MoE tensor (each expert stack whole: its slices' squares
+    # summed over the EP group; the router's summed over tp under SP) equals one process's.
+    ref, worst = runs4["single_norms"], 0.0
+    for step, want in enumerate(ref):
+        got = {}
+        for r in runs4[name]["first"]:  # a rank reports its stage's layers; its EP peers the same numbers
+            got.update(r["grad_norms"][step])
+        assert {k for k in want if ".experts." in k} <= set(got) <= set(want), (name, step, sorted(got))
+        worst = max(worst, max(abs(v - want[k]) / want[k] for k, v in got.items()))
+    print(f"{name}: MoE tensors' gradient norms within {worst:.2e} (relative) of one process")
+    assert worst <= 1e-4, name
 
 
 def test_zero_ep2_edp2_shards_the_expert_state_over_expert_dp(runs4):
@@ -157,7 +192,9 @@ def test_resume_at_the_same_ep_is_bit_exact(runs, name):
 
 
 @pytest.mark.parametrize("name, want", [("single-at-ddp-ep2", "single"), ("fsdp-ep2-at-ep1", "fsdp-ep2"),
-                                        ("zero2-ep2-at-ep1", "zero2-ep2"), ("zero1-ep2-at-ep2-edp2", "zero1-ep2")])
+                                        ("zero2-ep2-at-ep1", "zero2-ep2"), ("zero1-ep2-at-ep2-edp2", "zero1-ep2"),
+                                        ("single-at-ddp-pp2-dp2-ep2", "single"),
+                                        ("ddp-pp2-dp2-ep2-at-zero1-tp2sp-dp2-ep4", "ddp-pp2-dp2-ep2")])
 def test_resume_across_ep_sizes(runs4, name, want):
     """A full checkpoint saved in one process resumed at ep 2 (ddp); a sharded one (fsdp, DCP) saved
     at ep 2 resumed at ep 1; zero2's full one saved at ep 2 resumed by plain zero2 (ep 1), zero1's
@@ -172,24 +209,46 @@ def test_resume_across_ep_sizes(runs4, name, want):
     assert rel_l2(got["weights"], ref) <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["ddp-ep2", "zero1-ep2"])
-def test_ep2_full_checkpoint_resumes_in_one_process(runs, tmp_path, name):
-    """ddp's and zero1's ep 2 checkpoints are the one-process state dict (experts and AdamW moments
-    gathered; zero1's optimizer shards consolidated first)."""
+def resume_in_one_process(runs, tmp_path, name):
     out = tmp_path / "ep2-in-one-process"  # the ep 2 file is the one-process state dict
     shutil.copytree(runs["root"] / name / "full", out)
     shutil.rmtree(sorted((out / "checkpoints").glob("step_*"))[-1])
     resumed = train(cfg(), out, resume=True)
     assert resumed.resumed_from == START
-    assert rel_l2({k: v.float() for k, v in resumed.model.state_dict().items()},
-                  runs[name]["first"][0]["weights"]) <= 1e-4
+    diff = rel_l2({k: v.float() for k, v in resumed.model.state_dict().items()}, runs[name]["first"][0]["weights"])
+    print(f"{name} resumed in one process: relative L2 to the uninterrupted run = {diff:.2e}")
+    assert diff <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["ddp-ep2", "zero1-ep2"])
+def test_ep2_full_checkpoint_resumes_in_one_process(runs, tmp_path, name):
+    """ddp's and zero1's ep 2 checkpoints are the one-process state dict (experts and AdamW moments
+    gathered; zero1's optimizer shards consolidated first)."""
+    resume_in_one_process(runs, tmp_path, name)
+
+
+@pytest.mark.parametrize("name", ["zero1-pp2-dp2-ep2", "zero1-tp2sp-dp2-ep4"])
+def test_composed_full_checkpoint_resumes_in_one_process(runs4, tmp_path, name):
+    """pp 2 x ep 2 and tp 2 x ep 4 files are the one-process state dict too (experts and their
+    moments gathered over the EP group, which spans dp replicas; zero1's ranges gathered)."""
+    resume_in_one_process(runs4, tmp_path, name)
 
 
 # ---------------------------------------------------------------- no ranks
 @pytest.mark.parametrize("sets, match", [
     ({"parallel__ep": 2, "model__moe_experts": None}, r"parallel.ep = 2 shards the experts of an MoE model"),
     ({"parallel__ep": 3}, r"parallel.ep = 3 must divide model.moe_experts \(4\)"),
-    ({"parallel__ep": 2, "parallel__tp": 2}, r"parallel.ep = 2 with parallel.tp = 2 is not built: Megatron .*ETP = TP or 1"),
+    ({"parallel__ep": 2, "parallel__tp": 2}, r"model.moe_experts with parallel.tp = 2 needs parallel.sequence_parallel "
+                                             r"= true.*Expert-tensor-parallel = tp \(experts cut by tp\) is not built"),
+    ({"parallel__tp": 2}, r"model.moe_experts with parallel.tp = 2 needs parallel.sequence_parallel"),  # ep 1 too
+    ({"parallel__ep": 2, "parallel__tp": 2, "parallel__cp": 2, "parallel__sequence_parallel": True},
+     r"model.moe_experts with parallel.tp = 2 and parallel.cp = 2 is not built: context parallelism"),
+    ({"parallel__ep": 2, "parallel__pp": 2, "parallel__pp_schedule": "interleaved", "parallel__virtual_stages": 2,
+      "model__n_layers": 4}, r"runs with parallel.pp_schedule = 'gpipe' or '1f1b'"),
+    ({"parallel__ep": 2, "parallel__tp": 2, "parallel__sequence_parallel": True, "train__strategy": "fsdp"},
+     r"model.moe_experts with parallel.tp = 2 does not run with train.strategy = 'fsdp'"),
+    ({"parallel__ep": 2, "parallel__pp": 2, "model__checkpointing": "full"},
+     r"model.moe_experts with parallel.pp = 2 does not run with model.checkpointing"),
     ({"parallel__ep": 2, "train__strategy": "deepspeed"}, r"parallel.ep = 2 does not run with train.strategy = "
                                                           r"'deepspeed'.*must be one of 'ddp', 'ddp-scratch', 'zero1', "
                                                           r"'zero2', 'fsdp'"),
@@ -216,3 +275,10 @@ def test_ep_must_divide_the_world():
     check_world(c, 4, has_group=True)
     with pytest.raises(train_config.ConfigError, match=r"parallel.ep = 2 must divide the world size \(3 ranks"):
         check_world(c, 3, has_group=True)
+
+
+def test_ep_must_divide_a_pipeline_stage():
+    """Each stage folds its experts over its own ranks: ep 4 on pp 2 x 2 ranks does not fit."""
+    check_world(cfg(4, 2, "ddp", {"pp": 2}), 4, has_group=True)
+    with pytest.raises(train_config.ConfigError, match=r"parallel.ep = 4 must divide the 2 ranks of a pipeline stage"):
+        check_world(cfg(4, 4, "ddp", {"pp": 2}), 4, has_group=True)

@@ -116,21 +116,24 @@ class ReplicatedDP(DataParallelMode):
         params = [p for p in s.model.parameters() if p.grad is not None]
         if self._mask is None or self._mask[0] != len(params):
             sharded = torch.tensor([1.0 if hasattr(p, "tp_partition_dim") else 0.0 for p in params], device=sq.device)
-            expert = torch.tensor([1.0 if is_expert(p) else 0.0 for p in params], device=sq.device)
+            at = [i for i, p in enumerate(params) if is_expert(p)]  # where the expert slices sit
+            expert = torch.zeros(len(params), device=sq.device)
+            expert[at] = 1.0
             # cp peers hold the same gradients after the dp_cp mean: cp rank 0 counts them
             count = self._count_mask(params, sq.device) * (0.0 if s.cp_rank else 1.0)
             if s.experts is not None:
                 count = count * expert + count * (1 - expert) * (0.0 if s.dp_rank else 1.0)
-            self._mask = (len(params), sharded, count, expert)
-        _, sharded, count, expert = self._mask
+            self._mask = (len(params), sharded, count, torch.tensor(at, dtype=torch.long, device=sq.device))
+        _, sharded, count, at = self._mask
         total = (sq * count).sum()
         dist.all_reduce(total, group=s.mp_group if s.experts is None else None)
         if s.tp > 1:
             shard_sq = sq * sharded
             dist.all_reduce(shard_sq, group=s.tp_group)
             sq = shard_sq + sq * (1 - sharded)
-        if s.experts is not None:
-            sq = s.experts.whole_sq(sq, expert)
+        if at.numel():  # the expert slices' squares -> their whole tensors' (shape, no host read)
+            sq = sq.clone()
+            sq[at] = s.experts.whole_sq(sq[at])
         return sq, total
 
 
@@ -232,8 +235,8 @@ class FlatZero(DataParallelMode):
         self._reduce_experts()
 
     def reduce_grad_sq(self, sq: torch.Tensor):
-        """Squares of this rank's gradient pieces (then its expert slices) -> (their squares,
-        global total). Every logical element sits in exactly one dp_cp rank's range, and every
+        """Squares of this rank's gradient pieces (then its expert slices, summed over their EP
+        group: the whole tensor's) -> (their squares, global total). Every logical element sits in exactly one dp_cp rank's range, and every
         expert slice is counted on one rank (:meth:`_count_mask`), so the total is the masked sum
         over the whole world (one all-reduce)."""
         if self._count is None:
@@ -243,6 +246,9 @@ class FlatZero(DataParallelMode):
                                      self._count_mask(self.experts, sq.device)])
         total = (sq * self._count).sum()
         dist.all_reduce(total)
+        if self.experts:  # an expert slice's square -> its whole tensor's (pieces differ per rank: left out)
+            n = len(self.pieces)
+            sq = torch.cat([sq[:n], self.s.experts.whole_sq(sq[n:])])
         return sq, total
 
     @torch.no_grad()

@@ -83,11 +83,12 @@ class StageExperts:
         """Sum a layer's expert loads (tokens per expert, [E]) over this stage's ranks, in place."""
         dist.all_reduce(load, group=self.stage_group)
 
-    def whole_sq(self, sq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Per-tensor squared norms with each expert slice's (``mask`` 1.0) summed over its EP
-        group: the whole [E, ...] tensor's, as one process logs it."""
+    def whole_sq(self, expert_sq: torch.Tensor) -> torch.Tensor:
+        """The squared norms of this rank's expert slices (every slice of its stage, in parameter
+        order) -> those of the whole [E, ...] tensors, as one process logs them: summed over the EP
+        group (whose ranks hold the same layers, so the vectors line up)."""
         if self.ep.group is None:
-            return sq
-        expert = sq * mask
-        dist.all_reduce(expert, group=self.ep.group)
-        return sq * (1 - mask) + expert
+            return expert_sq
+        out = expert_sq.clone()
+        dist.all_reduce(out, group=self.ep.group)
+        return out
