@@ -19,6 +19,13 @@ ranks that hold the *same* weights - the mesh's ``dp_cp`` group (the dp group wh
   gradient buffers (its range written back into them), ZeRO-2 frees them after the
   reduce-scatter and keeps only its range's gradient.
 
+Expert slices (an MoE model, :mod:`.experts`) differ between the dp_cp ranks, so no mode flattens
+them with the rest: their gradients are summed over their expert-data-parallel group and divided
+by dp (:meth:`DataParallelMode._reduce_experts`), and under zero1/zero2 they stay whole, outside the
+flat ranges, stepped by every rank that holds them (their optimizer state replicated over
+expert-DP, not sharded: DeepSeek-V3's ZeRO-1 over the experts' data-parallel group is not built
+here). The stabilizer counts each slice once in the world and reports whole-tensor norms.
+
 The interface a mode implements (the FSDP mode of another branch adds itself the same way):
 ``setup(module, groups, optimizer_cls, kwargs) -> optimizer``; ``finish_gradients(sync_tied)``
 after the last backward (``sync_tied()`` adds the tied embedding / head parts across pp: each mode

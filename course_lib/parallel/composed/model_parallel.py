@@ -26,6 +26,14 @@ dimension; ``dp = world_size / (tp * pp * cp)`` (or ``parallel.dp``, which must 
   equal flat ranges, step the optimizer on this rank's range only and all-gather the updated
   weights (ZeRO-2 keeps only its range of gradient).
 
+* **EP** (``parallel.ep``, an MoE model; not with cp, not with the interleaved schedule):
+  :mod:`.experts` - each stage's MoE layers keep E / ep experts on this rank, the EP group folded
+  over the stage's dp x tp ranks (tp only with sequence parallelism: each tp rank routes its own
+  tokens, :mod:`~course_lib.parallel.expert_parallel.sequence_split`); expert gradients summed over
+  the expert-data-parallel group and divided by dp, the dense ones as below. A stage's MoE
+  balancing loss joins the loss (last stage) or the backward (:func:`.stage.run_pipeline`), and
+  the loss logged is summed over the pipeline.
+
 TP, PP and CP peers read the *same* batch: :attr:`dp_rank`/:attr:`dp_size` are the data-parallel
 coordinates only, so the global batch is ``micro_batch * grad_accum * dp`` sequences a step, as
 for plain DDP on ``dp`` ranks (cp ranks split its tokens, not its sequences).
