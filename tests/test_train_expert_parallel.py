@@ -116,11 +116,11 @@ def runs4(runs):
     return {**runs, **launch(runs["root"], 4, False, CROSSES4)}
 
 
-def check_layout(runs, name):
+def check_layout(runs, name, rel=1e-4):
     got, ref = rows(runs["root"] / name / "full"), rows(runs["root"] / "single")
     first = runs[name]["first"][0]
     want = runs["single"].model.state_dict()
-    assert_matches_one_process(name, got, ref, first["weights"], runs["single"].model)
+    assert_matches_one_process(name, got, ref, first["weights"], runs["single"].model, rel=rel)
     print(f"{name}: max |loss - one process| = {max(abs(a['loss'] - b['loss']) for a, b in zip(got, ref)):.2e}, "
           f"weights max abs diff = {max((first['weights'][k] - v).abs().max().item() for k, v in want.items()):.2e}")
     assert all(torch.allclose(first["weights"][k], want[k], atol=1e-5) for k in want)
@@ -155,8 +155,10 @@ def test_ep_composed_with_pp_or_tp_matches_one_process(runs4, name):
     """EP inside ModelParallel: pipeline stages (each stage's experts over its dp ranks, the balancing
     loss of stage 0 joining its backward), tp 2 with sequence parallelism (each tp rank routes its
     half of every sequence, capacity and balancing loss decided over both halves, experts over tp
-    and dp ranks); ddp, zero1 and zero2 as the data-parallel dimension."""
-    check_layout(runs4, name)
+    and dp ranks); ddp, zero1 and zero2 as the data-parallel dimension. Held within 1e-5, not 1e-4
+    (measured <= 3e-7): the experts are a small share of the total gradient norm, and an expert
+    counted twice in it moves the norm by ~6e-5."""
+    check_layout(runs4, name, rel=1e-5)
     # Per step, the gradient norm of every MoE tensor (each expert stack whole: its slices' squares
     # summed over the EP group; the router's summed over tp under SP) equals one process's.
     ref, worst = runs4["single_norms"], 0.0
@@ -247,6 +249,8 @@ def test_composed_full_checkpoint_resumes_in_one_process(runs4, tmp_path, name):
       "model__n_layers": 4}, r"runs with parallel.pp_schedule = 'gpipe' or '1f1b'"),
     ({"parallel__ep": 2, "parallel__tp": 2, "parallel__sequence_parallel": True, "train__strategy": "fsdp"},
      r"model.moe_experts with parallel.tp = 2 does not run with train.strategy = 'fsdp'"),
+    ({"parallel__ep": 2, "parallel__pp": 2, "train__precision": "fp16"},
+     r"model.moe_experts with parallel.pp = 2 does not run with train.precision = 'fp16'"),
     ({"parallel__ep": 2, "parallel__pp": 2, "model__checkpointing": "full"},
      r"model.moe_experts with parallel.pp = 2 does not run with model.checkpointing"),
     ({"parallel__ep": 2, "train__strategy": "deepspeed"}, r"parallel.ep = 2 does not run with train.strategy = "

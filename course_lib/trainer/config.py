@@ -431,6 +431,9 @@ def _moe_model_parallel_checks(cfg: dict, mcfg, keys: str) -> None:
     if t["strategy"] == "fsdp":
         raise ConfigError(f"{what} does not run with train.strategy = 'fsdp': the DTensor tensor-parallel plan has "
                           f"no MoE layer; use 'ddp', 'zero1' or 'zero2'")
+    if par["pp"] > 1 and t["precision"] == "fp16":
+        raise ConfigError(f"{what} does not run with train.precision = 'fp16': a stage's balancing loss would join "
+                          f"its backward scaled by the loss scale, which no test holds yet; use 'fp32' or 'bf16'")
     _moe_unsupported_checks(cfg, mcfg, what, "leave it out, or run the MoE model with data parallelism only")
 
 
