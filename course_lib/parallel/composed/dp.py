@@ -243,9 +243,9 @@ class FlatZero(DataParallelMode):
 
     def reduce_grad_sq(self, sq: torch.Tensor):
         """Squares of this rank's gradient pieces (then its expert slices, summed over their EP
-        group: the whole tensor's) -> (their squares, global total). Every logical element sits in exactly one dp_cp rank's range, and every
-        expert slice is counted on one rank (:meth:`_count_mask`), so the total is the masked sum
-        over the whole world (one all-reduce)."""
+        group: the whole tensor's) -> (their squares, global total). Every logical element sits in
+        exactly one dp_cp rank's range, and every expert slice is counted on one rank
+        (:meth:`_count_mask`), so the total is the masked sum over the whole world (one all-reduce)."""
         if self._count is None:
             mask = self._count_mask(self.params, sq.device)
             index = {id(p): i for i, p in enumerate(self.params)}

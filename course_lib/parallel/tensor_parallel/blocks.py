@@ -167,7 +167,8 @@ def mark_sequence_parallel(module: nn.Module, on: bool) -> None:
 class TPBlock(nn.Module):
     """Pre-norm block ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``: norms replicated, attention
     and MLP tensor-parallel (an MoE MLP, under sequence parallelism only, is copied whole and
-    routes this rank's tokens: expert_parallel.sequence_split). ``forward(x, cos=None, sin=None)``, x ``[B, T, C]`` (``[B, T/N, C]``,
+    routes this rank's tokens: expert_parallel.sequence_split).
+    ``forward(x, cos=None, sin=None)``, x ``[B, T, C]`` (``[B, T/N, C]``,
     this rank's tokens, with sequence parallelism)."""
 
     def __init__(self, norm1, attn, norm2, mlp):
