@@ -23,6 +23,14 @@ bit-exact at EP 2; ddp's and zero1's EP 2 files resumed in one process, the one-
 EP 2, fsdp's and zero2's EP 2 checkpoints resumed at ep 1, and zero1's EP 2 file (2 ranks) resumed at
 EP 2 x expert-DP 2 (4 ranks) end where the uninterrupted runs end (within 1e-4).
 
+Composed with pipeline and tensor parallelism (ModelParallel, course_lib.parallel.composed.experts),
+in the same 4-rank launch: pp 2 x dp 2 x ep 2 (ddp, zero1, zero2: each stage's experts over its two
+dp ranks), tp 2 with sequence parallelism x dp 2 with ep 2 (ddp), ep 4 (zero1) and ep 1 (ddp): each
+tp rank routes its half of every sequence, capacity and balancing decided over both halves. Each
+equals one process within 1e-5 (losses, gradient norms, weights) and every MoE tensor's per-step
+gradient norm within 1e-4; the one-process file resumes at pp 2 x ep 2, pp 2 x ep 2's file at tp 2 x
+ep 4, and pp 2 / tp 2 files in one process.
+
 One launch per world size (the 4-rank one in its own fixture, runs4).
 """
 from __future__ import annotations
