@@ -225,8 +225,8 @@ def train(cfg: dict, out_dir: str | Path, *, resume: bool = False, faults: list[
                 strategy.skip_step(policy)
             else:
                 strategy.optimizer_step(policy, lr_factor=decision.lr_factor, found_inf=False)
-            if moe_balance:  # DeepSeek-V3's bias from this step's loads, summed over every rank
-                update_expert_bias(strategy.model, all_reduce_load)
+            if moe_balance:  # DeepSeek-V3's bias from this step's loads, summed over every rank routing them
+                update_expert_bias(strategy.model, getattr(strategy, "expert_load_reduce", all_reduce_load))
             strategy.zero_grad()
             scheduler.step()
             step += 1

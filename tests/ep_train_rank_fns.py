@@ -17,6 +17,37 @@ def state_numel(optimizer) -> dict | None:
             "dense_params": params(optimizer.dense), "expert_params": params(optimizer.experts)}
 
 
+_NORMS: list[dict] = []  # per-tensor gradient norms of each step since the last entry()
+
+
+def record_grad_norms() -> None:
+    """From now on in this process, keep the per-tensor gradient norms the trainer's stabilizer
+    measures each step (GradientMonitor.measure's ``param_norms``: whole tensors, e.g. an expert
+    stack's over every expert) for the MoE layers' tensors (names with ``mlp.``); entry() hands them
+    over. The losses and the total norm barely see a wrong expert gradient (AdamW is nearly
+    scale-free and the experts are a small share of the norm); these norms see it directly."""
+    from course_lib.stability.grad_monitor import GradientMonitor
+
+    if getattr(GradientMonitor.measure, "records", False):
+        return
+    measure = GradientMonitor.measure
+
+    def recording(self, *args, **kwargs):
+        stats = measure(self, *args, **kwargs)
+        _NORMS.append({k: v for k, v in stats.param_norms.items() if ".mlp." in k and "[" not in k})
+        return stats
+
+    recording.records = True
+    GradientMonitor.measure = recording
+
+
+def take_grad_norms() -> list[dict]:
+    """The per-step norms recorded since the last call (see :func:`record_grad_norms`)."""
+    out = list(_NORMS)
+    _NORMS.clear()
+    return out
+
+
 def entry(rank, result) -> dict:
     """model_parallel_rank_fns.weights_entry (the gathered one-process weights on rank 0) plus every
     rank's expert biases (the bias update must leave them equal everywhere) and its optimizer-state
@@ -29,7 +60,7 @@ def entry(rank, result) -> dict:
             # the rank's last micro-batch, per MoE layer: pairs dropped over capacity, tokens per expert
             "dropped": [int(m.last_dropped) for m in moe_layers(result.model)],
             "load": [m.last_load.tolist() for m in moe_layers(result.model)],
-            "state_numel": state_numel(result.strategy.optimizer),
+            "state_numel": state_numel(result.strategy.optimizer), "grad_norms": take_grad_norms(),
             # per MoE layer (none at ep 1): local experts that received no rows, summed over the forwards
             "idle": [d.idle_experts for d in getattr(result.strategy, "dispatchers", [])],
             # the trainer's dispatchers record no exchanges (a record each would grow for the whole run)
@@ -44,6 +75,7 @@ def train_and_cross_resume(rank, world_size, runs, crosses, resume=True):
     import model_parallel_rank_fns as fns
     from course_lib.train import train
 
+    record_grad_norms()
     if resume:
         out = fns.train_then_resume(rank, world_size, runs, entry=entry)
     else:

@@ -270,5 +270,7 @@ def test_the_trainer_trains_experts_with_both_balancers(tmp_path):
     c = model.cfg
     assert model_flops_per_token(model, 64) == palm_flops_per_token(
         model.num_active_params(), n_layers=c.n_layers, n_heads=c.n_heads, head_dim=c.head_dim, seq_len=64)
-    with pytest.raises(ConfigError, match=r"model\.moe_experts = 8 runs with data parallelism only"):
-        tiny_cfg(1, model__preset="moe-tiny", parallel__tp=2)
+    # MoE runs under tp only with sequence parallelism (each rank routes its own tokens; experts not cut by tp)
+    with pytest.raises(ConfigError, match=r"model\.moe_experts with parallel\.tp = 2 needs parallel\."
+                                          r"sequence_parallel"):
+        tiny_cfg(1, model__preset="moe-tiny", parallel__tp=2, train__strategy="ddp")

@@ -21,6 +21,14 @@ One forward, in the order the code runs (every step is a function below, so a la
 6. Shared experts (DeepSeek) see every token and are added; one SwiGLU of width
    ``moe_shared_experts * moe_ffn_dim`` computes exactly the sum of that many experts.
 
+Sequence parallelism (``MoE.sequence_split``, set by tensor parallelism with sequence parallelism):
+each tensor-parallel rank holds a slice of the same sequences and routes its own tokens. Capacity,
+dropping and the balancing loss are then decided over the whole micro-batch, as one process
+decides them: the routing choices are all-gathered (small: k ids a token) and the keep mask is
+computed on the one-process token order; the balancing loss takes f_i and P_i over every token and
+keeps on each rank only its own tokens' share of the gradient (the ranks' shares add up to the
+one-process gradient when the router's weight gradients are summed over the group).
+
 Balancing. :func:`load_balancing_loss` is Switch/GShard's ``E * sum_i f_i * P_i`` (f_i: fraction of
 the N*k routed slots that chose expert i, P_i: mean router probability of expert i); it is 1 when
 the router is uniform and grows as it concentrates. The model adds ``moe_aux_loss_coef`` times it,
@@ -189,6 +197,51 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: i
     return n_experts * (f * probs.mean(0)).sum()
 
 
+class SequenceSplit:
+    """What an MoE layer needs to know when its input ``[B, T / size, C]`` is this rank's slice of
+    the sequences (slice ``rank`` of ``size`` along T, as sequence parallelism splits them). The
+    collectives run without gradient. Implemented in course_lib.parallel (the model imports no
+    process groups)."""
+
+    size: int = 1
+    rank: int = 0
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``[B, T / size, ...]`` concatenated along dim 1, in rank order -> ``[B, T, ...]``."""
+        raise NotImplementedError
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of ``t`` over the ranks (a new tensor)."""
+        raise NotImplementedError
+
+
+def split_keep_mask(r: Routing, everyone: torch.Tensor, split: SequenceSplit, batch: int, n_experts: int,
+                    factor: float | None, policy: str) -> torch.Tensor:
+    """:func:`keep_mask` for this rank's ``batch x T_local`` tokens, decided over the whole
+    micro-batch: ``everyone`` holds every rank's chosen experts in the one-process token order
+    (b * T + t, [N_all, k]), so a token is dropped exactly when one process would drop it."""
+    k = r.experts.shape[1]
+    weights = (split.gather(r.weights.view(batch, -1, k)).reshape(-1, k) if policy == "probs"
+               else r.weights.new_zeros(everyone.shape))  # "position" reads no weights
+    cap = None if factor is None else capacity(everyone.shape[0], k, n_experts, factor)
+    keep = keep_mask(everyone, weights, n_experts, cap, policy)
+    return keep.view(batch, split.size, -1, k)[:, split.rank].reshape(-1, k)
+
+
+def split_balancing_loss(probs: torch.Tensor, everyone: torch.Tensor, split: SequenceSplit,
+                         n_experts: int) -> torch.Tensor:
+    """:func:`load_balancing_loss` over every rank's tokens (``everyone``: their chosen experts,
+    [N_all, k]; ``probs``: this rank's [N_local, E]). The value is the one-process value on every
+    rank; the gradient is this rank's tokens' share (E * f_i / N_all on each of their P_i), so the
+    shares summed over the ranks are the one-process gradient."""
+    n, k = everyone.shape
+    f = torch.bincount(everyone.reshape(-1), minlength=n_experts).float() / (n * k)
+    local_sum = probs.sum(0)
+    part = n_experts * (f * local_sum).sum() / n  # with gradient
+    whole = n_experts * (f * split.all_reduce(local_sum.detach())).sum() / n
+    return part + (whole - part).detach()
+
+
 #: ``dispatcher(rows, counts, experts) -> rows out``: how the expert step runs (None: locally)
 Dispatcher = Callable[[torch.Tensor, torch.Tensor, Experts], torch.Tensor]
 
@@ -201,6 +254,8 @@ class MoE(nn.Module):
 
     #: None: every expert is here. Expert parallelism sets a callable (see :data:`Dispatcher`).
     dispatcher: Dispatcher | None = None
+    #: None: the input holds whole sequences. Sequence parallelism sets a :class:`SequenceSplit`.
+    sequence_split: SequenceSplit | None = None
 
     def __init__(self, cfg) -> None:
         super().__init__()
@@ -224,14 +279,25 @@ class MoE(nn.Module):
         h = x.reshape(-1, shape[-1])
         n = h.shape[0]
         r = self.router(h)
-        cap = None if self.capacity_factor is None else capacity(n, self.top_k, self.n_experts, self.capacity_factor)
-        keep = keep_mask(r.experts, r.weights, self.n_experts, cap, self.drop_policy)
+        split = self.sequence_split
+        if split is not None:  # this rank's slice of the sequences: decide over all of them
+            k = self.top_k
+            everyone = split.gather(r.experts.view(shape[0], -1, k)).reshape(-1, k)
+            keep = split_keep_mask(r, everyone, split, shape[0], self.n_experts, self.capacity_factor,
+                                   self.drop_policy)
+        else:
+            cap = None if self.capacity_factor is None else capacity(n, self.top_k, self.n_experts,
+                                                                     self.capacity_factor)
+            keep = keep_mask(r.experts, r.weights, self.n_experts, cap, self.drop_policy)
         rows, counts, order = permute(h, r.experts, keep, self.n_experts)
         out_rows = self.experts(rows, counts) if self.dispatcher is None else self.dispatcher(rows, counts, self.experts)
         out = unpermute(out_rows, order, r.weights, n)
         if self.shared is not None:
             out = out + self.shared(h)
-        self.aux_loss = self.aux_coef * load_balancing_loss(r.probs, r.experts, self.n_experts) if self.aux_coef else None
+        self.aux_loss = None
+        if self.aux_coef:
+            self.aux_loss = self.aux_coef * (load_balancing_loss(r.probs, r.experts, self.n_experts) if split is None
+                                             else split_balancing_loss(r.probs, everyone, split, self.n_experts))
         self.last_load = torch.bincount(r.experts.reshape(-1), minlength=self.n_experts).detach()
         self.last_dropped = (~keep).sum().detach()
         return F.dropout(out.view(shape), self.dropout, self.training)

@@ -57,7 +57,8 @@ FSDP_MODEL_PARALLEL = ("course_lib.parallel.composed.fsdp_tp", "FSDPTensorParall
 
 #: Chosen with ``parallel.ep > 1`` (experts sharded over parallel.ep ranks, tokens through all-to-all),
 #: ``train.strategy`` name -> (module, class, description): the data-parallel dimension around the
-#: experts. trainer.config refuses ep with the other strategies and with tp/pp/cp > 1, naming why.
+#: experts. trainer.config refuses ep with the other strategies, naming why. With tp/pp > 1 the
+#: strategy is MODEL_PARALLEL, its experts course_lib.parallel.composed.experts ("ddp", "zero1", "zero2").
 EXPERT_PARALLEL_STRATEGIES: dict[str, tuple[str, str, str]] = {
     "ddp": ("course_lib.parallel.expert_parallel.in_trainer", "ExpertParallelDDP",
             "torch DDP over the non-expert weights, expert gradients reduced over the expert-DP group"),

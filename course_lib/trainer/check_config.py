@@ -45,11 +45,16 @@ def check_world(cfg: dict, world_size: int, *, has_group: bool) -> None:
         raise ConfigError("checkpoint.format = 'sharded' with train.strategy = 'single' needs a process group "
                           "(DCP saves collectively): start it with torchrun --nproc-per-node 1, or use "
                           "checkpoint.format = 'full' or 'auto'")
-    ep = cfg["parallel"]["ep"]
+    ep, pp = cfg["parallel"]["ep"], cfg["parallel"]["pp"]
     if world_size % ep:
         raise ConfigError(f"parallel.ep = {ep} must divide the world size ({world_size} ranks started): the ranks "
                           f"form world / ep expert-data-parallel replicas of ep ranks each; start a multiple of "
                           f"{ep} ranks, or choose ep among the divisors of {world_size}")
+    if pp > 1 and world_size % pp == 0 and (world_size // pp) % ep:
+        stage = world_size // pp
+        raise ConfigError(f"parallel.ep = {ep} must divide the {stage} ranks of a pipeline stage ({world_size} ranks "
+                          f"/ parallel.pp = {pp}): each stage folds its experts over its own dp x tp ranks; choose "
+                          f"ep among the divisors of {stage}")
     mp = train_config.model_parallel_size(cfg)
     if mp > 1:  # tensor/pipeline parallel: the ranks must tile the mesh exactly, known only now
         par = cfg["parallel"]

@@ -21,8 +21,10 @@
               FSDP2 over dp x cp on the DTensor-TP model; cp runs ring attention over zig-zag sequence
               chunks, with dp and tp, not with pp; the world size must be dp * tp * pp * cp, checked
               when the ranks start); ep (expert parallel: each MoE layer's experts sharded over ep ranks,
-              tokens moved by all-to-all, with train.strategy = "ddp" or "fsdp" and tp = pp = cp = 1; ep divides
-              the world size and model.moe_experts)
+              tokens moved by all-to-all; with tp = pp = cp = 1 under train.strategy "ddp", "ddp-scratch",
+              "zero1", "zero2" or "fsdp", with pp and/or tp (sequence_parallel required) under "ddp",
+              "zero1" or "zero2", folded over each pipeline stage's dp x tp ranks; ep divides the ranks of
+              a stage and model.moe_experts)
 
 Every unknown section or key, wrong type or out-of-range value is a ``ConfigError`` naming it
 (with a "did you mean" for typos), raised before any file is written or model is built.
@@ -350,10 +352,9 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
                               f"data parallelism uses every rank started); leave it 0")
         return
     keys = " and ".join(f"parallel.{k} = {par[k]}" for k in ("tp", "pp", "cp") if par[k] > 1)
-    if mcfg.moe_experts is not None:  # stages and TP plans call the blocks themselves: no balancing loss
-        raise ConfigError(f"model.moe_experts = {mcfg.moe_experts} runs with data parallelism only (tp = pp = cp "
-                          f"= 1); got {keys}: pipeline stages and tensor-parallel plans do not carry experts")
     _model_parallel_strategy_check(cfg)
+    if mcfg.moe_experts is not None:
+        _moe_model_parallel_checks(cfg, mcfg, keys)
     # FSDP2 over dp on a DTensor-TP model (course_lib.parallel.composed.fsdp_tp); not on pipeline stages.
     fsdp_tp = t["strategy"] == "fsdp" and pp == 1
     if t["strategy"] == "fsdp" and pp > 1:
@@ -407,11 +408,57 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
                               f"or a multiple of {pp}")
 
 
+def _moe_model_parallel_checks(cfg: dict, mcfg, keys: str) -> None:
+    """An MoE model with tp/pp > 1 (course_lib.parallel.composed.experts): experts folded over each
+    pipeline stage's dp x tp ranks, expert-tensor-parallel size 1. What is not built is refused here,
+    naming why."""
+    par, t = cfg["parallel"], cfg["train"]
+    what = f"model.moe_experts with {keys}"
+    if par["cp"] > 1:
+        raise ConfigError(f"{what} is not built: context parallelism splits each sequence into zig-zag chunks, "
+                          f"and the MoE layer's capacity and balancing loss are not computed over them; set "
+                          f"parallel.cp = 1 (MoE composes with parallel.pp and with parallel.tp under "
+                          f"sequence parallelism)")
+    if par["tp"] > 1 and not par["sequence_parallel"]:
+        raise ConfigError(f"{what} needs parallel.sequence_parallel = true: each tensor-parallel rank then routes "
+                          f"its own slice of the tokens to whole experts (expert-tensor-parallel size 1, as Megatron "
+                          f"requires sequence parallelism with experts and tp); without it every tp rank would route "
+                          f"the same tokens. Expert-tensor-parallel = tp (experts cut by tp) is not built")
+    if par["pp"] > 1 and par["pp_schedule"] == "interleaved":
+        raise ConfigError(f"{what} runs with parallel.pp_schedule = 'gpipe' or '1f1b': torch's interleaved schedule "
+                          f"runs the backward itself, and the balancing loss of a stage other than the last joins "
+                          f"the backward in our runner (course_lib.parallel.composed.stage.run_pipeline)")
+    if t["strategy"] == "fsdp":
+        raise ConfigError(f"{what} does not run with train.strategy = 'fsdp': the DTensor tensor-parallel plan has "
+                          f"no MoE layer; use 'ddp', 'zero1' or 'zero2'")
+    if par["pp"] > 1 and t["precision"] == "fp16":
+        raise ConfigError(f"{what} does not run with train.precision = 'fp16': a stage's balancing loss would join "
+                          f"its backward scaled by the loss scale, which no test holds yet; use 'fp32' or 'bf16'")
+    _moe_unsupported_checks(cfg, mcfg, what, "leave it out, or run the MoE model with data parallelism only")
+
+
+def _moe_unsupported_checks(cfg: dict, mcfg, what: str, fix: str) -> None:
+    """The trainer options not tried with sharded or sequence-split experts, refused naming why."""
+    t = cfg["train"]
+    others = [(bad, key) for bad, key in (
+        (t["compile"], "train.compile = true (the all-to-all reads its split sizes on the host)"),
+        (t["precision"] == "fp8", "train.precision = 'fp8' (not tried with the expert dispatch)"),
+        (mcfg.checkpointing != "none", f"model.checkpointing = {mcfg.checkpointing!r} (recomputation would "
+                                       f"run the all-to-all again in backward: not tried)"),
+        (mcfg.offload_activations, "model.offload_activations = true (not tried with the expert dispatch)"),
+        (bool(cfg["data"]["val_path"]), "data.val_path (rank 0 evaluates alone, and its experts are a slice)"),
+    ) if bad]
+    if others:
+        raise ConfigError(f"{what} does not run with {others[0][1]}; {fix}")
+
+
 def _expert_parallel_checks(cfg: dict, mcfg) -> None:
     """``parallel.ep`` (course_lib.parallel.expert_parallel.in_trainer): an MoE model whose expert count
     it divides, a data-parallel dimension that keeps the expert slices apart (ddp, ddp-scratch,
-    zero1, zero2, fsdp, fsdp-scratch: registry.EXPERT_PARALLEL_STRATEGIES), no model parallelism. That
-    ep divides the world size is checked when the ranks start (trainer.check_config.check_world)."""
+    zero1, zero2, fsdp, fsdp-scratch: registry.EXPERT_PARALLEL_STRATEGIES; with tp/pp > 1 ddp, zero1, zero2:
+    course_lib.parallel.composed.experts, checked with the other model-parallel keys). That ep
+    divides the world size (the ranks of a pipeline stage) is checked when the ranks start
+    (trainer.check_config.check_world)."""
     from course_lib.parallel.registry import EXPERT_PARALLEL_DP
 
     par, t = cfg["parallel"], cfg["train"]
@@ -426,12 +473,8 @@ def _expert_parallel_checks(cfg: dict, mcfg) -> None:
         raise ConfigError(f"{what} must divide model.moe_experts ({mcfg.moe_experts}): every EP rank holds "
                           f"moe_experts / ep experts; accepted ep: the divisors of {mcfg.moe_experts} that divide "
                           f"the world size")
-    mp = [f"parallel.{k} = {par[k]}" for k in ("tp", "pp", "cp") if par[k] > 1]
-    if mp:
-        raise ConfigError(f"{what} with {' and '.join(mp)} is not built: Megatron composes expert parallelism "
-                          f"with tensor parallelism through expert-tensor-parallel (ETP = TP or 1) and with "
-                          f"pipeline stages, the kit does not yet; use parallel.ep with data parallelism only "
-                          f"(tp = pp = cp = 1)")
+    if model_parallel_size(cfg) > 1:  # the model-parallel checks name what composes (_moe_model_parallel_checks)
+        return
     if t["strategy"] not in EXPERT_PARALLEL_DP:
         why = {
             "deepspeed": "the DeepSpeed engine would average the expert slices over every rank (its own MoE "
@@ -447,16 +490,7 @@ def _expert_parallel_checks(cfg: dict, mcfg) -> None:
                           f"could not reshard them across EP sizes; full checkpoints gather the experts into the "
                           f"one-process layout (use 'auto' or 'full'), or use train.strategy = 'fsdp', whose "
                           f"sharded checkpoints do reshard")
-    others = [(bad, key) for bad, key in (
-        (t["compile"], "train.compile = true (the all-to-all reads its split sizes on the host)"),
-        (t["precision"] == "fp8", "train.precision = 'fp8' (not tried with the expert dispatch)"),
-        (mcfg.checkpointing != "none", f"model.checkpointing = {mcfg.checkpointing!r} (recomputation would "
-                                       f"run the all-to-all again in backward: not tried)"),
-        (mcfg.offload_activations, "model.offload_activations = true (not tried with the expert dispatch)"),
-        (bool(cfg["data"]["val_path"]), "data.val_path (rank 0 evaluates alone, and its experts are a slice)"),
-    ) if bad]
-    if others:
-        raise ConfigError(f"{what} does not run with {others[0][1]}; set parallel.ep = 1 or leave it out")
+    _moe_unsupported_checks(cfg, mcfg, what, "set parallel.ep = 1 or leave it out")
 
 
 def _split_checks(cfg: dict, mcfg) -> None:

@@ -9,6 +9,12 @@ reads the same dense checkpoint and keeps its slice: ``full.chunk(tp, dim)[tp_ra
 how :mod:`~course_lib.parallel.tensor_parallel.layers` cut the shards. So a checkpoint written by
 any layout loads in any other, and in one process (``train.strategy = "single"``).
 
+Experts (an MoE model, :mod:`.experts`): a rank holds ``E / ep`` experts of its stage's MoE layers,
+and the ranks of its EP group the others - possibly other data-parallel replicas. To save, every
+rank first all-gathers its slices (and their AdamW moments) over its EP group, so replica 0 holds
+whole ``[E, ...]`` tensors; to load, a rank keeps its EP rank's block of experts. A file is then the
+one-process layout at any EP size.
+
 Tied embeddings: the dense model has one matrix under two names (``tok_emb.weight`` and
 ``lm_head.weight`` in its state dict; one optimizer entry, named ``tok_emb.weight``). Under pp > 1
 the first and the last stage each hold a copy with identical values and identical Adam moments
@@ -21,12 +27,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib.parallel.expert_parallel.shard import is_expert
+
 TIED_ALIAS = ("tok_emb.weight", "lm_head.weight")  # (dense optimizer name, its second name)
 
 
 class DenseLayout:
     """What the dense model looks like (state-dict keys, shapes, dtypes; the optimizer's groups by
-    name) and how this rank's module maps onto it (:meth:`bind`)."""
+    name) and how this rank's module maps onto it (:meth:`bind`). ``ep``: the EPGroup its expert
+    slices are spread over (set by the strategy; None without experts)."""
+
+    ep = None
 
     def __init__(self, dense: nn.Module, named_groups: list[dict]):
         sd = dense.state_dict()
@@ -53,6 +64,7 @@ class DenseLayout:
         self.owns = [n for n in self.param_of if n in params]
         self.name_of = {id(p): n for n, p in self.param_of.items()}
         self.dim_of = {id(p): getattr(p, "tp_partition_dim", None) for p in self.param_of.values()}
+        self.expert_keys = {k for k, p in params.items() if is_expert(p)}
 
     def local_groups(self, named_groups: list[dict]) -> list[dict]:
         """The dense optimizer's groups (same options, same count) over the local parameters."""
@@ -64,6 +76,7 @@ class DenseLayout:
         """Collective. On rank 0: (the dense state dict, the dense optimizer state dict or None);
         (None, None) elsewhere. Tensors on the CPU."""
         c = mesh.coords
+        experts, expert_state = self._gather_experts(optimizer)  # every rank: its EP group's slices
         if c["dp"] != 0 or c["cp"] != 0:
             return None, None  # replica 0 holds the same numbers
         tp_group, tp = mesh.groups["tp"], mesh.size("tp")
@@ -76,12 +89,16 @@ class DenseLayout:
             return torch.cat(parts, dim=dim).cpu()
 
         skip = {TIED_ALIAS[1]} if self.tied else set()  # the alias is re-made from the token table
-        model = {k: whole(v, self.tp_dim.get(k)) for k, v in self.local.state_dict().items() if k not in skip}
+        model = {k: experts[k] if k in experts else whole(v, self.tp_dim.get(k))
+                 for k, v in self.local.state_dict().items() if k not in skip}
         optim = None
         if optimizer is not None:
             optim = {}
             for n in self.owns:
                 p = self.param_of[n]
+                if n in expert_state:
+                    optim[n] = expert_state[n]
+                    continue
                 st = optimizer.state.get(p, {})
                 optim[n] = {k: whole(v, self.dim_of[id(p)]) if torch.is_tensor(v) else v for k, v in st.items()}
         if c["tp"] != 0:
@@ -106,12 +123,46 @@ class DenseLayout:
                   for g, names in zip(optimizer.param_groups, self.group_names)]
         return model, {"state": state, "param_groups": groups}
 
+    def _gather_experts(self, optimizer) -> tuple[dict, dict]:
+        """Collective over each EP group (every rank): ({state-dict key: whole [E, ...] weight},
+        {dense name: AdamW state with whole moments}) of this rank's expert slices, on the CPU;
+        empty without experts. Every rank of a group has the same keys in the same order (same
+        stage, same steps taken), so the all-gathers line up."""
+        ep = self.ep
+        if ep is None or ep.size == 1:
+            keep = {k: v.detach().cpu().clone() for k, v in self.local.state_dict().items() if k in self.expert_keys}
+            states = {}
+            if optimizer is not None:
+                states = {n: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                              for k, v in optimizer.state.get(p, {}).items()}
+                          for n, p in self.param_of.items() if is_expert(p)}
+            return keep, states
+
+        def whole(t: torch.Tensor) -> torch.Tensor:
+            parts = [torch.empty_like(t) for _ in range(ep.size)]
+            dist.all_gather(parts, t.detach().contiguous(), group=ep.group)
+            return torch.cat(parts).cpu()
+
+        model = {k: whole(v) for k, v in self.local.state_dict().items() if k in self.expert_keys}
+        states = {}
+        if optimizer is not None:
+            for n in sorted(n for n, p in self.param_of.items() if is_expert(p)):
+                st = optimizer.state.get(self.param_of[n], {})
+                states[n] = {k: whole(v.to(self.param_of[n].device)) if torch.is_tensor(v) and v.dim() > 0 else v
+                             for k, v in sorted(st.items())}
+        return model, states
+
     def gather_model(self, mesh) -> dict | None:
         return self.gather(mesh)[0]
 
     # ---------------------------------------------------------------- slice (loading)
-    def slice(self, full: torch.Tensor, dim, mesh) -> torch.Tensor:
-        """This rank's tp shard of a dense tensor (a copy: the full tensor can be freed)."""
+    def slice(self, full: torch.Tensor, dim, mesh, expert: bool = False) -> torch.Tensor:
+        """This rank's tp shard of a dense tensor (a copy: the full tensor can be freed); of an
+        expert weight (``expert``: [E, ...], dim 0), its EP rank's block of experts."""
+        if expert:
+            if self.ep is None or self.ep.size == 1:
+                return full
+            return full.chunk(self.ep.size, dim=0)[self.ep.rank].clone()
         if dim is None or mesh.size("tp") == 1 or full.dim() == 0:
             return full
         return full.chunk(mesh.size("tp"), dim=dim)[mesh.coords["tp"]].clone()
@@ -135,7 +186,7 @@ class FullModelView(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True):
         lay = self._layout
-        mine = {k: lay.slice(state_dict[k], lay.tp_dim.get(k), self._mesh)
+        mine = {k: lay.slice(state_dict[k], lay.tp_dim.get(k), self._mesh, expert=k in lay.expert_keys)
                 for k in lay.local.state_dict() if k in state_dict}
         return lay.local.load_state_dict(mine, strict=strict)
 
@@ -169,7 +220,8 @@ class FullOptimizerView:
             for p in group["params"]:
                 st = state_dict["state"].get(lay.index[lay.name_of[id(p)]])
                 if st is not None:
-                    dim = lay.dim_of[id(p)]
-                    out[i] = {k: lay.slice(v, dim, self._mesh) if torch.is_tensor(v) else v for k, v in st.items()}
+                    dim, expert = lay.dim_of[id(p)], is_expert(p)
+                    out[i] = {k: lay.slice(v, dim, self._mesh, expert) if torch.is_tensor(v) and v.dim() > 0 else v
+                              for k, v in st.items()}
                 i += 1
         self._opt.load_state_dict({"state": out, "param_groups": groups})

@@ -19,6 +19,13 @@ ranks that hold the *same* weights - the mesh's ``dp_cp`` group (the dp group wh
   gradient buffers (its range written back into them), ZeRO-2 frees them after the
   reduce-scatter and keeps only its range's gradient.
 
+Expert slices (an MoE model, :mod:`.experts`) differ between the dp_cp ranks, so no mode flattens
+them with the rest: their gradients are summed over their expert-data-parallel group and divided
+by dp (:meth:`DataParallelMode._reduce_experts`), and under zero1/zero2 they stay whole, outside the
+flat ranges, stepped by every rank that holds them (their optimizer state replicated over
+expert-DP, not sharded: DeepSeek-V3's ZeRO-1 over the experts' data-parallel group is not built
+here). The stabilizer counts each slice once in the world and reports whole-tensor norms.
+
 The interface a mode implements (the FSDP mode of another branch adds itself the same way):
 ``setup(module, groups, optimizer_cls, kwargs) -> optimizer``; ``finish_gradients(sync_tied)``
 after the last backward (``sync_tied()`` adds the tied embedding / head parts across pp: each mode
@@ -32,6 +39,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from course_lib.parallel.expert_parallel.shard import is_expert
 
 
 class DataParallelMode:
@@ -50,11 +59,19 @@ class DataParallelMode:
     def _count_mask(self, params: list[torch.Tensor], device) -> torch.Tensor:
         """1.0 for a parameter whose gradient this rank counts in the global norm: TP shards on
         every tp rank, replicated tensors on tp rank 0 only, the last stage's tied head copy
-        never (the first stage counts the matrix)."""
+        never (the first stage counts the matrix); an expert slice on the ranks of its stage's
+        first EP group (each slice once in the world: :class:`.experts.StageExperts`)."""
         s = self.s
         tied = s.model.tied_param if s.pp > 1 and s.model.tied and s.is_last else None
-        return torch.tensor([0.0 if p is tied else (1.0 if hasattr(p, "tp_partition_dim") or s.tp_rank == 0 else 0.0)
+        in_norm = 1.0 if s.experts is not None and s.experts.counts_in_norm else 0.0
+        return torch.tensor([in_norm if is_expert(p) else 0.0 if p is tied else
+                             (1.0 if hasattr(p, "tp_partition_dim") or s.tp_rank == 0 else 0.0)
                              for p in params], device=device)
+
+    def _reduce_experts(self) -> None:
+        """The expert slices' gradients over their expert-DP group (:mod:`.experts`), if any."""
+        if self.s.experts is not None:
+            self.s.experts.reduce_gradients()
 
     @property
     def grads_module(self) -> nn.Module:
@@ -88,31 +105,42 @@ class ReplicatedDP(DataParallelMode):
     @torch.no_grad()
     def finish_gradients(self, sync_tied) -> None:
         if self.size > 1:
-            grads = [p.grad for p in self.s.model.parameters() if p.grad is not None]
+            grads = [p.grad for p in self.s.model.parameters() if p.grad is not None and not is_expert(p)]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self.group)
             flat /= self.size
             torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        self._reduce_experts()  # over expert-DP, which may span tp ranks even when dp = 1
         sync_tied()  # after the mean, so both copies add the same two (averaged) parts
 
     def reduce_grad_sq(self, sq: torch.Tensor):
         """Per-tensor squares of this rank's gradients -> (whole-tensor squares, global total):
-        TP shards summed over tp; the total counts each logical parameter once, summed over the
-        model-parallel group (after the mean the replicas hold the same gradients)."""
+        TP shards summed over tp (expert slices over their EP group); the total counts each
+        logical parameter once, summed over the model-parallel group (after the mean the replicas
+        hold the same gradients) - with experts over the world, dense tensors counted on dp rank 0
+        (an EP group may span replicas, so one replica's ranks do not hold every slice)."""
         s = self.s
         params = [p for p in s.model.parameters() if p.grad is not None]
         if self._mask is None or self._mask[0] != len(params):
             sharded = torch.tensor([1.0 if hasattr(p, "tp_partition_dim") else 0.0 for p in params], device=sq.device)
+            at = [i for i, p in enumerate(params) if is_expert(p)]  # where the expert slices sit
+            expert = torch.zeros(len(params), device=sq.device)
+            expert[at] = 1.0
             # cp peers hold the same gradients after the dp_cp mean: cp rank 0 counts them
             count = self._count_mask(params, sq.device) * (0.0 if s.cp_rank else 1.0)
-            self._mask = (len(params), sharded, count)
-        _, sharded, count = self._mask
+            if s.experts is not None:
+                count = count * expert + count * (1 - expert) * (0.0 if s.dp_rank else 1.0)
+            self._mask = (len(params), sharded, count, torch.tensor(at, dtype=torch.long, device=sq.device))
+        _, sharded, count, at = self._mask
         total = (sq * count).sum()
-        dist.all_reduce(total, group=s.mp_group)
+        dist.all_reduce(total, group=s.mp_group if s.experts is None else None)
         if s.tp > 1:
             shard_sq = sq * sharded
             dist.all_reduce(shard_sq, group=s.tp_group)
             sq = shard_sq + sq * (1 - sharded)
+        if at.numel():  # the expert slices' squares -> their whole tensors' (shape, no host read)
+            sq = sq.clone()
+            sq[at] = s.experts.whole_sq(sq[at])
         return sq, total
 
 
@@ -144,8 +172,14 @@ class FlatZero(DataParallelMode):
             raise ValueError("ZeRO under model parallelism needs every local parameter in exactly one optimizer group")
         if len({(p.dtype, p.device) for p in params}) > 1:
             raise ValueError("ZeRO flattens the local parameters: they must share one dtype and device")
+        # Expert slices differ between the dp_cp ranks: they stay whole, outside the flat ranges
+        # (reduced over their expert-DP group, stepped by every rank holding them; .experts).
+        self.local_groups = [list(g["params"]) for g in groups]  # every local parameter, group order
+        self.experts = [p for p in params if is_expert(p)]
+        params = [p for p in params if not is_expert(p)]
+        groups = [{**g, "params": [p for p in g["params"] if not is_expert(p)]} for g in groups]
         self.params = params
-        self.group_sizes = [len(g["params"]) for g in groups]
+        self.group_sizes = [len(g) for g in self.local_groups]
         n, N = sum(p.numel() for p in params), self.size
         self.numel, self.shard = n, -(-n // N)  # elements, and each rank's range (padded: ceil)
         self.padded = self.shard * N
@@ -156,7 +190,7 @@ class FlatZero(DataParallelMode):
         names = {id(p): n for n, p in module.named_parameters()}
         self.pieces = []  # (param, start in param, end in param, start in this rank's range, piece)
         piece_groups, offset = [], 0
-        for g in groups:
+        for g, local in zip(groups, self.local_groups):
             mine = []
             for p in g["params"]:
                 a, b = max(offset, lo), min(offset + p.numel(), hi)
@@ -165,9 +199,11 @@ class FlatZero(DataParallelMode):
                     self.pieces.append((p, a - offset, b - offset, a - lo, piece))
                     mine.append(piece)
                 offset += p.numel()
-            piece_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": mine})
+            whole = [p for p in local if is_expert(p)]
+            piece_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": mine + whole})
         self.optimizer = optimizer_cls(piece_groups, **kwargs)
-        self._grads_module = _Pieces([(f"{names.get(id(p), '?')}[{a}:{b}]", piece) for p, a, b, _, piece in self.pieces])
+        self._grads_module = _Pieces([(f"{names.get(id(p), '?')}[{a}:{b}]", piece) for p, a, b, _, piece in self.pieces]
+                                     + [(names.get(id(p), "?"), p) for p in self.experts])
         self._count = None
         return self.optimizer
 
@@ -203,17 +239,23 @@ class FlatZero(DataParallelMode):
                 p.grad = None
             for p, a, b, at, piece in self.pieces:
                 piece.grad = mine[at:at + b - a]
+        self._reduce_experts()
 
     def reduce_grad_sq(self, sq: torch.Tensor):
-        """Squares of this rank's gradient pieces -> (pieces' squares, global total). Every
-        logical element sits in exactly one dp_cp rank's range, so the total is the masked sum
-        over the whole world (one all-reduce)."""
+        """Squares of this rank's gradient pieces (then its expert slices, summed over their EP
+        group: the whole tensor's) -> (their squares, global total). Every logical element sits in
+        exactly one dp_cp rank's range, and every expert slice is counted on one rank
+        (:meth:`_count_mask`), so the total is the masked sum over the whole world (one all-reduce)."""
         if self._count is None:
             mask = self._count_mask(self.params, sq.device)
             index = {id(p): i for i, p in enumerate(self.params)}
-            self._count = mask[[index[id(p)] for p, *_ in self.pieces]]
+            self._count = torch.cat([mask[[index[id(p)] for p, *_ in self.pieces]],
+                                     self._count_mask(self.experts, sq.device)])
         total = (sq * self._count).sum()
         dist.all_reduce(total)
+        if self.experts:  # an expert slice's square -> its whole tensor's (pieces differ per rank: left out)
+            n = len(self.pieces)
+            sq = torch.cat([sq[:n], self.s.experts.whole_sq(sq[n:])])
         return sq, total
 
     @torch.no_grad()
@@ -228,7 +270,7 @@ class FlatZero(DataParallelMode):
             [p.numel() for p in self.params]), self.params)])
 
     def zero_grad(self) -> None:
-        for p in self.params:
+        for p in self.params + self.experts:
             p.grad = None
         for *_, piece in self.pieces:
             piece.grad = None
@@ -239,7 +281,7 @@ class FlatZero(DataParallelMode):
     def census_params(self) -> list[torch.Tensor]:
         # The pieces share the weights' storage (counted once); their .grad is where ZeRO-2's
         # gradient range lives (ZeRO-1: views into the full buffers, counted once too).
-        return [*self.params, *(piece for *_, piece in self.pieces)]
+        return [*self.params, *(piece for *_, piece in self.pieces), *self.experts]
 
     @torch.no_grad()
     def gather_state(self) -> dict:
@@ -262,13 +304,17 @@ class FlatZero(DataParallelMode):
                 out[p][k] = f.view_as(p).cpu().clone()
         for p in out:
             out[p].update({k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in scalars.items()})
+        for p in self.experts:  # whole slices: their own state
+            st = self.optimizer.state.get(p)
+            if st:
+                out[p] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
         return out
 
     def load_state(self, by_param: dict, groups: list[dict]) -> None:
         """Load full-shape local state ({param: {key: tensor}}) and the groups' options: each piece
         keeps its range."""
         state, piece_groups = {}, []
-        index = {id(piece): j for j, (*_, piece) in enumerate(self.pieces)}
+        index = {id(x): j for j, x in enumerate(x for g in self.optimizer.param_groups for x in g["params"])}
         for g, live in zip(groups, self.optimizer.param_groups):
             piece_groups.append({**{k: v for k, v in g.items() if k != "params"},
                                  "params": [index[id(piece)] for piece in live["params"]]})
@@ -277,6 +323,10 @@ class FlatZero(DataParallelMode):
             if st:
                 state[index[id(piece)]] = {k: (v.reshape(-1)[a:b].clone() if torch.is_tensor(v) and v.dim() > 0
                                                and v.numel() == p.numel() else v) for k, v in st.items()}
+        for p in self.experts:  # whole slices (already this rank's experts: the view sliced them)
+            st = by_param.get(p)
+            if st:
+                state[index[id(p)]] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
         self.optimizer.load_state_dict({"state": state, "param_groups": piece_groups})
 
 
@@ -287,9 +337,8 @@ class _LocalOptimizerView:
 
     def __init__(self, mode: FlatZero, gather: bool):
         self._mode = mode
-        it = iter(mode.params)  # the local params, in group order
-        self.param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [next(it) for _ in range(n)]}
-                             for g, n in zip(mode.optimizer.param_groups, mode.group_sizes)]
+        self.param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(local)}
+                             for g, local in zip(mode.optimizer.param_groups, mode.local_groups)]
         self.state = mode.gather_state() if gather else {}
 
     def load_state_dict(self, state_dict: dict) -> None:

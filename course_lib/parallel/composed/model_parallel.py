@@ -26,6 +26,14 @@ dimension; ``dp = world_size / (tp * pp * cp)`` (or ``parallel.dp``, which must 
   equal flat ranges, step the optimizer on this rank's range only and all-gather the updated
   weights (ZeRO-2 keeps only its range of gradient).
 
+* **EP** (``parallel.ep``, an MoE model; not with cp, not with the interleaved schedule):
+  :mod:`.experts` - each stage's MoE layers keep E / ep experts on this rank, the EP group folded
+  over the stage's dp x tp ranks (tp only with sequence parallelism: each tp rank routes its own
+  tokens, :mod:`~course_lib.parallel.expert_parallel.sequence_split`); expert gradients summed over
+  the expert-data-parallel group and divided by dp, the dense ones as below. A stage's MoE
+  balancing loss joins the loss (last stage) or the backward (:func:`.stage.run_pipeline`), and
+  the loss logged is summed over the pipeline.
+
 TP, PP and CP peers read the *same* batch: :attr:`dp_rank`/:attr:`dp_size` are the data-parallel
 coordinates only, so the global batch is ``micro_batch * grad_accum * dp`` sequences a step, as
 for plain DDP on ``dp`` ranks (cp ranks split its tokens, not its sequences).
@@ -101,6 +109,8 @@ class ModelParallel(Distributed):
         # The ranks holding the same weights (dp x cp): gradients are averaged over them.
         self.grad_group, self.grad_size = self.mesh.groups["dp_cp"], self.mesh.layout.dp * self.cp
         self._policy = None
+        self.ep = par["ep"]
+        self.experts = None  # StageExperts when the model has MoE layers (setup)
         self.dp_mode_name = self.cfg["train"]["strategy"]
         self.name = f"{self.dp_mode_name}+tp/pp"
 
@@ -156,6 +166,12 @@ class ModelParallel(Distributed):
 
                 local = build_stage(model, self.pp_rank, self.pp, self.split)
         self.model = self.module = local
+        if model.cfg.moe_experts is not None:  # experts over parallel.ep ranks of this stage (.experts)
+            from course_lib.parallel.composed.experts import StageExperts
+
+            self.experts = StageExperts(self.mesh, local, self.ep)
+            self.dispatchers = self.experts.dispatchers
+            self.layout.ep = self.experts.ep
         if self.cp > 1:  # ring attention in every attention module; forward takes the full batch
             from course_lib.parallel.context_parallel.in_trainer import apply_context_parallel
 
@@ -206,14 +222,20 @@ class ModelParallel(Distributed):
     def _pipeline(self, batches, autocast, on_loss, backward):
         from course_lib.parallel.composed.stage import run_pipeline
 
-        self._scaler_on_every_stage()
+        scaler = self._scaler_on_every_stage()
         mb, T = batches[0][0].shape
         act_shape = (mb, T // self.tp if self.sequence_parallel else T, self.model.cfg.d_model)
         dtype = next(self.model.parameters()).dtype
         loss = run_pipeline(self.model, batches, schedule=self.schedule, ranks=self.mesh.ranks["pp"],
                             act_shape=act_shape, act_dtype=dtype, device=self.device, autocast=autocast,
-                            on_loss=on_loss, backward=backward, forward=self.module)
-        return loss if loss is not None else torch.zeros((), device=self.device)
+                            on_loss=on_loss, backward=backward, forward=self.module,
+                            loss_scale=scaler._scale if scaler is not None else None)
+        loss = loss.clone() if loss is not None else torch.zeros((), device=self.device)
+        if self.experts is not None:
+            # The last stage's loss holds its own MoE layers' balancing losses; the other stages
+            # returned theirs: the sum over the pipeline is the loss one process logs.
+            dist.all_reduce(loss, group=self.mesh.groups["pp"])
+        return loss
 
     @torch.no_grad()
     def _finish_gradients(self) -> None:
@@ -256,6 +278,11 @@ class ModelParallel(Distributed):
         out = value.detach().float().clone() if owner else torch.zeros((), device=self.device)
         dist.all_reduce(out)  # over the world: every rank gets the sum over the replicas
         return out / self.grad_size
+
+    def expert_load_reduce(self, load: torch.Tensor) -> None:
+        """Sum a layer's expert loads over the ranks that route its tokens (this pipeline stage's;
+        the trainer's DeepSeek-V3 bias update calls it), in place."""
+        self.experts.reduce_load(load)
 
     # ------------------------------------------------------------------ checkpoints
     def full_weights(self) -> dict[str, torch.Tensor]:

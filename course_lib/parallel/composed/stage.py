@@ -79,15 +79,20 @@ class TPPipelineStage(PipelineStage):
         for i in self.block_ids:
             h = tp.run_block(i, h, cos, sin)  # checkpointed as the model's checkpointing says
         if not self.is_last:
+            self.finish_moe(None)
             return h
         logits = self.lm_head(self.norm_f(h))  # [B, T, vocab/tp]
-        return logits if targets is None else vocab_parallel_cross_entropy(logits, targets, tp.group, check_targets=False)
+        if targets is None:
+            self.finish_moe(None)
+            return logits
+        return self.finish_moe(vocab_parallel_cross_entropy(logits, targets, tp.group, check_targets=False))
 
 
 def run_pipeline(stage: PipelineStage, batches: list[tuple[torch.Tensor, torch.Tensor]], *, schedule: str,
                  ranks: list[int], act_shape: tuple[int, ...], act_dtype: torch.dtype, device: torch.device,
                  autocast: Callable[[], Any], on_loss: Callable[[torch.Tensor], torch.Tensor],
-                 backward: Callable[[torch.Tensor], None], forward: Callable | None = None) -> torch.Tensor | None:
+                 backward: Callable[[torch.Tensor], None], forward: Callable | None = None,
+                 loss_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """Forward and backward of the step's ``k = len(batches)`` micro-batches on this stage;
     gradients accumulate in ``.grad``. ``ranks[s]``: global rank of stage s of this pipeline.
     ``act_shape``/``act_dtype``: the hidden state a stage sends on (every micro-batch alike).
@@ -98,13 +103,20 @@ def run_pipeline(stage: PipelineStage, batches: list[tuple[torch.Tensor, torch.T
     ``backward(loss / k)`` - the arithmetic of gradient accumulation, so the gradients equal one
     process on the k micro-batches. Returns the mean loss on the last stage (detached, on the
     device), None on the others. Sends are non-blocking and receives blocking, as in
-    :func:`~.pipeline.schedules.run_schedule` (why that cannot deadlock is explained there)."""
+    :func:`~.pipeline.schedules.run_schedule` (why that cannot deadlock is explained there).
+
+    MoE layers on a stage other than the last: their balancing loss (``stage.moe_aux`` after each
+    forward) is part of the one-process loss, but this stage's backward starts from the gradient
+    the next stage sent, not from a loss. So it joins that backward with the seed the last stage's
+    loss gets: 1 / k, times ``loss_scale`` (the fp16 loss scale, a device tensor; None: 1). Such a
+    stage returns the mean of its balancing losses (detached) instead of None, for the trainer to
+    add to the loss it logs."""
     k, s = len(batches), stage.stage
     prev = ranks[s - 1] if not stage.is_first else None
     nxt = ranks[s + 1] if not stage.is_last else None
     forward = stage if forward is None else forward
-    inputs, outputs, grads, pending = {}, {}, {}, []
-    total = None
+    inputs, outputs, grads, pending, aux = {}, {}, {}, [], {}
+    total = aux_total = None
     for op, i in stage_actions(schedule, stage.pp, k, s):
         if op == "recv_activation":
             buf = torch.empty(act_shape, dtype=act_dtype, device=device)
@@ -122,6 +134,10 @@ def run_pipeline(stage: PipelineStage, batches: list[tuple[torch.Tensor, torch.T
                 # One dtype on the wire whatever autocast produced (the receiver allocated act_dtype);
                 # the cast is part of the graph, so the gradient flows back through it.
                 outputs[i] = out.to(act_dtype)
+                if stage.moe_aux is not None:
+                    aux[i] = stage.moe_aux
+                    done = stage.moe_aux.detach().float()
+                    aux_total = done if aux_total is None else aux_total + done
         elif op == "send_activation":
             pending.append(dist.isend(outputs[i].detach().contiguous(), dst=nxt, tag=TAG_ACTIVATION))
         elif op == "recv_grad":
@@ -131,6 +147,12 @@ def run_pipeline(stage: PipelineStage, batches: list[tuple[torch.Tensor, torch.T
             out = outputs.pop(i)  # dropping it frees the micro-batch's activations
             if stage.is_last:
                 backward(out)  # the trainer's backward: fp16 multiplies by the loss scale first
+            elif i in aux:  # the balancing loss, seeded as the last stage seeds its loss
+                term = aux.pop(i)
+                seed = torch.full_like(term, 1.0 / k)
+                if loss_scale is not None:
+                    seed = seed * loss_scale.to(seed.dtype)
+                torch.autograd.backward([out, term], grad_tensors=[grads.pop(i), seed])
             else:
                 torch.autograd.backward(out, grad_tensors=grads.pop(i))
         elif op == "send_grad":
@@ -138,5 +160,5 @@ def run_pipeline(stage: PipelineStage, batches: list[tuple[torch.Tensor, torch.T
     for work in pending:  # send buffers must stay alive until the bytes are out
         work.wait()
     if not stage.is_last:
-        return None
+        return None if aux_total is None else aux_total / k
     return total / k if k > 1 else total

@@ -9,6 +9,7 @@ and back with ``torch.distributed.all_to_all_single``.
 | ``dispatch`` | ``AllToAllDispatcher``: counts first, then tokens, local experts, combine |
 | ``shard`` | ``shard_experts``, ``sync_gradients``, ``reduce_expert_gradients``, ``gather_experts`` |
 | ``wire`` | ``expected_bytes`` (the formula) and ``measured_bytes`` (what the run handed over) |
+| ``sequence_split`` | MoE under sequence parallelism: each tp rank routes its tokens, statistics over tp |
 | ``in_trainer`` | the trainer's ``parallel.ep`` with ``train.strategy`` "ddp", "ddp-scratch", "fsdp" (imported by the registry) |
 | ``zero_in_trainer`` | ... with "zero1" / "zero2": ``ExpertShardedOptimizer``, expert state sharded over expert-DP |
 | ``fsdp_scratch_in_trainer`` | ... with "fsdp-scratch": SimpleFSDP over the dense weights, expert slices whole, reduced over expert-DP |

@@ -30,8 +30,13 @@ each rank's own tokens, and the trainer sums the loads over every rank before up
 :class:`ExpertParallelScratchDDP` (``ddp-scratch``): :class:`ExpertParallelDDP` over the kit's
 ScratchDDP (BucketedDDP), the expert slices its ``ignored_params``.
 
+With tp/pp > 1 the trainer's strategy is :class:`~course_lib.parallel.composed.model_parallel.ModelParallel`
+and its experts are :mod:`course_lib.parallel.composed.experts` (folded over each pipeline stage's
+dp x tp ranks, expert-tensor-parallel size 1, tp with sequence parallelism only).
+
 Not built (trainer.config refuses them with ep > 1, naming why): DeepSpeed with experts, ep with
-tp/pp/cp (Megatron's ETP), sharded checkpoints under ``ddp`` / ``ddp-scratch``.
+cp, ep with tp but no sequence parallelism (ETP = TP), sharded checkpoints under ``ddp`` /
+``ddp-scratch``.
 """
 from __future__ import annotations
 

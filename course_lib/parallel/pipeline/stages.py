@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.model import ModelConfig, TinyGPT
+from course_lib.model.moe import collect_aux, moe_layers
 from course_lib.validate import check_int
 
 __all__ = ["even_split", "balanced_split", "resolve_balance", "stage_costs", "PipelineStage",
@@ -197,6 +198,24 @@ class PipelineStage(nn.Module):
         else:
             self.rope_cos = self.rope_sin = None
 
+    #: The balancing loss (course_lib.model.moe) of this stage's MoE layers in its last training
+    #: forward, with gradient; None without MoE layers. The last stage adds it to its loss; on the
+    #: other stages the pipeline runner adds it to the micro-batch's backward
+    #: (course_lib.parallel.composed.stage.run_pipeline), so it trains as in one process.
+    moe_aux: torch.Tensor | None = None
+
+    def finish_moe(self, loss: torch.Tensor | None) -> torch.Tensor | None:
+        """After the blocks ran: collect the MoE layers' balancing losses (and their loads, for the
+        bias update) into :attr:`moe_aux`, outside any checkpointed block as ``TinyGPT`` does;
+        returns ``loss`` plus them on the last stage in training, ``loss`` unchanged otherwise."""
+        layers = moe_layers(self.blocks)
+        if not layers:
+            return loss
+        self.moe_aux = collect_aux(layers, self.training) if self.training else None
+        if loss is not None and self.moe_aux is not None:
+            loss = loss + self.moe_aux
+        return loss
+
     @property
     def tied(self) -> bool:
         """True when this stage holds one copy of a token table tied to the LM head on another
@@ -240,12 +259,14 @@ class PipelineStage(nn.Module):
                 else:
                     h = block(h, cos, sin)
             if not self.is_last:
+                self.finish_moe(None)
                 return h
             logits = self.lm_head(self.norm_f(h))
             if targets is None:
+                self.finish_moe(None)
                 return logits
-            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1),
-                                   ignore_index=-100)
+            return self.finish_moe(F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1),
+                                                   ignore_index=-100))
 
     def extra_repr(self) -> str:
         return f"stage={self.stage}/{self.pp}, blocks={self.block_ids}, balance={self.balance}"

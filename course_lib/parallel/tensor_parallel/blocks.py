@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.model.layers import MLP, Attention, Block, SwiGLU, apply_rope, sliding_window_mask
+from course_lib.model.moe import MoE
 from course_lib.parallel.tensor_parallel.comm_ops import copy_to_tp_region, gather_from_sequence_region
 from course_lib.parallel.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                         tp_size_and_rank)
@@ -165,7 +166,9 @@ def mark_sequence_parallel(module: nn.Module, on: bool) -> None:
 
 class TPBlock(nn.Module):
     """Pre-norm block ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``: norms replicated, attention
-    and MLP tensor-parallel. ``forward(x, cos=None, sin=None)``, x ``[B, T, C]`` (``[B, T/N, C]``,
+    and MLP tensor-parallel (an MoE MLP, under sequence parallelism only, is copied whole and
+    routes this rank's tokens: expert_parallel.sequence_split).
+    ``forward(x, cos=None, sin=None)``, x ``[B, T, C]`` (``[B, T/N, C]``,
     this rank's tokens, with sequence parallelism)."""
 
     def __init__(self, norm1, attn, norm2, mlp):
@@ -181,11 +184,28 @@ class TPBlock(nn.Module):
         for norm in (norm1, norm2):  # under SP a norm sees only this rank's tokens
             mark_sequence_parallel(norm, sequence_parallel)
         return cls(norm1, TPAttention.from_dense(block.attn, group, sequence_parallel), norm2,
-                   TPMLP.from_dense(block.mlp, group, sequence_parallel))
+                   _mlp(block.mlp, group, sequence_parallel))
 
     def forward(self, x: torch.Tensor, cos=None, sin=None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin)
         return x + self.mlp(self.norm2(x))
+
+
+def _mlp(mlp: nn.Module, group, sequence_parallel: bool) -> nn.Module:
+    """The block's MLP under TP: a dense MLP split by columns/rows (:class:`TPMLP`); an MoE layer
+    copied whole, routing this rank's tokens (expert-tensor-parallel size 1: only under sequence
+    parallelism, where each rank holds its own tokens; see expert_parallel.sequence_split)."""
+    if not isinstance(mlp, MoE):
+        return TPMLP.from_dense(mlp, group, sequence_parallel)
+    if not sequence_parallel:
+        raise ValueError("an MoE layer under tensor parallelism needs sequence_parallel=True: each rank then routes "
+                         "its own slice of the tokens (experts are not tensor-sharded; without sequence "
+                         "parallelism every rank would route the same tokens)")
+    from course_lib.parallel.expert_parallel.sequence_split import split_moe_over_sequence
+
+    moe = copy.deepcopy(mlp)
+    split_moe_over_sequence(moe, group)
+    return moe
 
 
 @torch.no_grad()

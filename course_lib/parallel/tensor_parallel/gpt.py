@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from course_lib.model import TinyGPT
+from course_lib.model.moe import collect_aux, moe_layers
 from course_lib.parallel.tensor_parallel.blocks import (TPBlock, mark_sequence_parallel,
                                                         sync_sequence_parallel_grads)
 from course_lib.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -148,6 +149,11 @@ class TPTinyGPT(nn.Module):
         loss = None
         if targets is not None:
             loss = vocab_parallel_cross_entropy(logits, targets, self.group, check_targets=self.check_targets)
+        layers = moe_layers(self.blocks)
+        if layers:  # as TinyGPT: the balancing losses (their one-process value under SP) join the loss
+            aux = collect_aux(layers, self.training)
+            if loss is not None and aux is not None and self.training:
+                loss = loss + aux
         return logits, loss
 
     def finish_gradient_synchronization(self) -> None:
