@@ -164,10 +164,13 @@ def _fp8_layout_checks(cfg: dict, backend: str) -> None:
     """FP8 under the model-parallel layouts: what runs equals one FP8 process on the same batch
     (tests/test_train_fp8_layouts.py), everything else is refused with its reason.
 
-    * tp > 1: refused. The tensor-parallel layers are cut from the dense Linear layers and would run
-      in high precision, and FP8 scales span the shards (a tensorwise weight scale needs every
-      shard's amax; rowwise scales of a row-parallel weight and input, and of a column-parallel
-      layer's output gradient in its input-gradient GEMM, run along the split features).
+    * tp > 1 (kit backend, ddp / zero1 / zero2): a column- or row-parallel layer cut from an
+      Fp8Linear runs its GEMMs in FP8 (tensor_parallel.fp8_gemm); every scale whose block runs along
+      the split features (tensorwise and delayed amaxes, rowwise along a split contraction, tiles
+      straddling two shards) takes the amax max-reduced over the tp group, so the FP8 values are one
+      process's. torchao is refused (its Float8Linear would be cut into plain TP layers, and its own
+      Float8ColwiseParallel / Float8RowwiseParallel need the DTensor plan, not wired), and so is
+      fsdp with tp (the DTensor plan would hand the kit's Fp8Linear DTensor shards: not tried).
     * pp > 1: a stage runs its own blocks' FP8 Linear layers on whole micro-batches, as one process
       does, so current scaling (tensorwise, rowwise, blockwise, mxfp8; kit or torchao) is equal.
       Delayed scaling's amax history records every GEMM in the order it runs: with more than one
@@ -182,14 +185,18 @@ def _fp8_layout_checks(cfg: dict, backend: str) -> None:
     """
     par, t, f8 = cfg["parallel"], cfg["train"], cfg["fp8"]
     tp, pp, cp, recipe = par["tp"], par["pp"], par["cp"], f8["recipe"]
-    if tp > 1:
-        raise ConfigError(f"train.precision = 'fp8' with parallel.tp = {tp} is not built: the tensor-parallel "
-                          f"layers are cut from the dense Linear layers and would run in high precision, and FP8 "
-                          f"scales span the tp shards (fp8.recipe = {recipe!r}: a tensorwise or delayed weight "
-                          f"scale needs the amax of every shard; rowwise scales of a row-parallel layer's weight "
-                          f"and input, and of a column-parallel layer's output gradient, run along the split "
-                          f"features). Use parallel.pp or parallel.cp with fp8, or parallel.tp with "
-                          f"train.precision = 'bf16'")
+    if tp > 1 and backend != "kit":
+        raise ConfigError(f"fp8.backend = {f8['backend']!r} resolves to torchao, which does not compose with "
+                          f"parallel.tp = {tp} here: the tensor-parallel layers are cut from plain Linear weights "
+                          f"and would drop its Float8Linear (high precision), and torchao's own "
+                          f"Float8ColwiseParallel / Float8RowwiseParallel need the DTensor plan, which is not "
+                          f"wired for FP8; set fp8.backend = 'kit' (its FP8 GEMMs reduce the scales that span "
+                          f"the tp shards over the tp group)")
+    if tp > 1 and t["strategy"] == "fsdp":
+        raise ConfigError(f"train.precision = 'fp8' with train.strategy = 'fsdp' and parallel.tp = {tp} is not "
+                          f"built: fsdp with tp runs the DTensor plan, which would hand the kit's FP8 Linear "
+                          f"DTensor shards (not tried); use train.strategy = 'ddp', 'zero1' or 'zero2' with "
+                          f"parallel.tp (the kit's tensor-parallel layers, FP8 scales reduced over tp)")
     if pp > 1:
         if par["pp_schedule"] == "interleaved":
             raise ConfigError("train.precision = 'fp8' with parallel.pp_schedule = 'interleaved' is not built: "
