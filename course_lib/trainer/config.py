@@ -441,15 +441,21 @@ def _moe_model_parallel_checks(cfg: dict, mcfg, keys: str) -> None:
     if par["pp"] > 1 and t["precision"] == "fp16":
         raise ConfigError(f"{what} does not run with train.precision = 'fp16': a stage's balancing loss would join "
                           f"its backward scaled by the loss scale, which no test holds yet; use 'fp32' or 'bf16'")
-    _moe_unsupported_checks(cfg, mcfg, what, "leave it out, or run the MoE model with data parallelism only")
+    fp8_why = ("under tp the router and shared experts are replicated and read this rank's slice of the tokens, "
+               "so a scale spanning the tokens would need their amax over the tp group; with pp, not tried. FP8 "
+               "runs with parallel.ep under data parallelism" if par["tp"] > 1 else
+               "not tried with the experts of a pipeline stage; FP8 runs with parallel.ep under data parallelism")
+    _moe_unsupported_checks(cfg, mcfg, what, "leave it out, or run the MoE model with data parallelism only", fp8_why)
 
 
-def _moe_unsupported_checks(cfg: dict, mcfg, what: str, fix: str) -> None:
-    """The trainer options not tried with sharded or sequence-split experts, refused naming why."""
+def _moe_unsupported_checks(cfg: dict, mcfg, what: str, fix: str, fp8_why: str | None = None) -> None:
+    """The trainer options not tried with sharded or sequence-split experts, refused naming why;
+    ``fp8_why``: why train.precision = 'fp8' is refused here (None: FP8 runs, as with parallel.ep
+    under data parallelism: the experts stay in high precision, precision.fp8_model)."""
     t = cfg["train"]
     others = [(bad, key) for bad, key in (
         (t["compile"], "train.compile = true (the all-to-all reads its split sizes on the host)"),
-        (t["precision"] == "fp8", "train.precision = 'fp8' (not tried with the expert dispatch)"),
+        (t["precision"] == "fp8" and fp8_why is not None, f"train.precision = 'fp8' ({fp8_why})"),
         (mcfg.checkpointing != "none", f"model.checkpointing = {mcfg.checkpointing!r} (recomputation would "
                                        f"run the all-to-all again in backward: not tried)"),
         (mcfg.offload_activations, "model.offload_activations = true (not tried with the expert dispatch)"),
