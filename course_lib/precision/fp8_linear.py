@@ -123,18 +123,14 @@ def _quantize_operand(t: torch.Tensor, role: str, recipe: Recipe, history: dict 
 
 
 def fp8_gemm(a: torch.Tensor, b_t: torch.Tensor, roles: tuple[str, str], recipe: Recipe,
-             history: dict | None = None, *, token_dims: tuple[int | None, int | None] = (None, None),
-             token_group=None, axes=None, splits: dict | None = None) -> torch.Tensor:
+             history: dict | None = None, *, axes=((None, None), (None, None)),
+             splits: dict | None = None) -> torch.Tensor:
     """``a @ b_t.T`` in float32 with both operands through FP8. ``a``: (M, K), ``b_t``: (N, K) -
     both hold the contraction dimension K last, so every block lies along it. ``roles`` names the
     operands ("input", "weight" or "grad_output"), which picks their format and block.
     ``axes`` (one pair per operand, e.g. :data:`FORWARD_AXES`) with ``splits`` (axis ->
-    :class:`Split`): which dimensions other ranks hold parts of (see :func:`_quantize_operand`).
-    ``token_dims`` with ``token_group``: the older spelling for a token axis split over a
-    context-parallel group (the dimension of each operand that runs over the tokens, or None)."""
-    if axes is None:
-        axes = tuple(tuple("tokens" if d == td else None for d in range(2)) for td in token_dims)
-        splits = {"tokens": Split(token_group)} if token_group is not None else None
+    :class:`Split`): which dimensions other ranks hold parts of (see :func:`_quantize_operand`;
+    none by default: this rank holds both operands whole)."""
     qa = _quantize_operand(a, roles[0], recipe, history, axes[0], splits)
     qb = _quantize_operand(b_t, roles[1], recipe, history, axes[1], splits)
     whole_rows = qa.block[1] == a.shape[1] and qb.block[1] == b_t.shape[1]
