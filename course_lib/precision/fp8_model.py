@@ -22,8 +22,9 @@ layer's experts, whose stacked [E, F, C] weights run batched GEMMs - the report 
 router, whose small errors move the loss or the routing most). Keeping the experts in high
 precision is also what lets expert parallelism equal one FP8 process: an expert's GEMM there reads
 the rows the all-to-all brought from every EP rank, so a scale spanning its tokens (tensorwise,
-and rowwise in the weight-gradient GEMM) would see other micro-batches than one process's. torchao also needs both of a layer's dimensions to be
-multiples of 16 (its GEMM's tiles); narrower layers stay in high precision and are listed as such.
+and rowwise in the weight-gradient GEMM) would see other micro-batches than one process's.
+torchao also needs both of a layer's dimensions to be multiples of 16 (its GEMM's tiles); narrower
+layers stay in high precision and are listed as such.
 """
 from __future__ import annotations
 
