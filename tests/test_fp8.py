@@ -206,6 +206,20 @@ def test_convert_to_fp8_keeps_named_layers_and_the_state_dict():
         convert_to_fp8(model, "fp4")
 
 
+def test_fp8_report_says_the_moe_experts_stay_in_high_precision():
+    """An MoE model's experts are stacked [E, F, C] weights, not Linear layers: neither backend converts
+    them, and the report and its log line say so (the router is kept by name)."""
+    from course_lib.precision.fp8_model import convert_for_training, describe
+
+    model = TinyGPT(ModelConfig.preset("moe-tiny", n_layers=2))
+    report = convert_for_training(model, recipe="tensorwise", backend="kit")
+    assert report["kept_batched"] == ["blocks.0.mlp.experts", "blocks.1.mlp.experts"]
+    assert not any(".experts" in n for n in report["converted"])
+    assert "the MoE experts' batched GEMMs (blocks.0.mlp.experts, blocks.1.mlp.experts)" in describe(report)
+    dense = convert_for_training(TinyGPT(ModelConfig.preset("tiny")), recipe="tensorwise", backend="kit")
+    assert dense["kept_batched"] == [] and "experts" not in describe(dense)
+
+
 def test_fp8_policy_runs_the_kept_layers_in_bf16():
     policy = make_policy("fp8")
     assert policy.compute_dtype == torch.bfloat16 and policy.scaler is None

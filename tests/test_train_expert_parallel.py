@@ -26,8 +26,16 @@ EP 2 x expert-DP 2 (4 ranks) end where the uninterrupted runs end (within 1e-4).
 
 Beside them, in the same 2-rank launch, two variants, each against one process with the same change
 (VARIANTS): zero2 at EP 2 under bf16 autocast (tolerances BF16_STEP1 at step 1 and BF16_REL over
-the run, from measurement), and 16 experts with top-1 routing, where some rank's local expert receives no row in some micro-batch (the
-dispatchers count it) and the run still equals one process. fsdp-scratch's EP 2 file resumes under
+the run, from measurement), and 16 experts with top-1 routing, where some rank's local expert receives
+no row in some micro-batch (the dispatchers count it) and the run still equals one process. And FP8
+(``train.precision = "fp8"``, the kit's tensorwise recipe): ddp and fsdp at EP 2 against one FP8
+process (FP8_REL). The attention's FP8 Linear layers see the same one-sequence micro-batches as one
+process's, so their tensorwise scales are the same; the experts (stacked weights, not Linear layers)
+run in high precision - bf16 autocast - in both, which is what keeps them equal too (an FP8 expert
+GEMM would scale rows of both ranks' micro-batches at once). ddp's first loss is bit-equal to one
+process's; after it, bf16 rounding of the expert rows (and under fsdp FSDP2's bf16 parameters) moves
+the losses about as much as bf16 EP moves them against one bf16 process (measured: fp8 ddp losses
+4.2e-5 relative, weights 6.5e-4 relative L2; fsdp 1.4e-4 and 6.6e-3). fsdp-scratch's EP 2 file resumes under
 plain fsdp-scratch (ep 1), and the one-process file at fsdp-scratch EP 2 x expert-DP 2.
 
 Composed with pipeline and tensor parallelism (ModelParallel, course_lib.parallel.composed.experts),
@@ -42,6 +50,7 @@ One launch per world size (the 4-rank one in its own fixture, runs4).
 """
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -78,6 +87,7 @@ LAYOUTS = {  # name -> (world, ep, strategy[, more [parallel] keys])
     "ddp-ep2": (2, 2, "ddp"), "fsdp-ep2": (2, 2, "fsdp"),
     "zero1-ep2": (2, 2, "zero1"), "zero2-ep2": (2, 2, "zero2"), "ddp-scratch-ep2": (2, 2, "ddp-scratch"),
     "fsdp-scratch-ep2": (2, 2, "fsdp-scratch"), "zero2-ep2-bf16": (2, 2, "zero2"), "ddp-ep2-idle": (2, 2, "ddp"),
+    "ddp-ep2-fp8": (2, 2, "ddp"), "fsdp-ep2-fp8": (2, 2, "fsdp"),
     "ddp-ep2-edp2": (4, 2, "ddp"), "fsdp-ep2-edp2": (4, 2, "fsdp"),
     "zero1-ep2-edp2": (4, 2, "zero1"), "zero2-ep2-edp2": (4, 2, "zero2"),
     "ddp-scratch-ep2-edp2": (4, 2, "ddp-scratch"), "fsdp-scratch-ep2-edp2": (4, 2, "fsdp-scratch"),
@@ -94,8 +104,11 @@ ZERO_EP2 = ["zero1-ep2", "zero2-ep2", "ddp-scratch-ep2", "fsdp-scratch-ep2"]
 # Layouts run with config changes, each held against one process run with the same changes (its
 # name): bf16 autocast; and 16 experts with top-1 routing, so a rank's 8 experts share the 32 routed
 # slots of the two ranks' micro-batches and some of them get no token (test_an_idle_expert_...).
+FP8 = dict(train__precision="fp8", fp8__backend="kit", fp8__recipe="tensorwise")
 VARIANTS = {"zero2-ep2-bf16": ("single-bf16", dict(train__precision="bf16")),
-            "ddp-ep2-idle": ("single-idle", dict(model__moe_experts=16, model__moe_top_k=1))}
+            "ddp-ep2-idle": ("single-idle", dict(model__moe_experts=16, model__moe_top_k=1)),
+            "ddp-ep2-fp8": ("single-fp8", FP8), "fsdp-ep2-fp8": ("single-fp8", FP8)}
+FP8_REL = {"loss": 1e-3, "grad_norm": 1e-2, "weights": 2e-2}  # bf16 rounding (measured <= 1.4e-4, 2.9e-3, 6.6e-3)
 # The layouts added with fsdp-scratch are held tighter than FP32_REL: measured at most 1.2e-7
 # (losses), 5.3e-8 (grad norms), 6.7e-8 (weights, relative L2; 4.5e-7 largest element).
 TIGHT = {"fsdp-scratch-ep2": 1e-6, "fsdp-scratch-ep2-edp2": 1e-6, "ddp-ep2-idle": 1e-6}
@@ -148,7 +161,7 @@ def runs(tmp_path_factory):
     fns.record_grad_norms()  # this process's GradientMonitor records MoE norms from here (see ep_train_rank_fns)
     fns.take_grad_norms()
     singles = {"single": train(cfg(), root / "single"), "single_norms": fns.take_grad_norms()}
-    singles.update({ref: train(cfg(**sets), root / ref) for ref, sets in VARIANTS.values()})
+    singles.update({ref: train(cfg(**sets), root / ref) for ref, sets in dict(VARIANTS.values()).items()})
     fns.take_grad_norms()
     return {"root": root, **singles, **launch(root, 2, True, CROSSES)}
 
@@ -219,6 +232,24 @@ def test_bf16_ep2_matches_one_bf16_process(runs):
     assert [x["clipped"] for x in got] == [x["clipped"] for x in bf16]
 
 
+@pytest.mark.parametrize("name", ["ddp-ep2-fp8", "fsdp-ep2-fp8"])
+def test_fp8_ep2_matches_one_fp8_process(runs, name):
+    """train.precision = "fp8" at EP 2 against one FP8 process on the same one-sequence micro-batches
+    (the module docstring says why the experts stay in high precision, and what FP8_REL holds)."""
+    got, ref = rows(runs["root"] / name / "full"), rows(runs["root"] / "single-fp8")
+    want = {k: v.float() for k, v in runs["single-fp8"].model.state_dict().items()}
+    col = lambda rs, k: [x[k] for x in rs]  # noqa: E731
+    diffs = {k: max_rel(col(got, k), col(ref, k)) for k in ("loss", "grad_norm")}
+    diffs["weights"] = rel_l2(runs[name]["first"][0]["weights"], want)
+    print(f"{name}: relative differences to one FP8 process {diffs}")
+    assert all(diffs[k] <= FP8_REL[k] for k in diffs), (name, diffs)
+    if name.startswith("ddp"):  # the same FP8 values on the same micro-batches: step 1 bit for bit
+        assert got[0]["loss"] == ref[0]["loss"], (name, got[0]["loss"], ref[0]["loss"])
+    report = json.loads((runs["root"] / name / "full" / "fp8.json").read_text())
+    assert len(report["converted"]) == 8 and report["kept_batched"] == ["blocks.0.mlp.experts",
+                                                                         "blocks.1.mlp.experts"], report
+
+
 def test_an_idle_expert_in_the_trainer_still_matches_one_process(runs):
     """With 16 experts and top-1 routing some rank's local expert receives no row in some micro-batch
     (the dispatchers' counts say so); it still runs, on zero rows, and the run equals one process."""
@@ -266,7 +297,7 @@ def test_zero_ep2_edp2_shards_the_expert_state_over_expert_dp(runs4):
         assert all(c["all"] == c["dense"] + c["expert"] for c in counts)  # optimizer.state: both parts
 
 
-@pytest.mark.parametrize("name", ["ddp-ep2", "fsdp-ep2", *ZERO_EP2, "zero2-ep2-bf16"])
+@pytest.mark.parametrize("name", ["ddp-ep2", "fsdp-ep2", *ZERO_EP2, "zero2-ep2-bf16", "ddp-ep2-fp8", "fsdp-ep2-fp8"])
 def test_resume_at_the_same_ep_is_bit_exact(runs, name):
     assert_resumed_bit_exact(name, runs[name]["first"][0], runs[name]["second"], START, STEPS, runs["root"] / name)
 

@@ -16,10 +16,15 @@ Two implementations of the same idea:
 On a CPU there are no FP8 tensor cores: whichever path runs, the FP8 arithmetic is **emulated**
 (the rounding is FP8's, the speed is not), and :func:`describe` says so.
 
-Layers left in high precision: everything that is not an ``nn.Linear`` (embeddings, norms), and the
-Linear layers named in ``keep`` (by default the output head and an MoE router, whose small errors
-move the loss or the routing most). torchao also needs both of a layer's dimensions to be
-multiples of 16 (its GEMM's tiles); narrower layers stay in high precision and are listed as such.
+Layers left in high precision: everything that is not an ``nn.Linear`` (embeddings, norms; an MoE
+layer's experts, whose stacked [E, F, C] weights run batched GEMMs - the report lists them as
+``kept_batched``), and the Linear layers named in ``keep`` (by default the output head and an MoE
+router, whose small errors move the loss or the routing most). Keeping the experts in high
+precision is also what lets expert parallelism equal one FP8 process: an expert's GEMM there reads
+the rows the all-to-all brought from every EP rank, so a scale spanning its tokens (tensorwise,
+and rowwise in the weight-gradient GEMM) would see other micro-batches than one process's.
+torchao also needs both of a layer's dimensions to be multiples of 16 (its GEMM's tiles); narrower
+layers stay in high precision and are listed as such.
 """
 from __future__ import annotations
 
@@ -120,7 +125,14 @@ def convert_for_training(model: nn.Module, *, recipe: str = "tensorwise", backen
             raise ValueError("fp8.fsdp_all_gather is torchao's (fp8.backend = 'torchao' or 'auto' with torchao installed)")
         layers = convert_to_fp8(model, recipe, skip=tuple(keep))
     return {"recipe": recipe, "backend": used, "device": device.type, "emulated": device.type != "cuda",
-            "fsdp_all_gather": fsdp_all_gather, **layers}
+            "fsdp_all_gather": fsdp_all_gather, **layers, "kept_batched": batched_weight_modules(model)}
+
+
+def batched_weight_modules(model: nn.Module) -> list[str]:
+    """Names of the modules holding stacked matmul weights (a 3-D Parameter: an MoE layer's experts,
+    [E, F, C]). Their batched GEMMs are not ``nn.Linear`` layers, so neither backend converts them:
+    they run in high precision (bf16 under autocast)."""
+    return [name for name, m in model.named_modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
 
 
 def describe(report: dict) -> str:
@@ -129,6 +141,9 @@ def describe(report: dict) -> str:
     where = ("emulated on CPU: FP8 rounding, not FP8 speed" if report["emulated"]
              else f"FP8 GEMMs on {report['device']}")
     kept = ", ".join(report["kept"]) or "none"
+    batched = report.get("kept_batched") or []
+    if batched:  # MoE experts: stacked weights, batched GEMMs in high precision
+        kept += f", the MoE experts' batched GEMMs ({', '.join(batched)})"
     gather = ", FP8 all-gather" if report["fsdp_all_gather"] else ""
     return (f"fp8: {report['recipe']} recipe via {report['backend']}{gather} ({where}); {len(report['converted'])} "
             f"Linear layers in FP8, kept in high precision: {kept}, embeddings and norms")

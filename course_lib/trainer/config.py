@@ -164,10 +164,13 @@ def _fp8_layout_checks(cfg: dict, backend: str) -> None:
     """FP8 under the model-parallel layouts: what runs equals one FP8 process on the same batch
     (tests/test_train_fp8_layouts.py), everything else is refused with its reason.
 
-    * tp > 1: refused. The tensor-parallel layers are cut from the dense Linear layers and would run
-      in high precision, and FP8 scales span the shards (a tensorwise weight scale needs every
-      shard's amax; rowwise scales of a row-parallel weight and input, and of a column-parallel
-      layer's output gradient in its input-gradient GEMM, run along the split features).
+    * tp > 1 (kit backend, ddp / zero1 / zero2): a column- or row-parallel layer cut from an
+      Fp8Linear runs its GEMMs in FP8 (tensor_parallel.fp8_gemm); every scale whose block runs along
+      the split features (tensorwise and delayed amaxes, rowwise along a split contraction, tiles
+      straddling two shards) takes the amax max-reduced over the tp group, so the FP8 values are one
+      process's. torchao is refused (its Float8Linear would be cut into plain TP layers, and its own
+      Float8ColwiseParallel / Float8RowwiseParallel need the DTensor plan, not wired), and so is
+      fsdp with tp (the DTensor plan would hand the kit's Fp8Linear DTensor shards: not tried).
     * pp > 1: a stage runs its own blocks' FP8 Linear layers on whole micro-batches, as one process
       does, so current scaling (tensorwise, rowwise, blockwise, mxfp8; kit or torchao) is equal.
       Delayed scaling's amax history records every GEMM in the order it runs: with more than one
@@ -182,14 +185,18 @@ def _fp8_layout_checks(cfg: dict, backend: str) -> None:
     """
     par, t, f8 = cfg["parallel"], cfg["train"], cfg["fp8"]
     tp, pp, cp, recipe = par["tp"], par["pp"], par["cp"], f8["recipe"]
-    if tp > 1:
-        raise ConfigError(f"train.precision = 'fp8' with parallel.tp = {tp} is not built: the tensor-parallel "
-                          f"layers are cut from the dense Linear layers and would run in high precision, and FP8 "
-                          f"scales span the tp shards (fp8.recipe = {recipe!r}: a tensorwise or delayed weight "
-                          f"scale needs the amax of every shard; rowwise scales of a row-parallel layer's weight "
-                          f"and input, and of a column-parallel layer's output gradient, run along the split "
-                          f"features). Use parallel.pp or parallel.cp with fp8, or parallel.tp with "
-                          f"train.precision = 'bf16'")
+    if tp > 1 and backend != "kit":
+        raise ConfigError(f"fp8.backend = {f8['backend']!r} resolves to torchao, which does not compose with "
+                          f"parallel.tp = {tp} here: the tensor-parallel layers are cut from plain Linear weights "
+                          f"and would drop its Float8Linear (high precision), and torchao's own "
+                          f"Float8ColwiseParallel / Float8RowwiseParallel need the DTensor plan, which is not "
+                          f"wired for FP8; set fp8.backend = 'kit' (its FP8 GEMMs reduce the scales that span "
+                          f"the tp shards over the tp group)")
+    if tp > 1 and t["strategy"] == "fsdp":
+        raise ConfigError(f"train.precision = 'fp8' with train.strategy = 'fsdp' and parallel.tp = {tp} is not "
+                          f"built: fsdp with tp runs the DTensor plan, which would hand the kit's FP8 Linear "
+                          f"DTensor shards (not tried); use train.strategy = 'ddp', 'zero1' or 'zero2' with "
+                          f"parallel.tp (the kit's tensor-parallel layers, FP8 scales reduced over tp)")
     if pp > 1:
         if par["pp_schedule"] == "interleaved":
             raise ConfigError("train.precision = 'fp8' with parallel.pp_schedule = 'interleaved' is not built: "
@@ -434,15 +441,21 @@ def _moe_model_parallel_checks(cfg: dict, mcfg, keys: str) -> None:
     if par["pp"] > 1 and t["precision"] == "fp16":
         raise ConfigError(f"{what} does not run with train.precision = 'fp16': a stage's balancing loss would join "
                           f"its backward scaled by the loss scale, which no test holds yet; use 'fp32' or 'bf16'")
-    _moe_unsupported_checks(cfg, mcfg, what, "leave it out, or run the MoE model with data parallelism only")
+    fp8_why = ("under tp the router and shared experts are replicated and read this rank's slice of the tokens, "
+               "so a scale spanning the tokens would need their amax over the tp group; with pp, not tried. FP8 "
+               "runs with parallel.ep under data parallelism" if par["tp"] > 1 else
+               "not tried with the experts of a pipeline stage; FP8 runs with parallel.ep under data parallelism")
+    _moe_unsupported_checks(cfg, mcfg, what, "leave it out, or run the MoE model with data parallelism only", fp8_why)
 
 
-def _moe_unsupported_checks(cfg: dict, mcfg, what: str, fix: str) -> None:
-    """The trainer options not tried with sharded or sequence-split experts, refused naming why."""
+def _moe_unsupported_checks(cfg: dict, mcfg, what: str, fix: str, fp8_why: str | None = None) -> None:
+    """The trainer options not tried with sharded or sequence-split experts, refused naming why;
+    ``fp8_why``: why train.precision = 'fp8' is refused here (None: FP8 runs, as with parallel.ep
+    under data parallelism: the experts stay in high precision, precision.fp8_model)."""
     t = cfg["train"]
     others = [(bad, key) for bad, key in (
         (t["compile"], "train.compile = true (the all-to-all reads its split sizes on the host)"),
-        (t["precision"] == "fp8", "train.precision = 'fp8' (not tried with the expert dispatch)"),
+        (t["precision"] == "fp8" and fp8_why is not None, f"train.precision = 'fp8' ({fp8_why})"),
         (mcfg.checkpointing != "none", f"model.checkpointing = {mcfg.checkpointing!r} (recomputation would "
                                        f"run the all-to-all again in backward: not tried)"),
         (mcfg.offload_activations, "model.offload_activations = true (not tried with the expert dispatch)"),

@@ -38,6 +38,7 @@ from course_lib.parallel.tensor_parallel.comm_ops import (copy_to_tp_region, gat
                                                           gather_from_tp_region, reduce_from_tp_region,
                                                           reduce_scatter_to_sequence_region,
                                                           scatter_to_tp_region)
+from course_lib.parallel.tensor_parallel.fp8_gemm import ShardGemm
 from course_lib.validate import check_bool, check_divides, check_int
 
 
@@ -61,7 +62,7 @@ def _uniform_(t: torch.Tensor, fan_in: int) -> None:
         t.uniform_(-bound, bound)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(ShardGemm, nn.Module):
     """``y = x W^T + b`` with W's output channels split over the ranks of ``group``.
 
     Input ``[..., in_features]`` (replicated; with ``sequence_parallel`` this rank's tokens
@@ -71,8 +72,11 @@ class ColumnParallelLinear(nn.Module):
     ``skip_input_comm=True``: the caller already applied ``f`` (or the sequence all-gather) once for
     several column layers reading the same input (attention's q, k, v; SwiGLU's gate and up), so
     their input gradients add up locally and cross the wire in *one* all-reduce, not one per layer.
-    Initialised like ``nn.Linear`` (fan_in = in_features); use :meth:`from_linear` to match a dense one.
+    Initialised like ``nn.Linear`` (fan_in = in_features); use :meth:`from_linear` to match a dense one
+    (cut from the kit's Fp8Linear, its GEMMs run in FP8: :mod:`.fp8_gemm`).
     """
+
+    split_axis = "out"  # FP8: the axis whose scales are reduced over the group (fp8_gemm)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
                  gather_output: bool = True, sequence_parallel: bool = False,
@@ -101,7 +105,8 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **flags) -> "ColumnParallelLinear":
-        """This rank's output channels of a dense ``nn.Linear`` (weight rows, bias entries)."""
+        """This rank's output channels of a dense ``nn.Linear`` (weight rows, bias entries); an
+        Fp8Linear's recipe comes along (:meth:`.ShardGemm.take_fp8_from`)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
@@ -109,13 +114,14 @@ class ColumnParallelLinear(nn.Module):
         layer.weight = _shard_param(linear.weight, 0, layer.tp, layer.rank)
         if linear.bias is not None:
             layer.bias = _shard_param(linear.bias, 0, layer.tp, layer.rank)
+        layer.take_fp8_from(linear)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.skip_input_comm:
             x = (gather_from_sequence_region(x, self.group) if self.sequence_parallel
                  else copy_to_tp_region(x, self.group))
-        y = F.linear(x, self.weight, self.bias)  # [..., out/N]: no communication needed
+        y = self.gemm(x, self.weight, self.bias)  # [..., out/N]: no communication needed
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -124,15 +130,18 @@ class ColumnParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ShardGemm, nn.Module):
     """``y = x W^T + b`` with W's input channels split over the ranks of ``group``.
 
     Input ``[..., in_features / N]`` (this rank's channels, ``input_is_parallel=True``: what a
     column-parallel layer hands over) or ``[..., in_features]`` (default; this rank keeps its slice,
     so a lone layer equals ``nn.Linear``). Output ``[..., out_features]``, the all-reduced sum of the
     partial products, replicated; with ``sequence_parallel`` reduce-scattered to this rank's tokens
-    ``[B, T/N, out]`` instead. The bias is replicated and added after the reduction, once.
+    ``[B, T/N, out]`` instead. The bias is replicated and added after the reduction, once. Cut from
+    the kit's Fp8Linear (:meth:`from_linear`), its GEMMs run in FP8 (:mod:`.fp8_gemm`).
     """
+
+    split_axis = "in"  # FP8: the axis whose scales are reduced over the group (fp8_gemm)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
                  input_is_parallel: bool = False, sequence_parallel: bool = False, device=None, dtype=None):
@@ -168,12 +177,13 @@ class RowParallelLinear(nn.Module):
         if linear.bias is not None:
             with torch.no_grad():
                 layer.bias.copy_(linear.bias)
+        layer.take_fp8_from(linear)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
-        partial = F.linear(x, self.weight)  # this rank's share of the sum over input channels
+        partial = self.gemm(x, self.weight, None)  # this rank's share of the sum over input channels
         y = (reduce_scatter_to_sequence_region(partial, self.group) if self.sequence_parallel
              else reduce_from_tp_region(partial, self.group))
         return y if self.bias is None else y + self.bias  # after the sum: added once, not N times
