@@ -21,8 +21,10 @@ import torch
 pytest.importorskip("deepspeed")
 
 import deepspeed_rank_fns as ds_fns  # noqa: E402
+import test_train_expert_parallel as ep_layouts  # noqa: E402  (the EP runs' model, batch and schedule)
 from rank_fns import several  # noqa: E402
 from adam_tolerance import assert_weights_match_after_adam  # noqa: E402
+from layout_checks import assert_matches_one_process, assert_resumed_bit_exact  # noqa: E402
 from course_lib.trainer import config as train_config  # noqa: E402
 from course_lib.trainer.metrics import read_rows  # noqa: E402
 from course_lib.parallel import run_ranks  # noqa: E402
@@ -152,11 +154,13 @@ def stage_runs(tmp_path_factory, deepspeed_ops):
     """One launch of 2 ranks for every DeepSpeed check that needs ranks (a DeepSpeed start costs
     seconds per rank): every ZeRO stage and offload in fp32 (12 steps), every stage in bf16
     (BF16_STEPS steps), ZeRO-0 fp32 through injected faults; then, in the same processes, the
-    strategy-level skip/LR checks, the resume/fall-back/conversion runs and the refusals (their
-    results under ``"skip"``, ``"resume"``, ``"refusals"``, one per rank). The one-process
-    references are trained here, in the test process."""
+    strategy-level skip/LR checks, the resume/fall-back/conversion runs, the refusals and the
+    expert-parallel runs (their results under ``"skip"``, ``"resume"``, ``"refusals"``, ``"ep"``,
+    one per rank). The one-process references are trained here, in the test process."""
     root = tmp_path_factory.mktemp("stages")
     train(cfg(train__micro_batch=16), root / "single")
+    train(ep_layouts.cfg(), root / "ep-single")
+    train(ep_layouts.cfg(train__precision="bf16"), root / "ep-single-bf16")
     train(cfg(train__micro_batch=16, train__precision="bf16", train__max_steps=BF16_STEPS), root / "single-bf16")
     train(cfg(train__micro_batch=16, train__max_steps=4), root / "single-faults", faults=Z0_FAULTS)
     runs = [(ds_cfg(sets), str(root / name), (), False) for name, sets in STAGES.items()]
@@ -167,10 +171,14 @@ def stage_runs(tmp_path_factory, deepspeed_ops):
                  ds_cfg({"parallel.zero_stage": 2, "parallel.offload_optimizer": "cpu"}))
     resume_args = (RESUME_CFGS, str(root / "resume"), [("z2", "z3"), ("z3", "z2")])
     refusal_args = (refusal_cases(), str(root / "refusals"))
+    ep_args = ([(ep_cfg(name), str(root / name)) for name in EP_RUNS], str(root / "ep"),
+               ep_cfg("ds-ep2-z0"), ep_cfg("ds-ep2-z0", ep=1))
     calls = [(ds_fns.train_many, (runs,)), (ds_fns.skip_and_lr, skip_args),
-             (ds_fns.resume_convert_fallback_many, resume_args), (ds_fns.refusals, refusal_args)]
+             (ds_fns.resume_convert_fallback_many, resume_args), (ds_fns.refusals, refusal_args),
+             (ds_fns.expert_parallel, ep_args)]
     out = run_ranks(several, 2, calls, timeout=900)
-    extra = {name: [rank_out[i + 1] for rank_out in out] for i, name in enumerate(("skip", "resume", "refusals"))}
+    extra = {name: [rank_out[i + 1] for rank_out in out]
+             for i, name in enumerate(("skip", "resume", "refusals", "ep"))}
     return root, [rank_out[0] for rank_out in out], extra
 
 
@@ -369,3 +377,79 @@ def test_fifty_steps_of_every_stage_stay_within_1e_4_of_one_process(tmp_path, de
     ref = losses(tmp_path / "single")
     for name in STAGES:
         assert max_rel(losses(tmp_path / name), ref) < 1e-4, name
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+#: parallel.ep = 2 on 2 ranks (course_lib/parallel/deepspeed/experts.py): name -> ZeRO stage, precision.
+#: The model, batch and schedule are tests/test_train_expert_parallel.py's (capacity drops tokens,
+#: the routing is uneven, the bias update moves), so the one-process reference is its too.
+EP_RUNS = {"ds-ep2-z0": (0, "fp32"), "ds-ep2-z1": (1, "fp32"), "ds-ep2-z2": (2, "fp32"),
+           "ds-ep2-z2-bf16": (2, "bf16")}
+
+
+def ep_cfg(name, ep=2):
+    """EP_RUNS[name] on 2 ranks at parallel.ep = ``ep``."""
+    stage, precision = EP_RUNS[name]
+    return ep_layouts.cfg(2, ep, "deepspeed", parallel__zero_stage=stage, train__precision=precision)
+
+
+@pytest.mark.parametrize("name", [n for n, (_, p) in EP_RUNS.items() if p == "fp32"])
+def test_expert_parallel_zero_0_1_2_match_one_process(stage_runs, name):
+    """Losses, gradient norms (the stabilizer's at ZeRO-0, DeepSpeed's at 1-2), clipping and the
+    gathered weights equal one process on the global batch (fp32: summation order only), the
+    expert biases equal on both ranks, tokens dropped over capacity and the routing uneven."""
+    root, _, extra = stage_runs
+    first = [r["first"][list(EP_RUNS).index(name)] for r in extra["ep"]]
+    got, ref = ep_layouts.rows(root / name / "full"), ep_layouts.rows(root / "ep-single")
+    weights = _ep_single_weights(root)
+    assert_matches_one_process(name, got, ref)
+    w = ep_layouts.rel_l2(first[0]["weights"], weights)
+    print(f"{name}: max loss rel {max(abs(a['loss'] - b['loss']) / b['loss'] for a, b in zip(got, ref)):.2e}, "
+          f"weights rel L2 {w:.2e}")
+    assert set(first[0]["weights"]) == set(weights) and w <= 1e-6, (name, w)
+    assert all(torch.equal(a, b) for r in first for a, b in zip(r["bias"], first[0]["bias"]))
+    assert sum(b.abs().sum() for b in first[0]["bias"]) > 0
+    assert sum(sum(r["dropped"]) for r in first) > 0, name
+    assert any(max(load) > min(load) for r in first for load in r["load"]), name
+
+
+def _ep_single_weights(root):
+    from safetensors.torch import load_file
+
+    last = sorted((root / "ep-single" / "checkpoints").glob("step_*"))[-1]
+    return {k: v.float() for k, v in load_file(str(last / "model.safetensors")).items()}
+
+
+def test_expert_parallel_bf16_tracks_one_process_in_bf16(stage_runs):
+    root = stage_runs[0]
+    got, ref = losses(root / "ds-ep2-z2-bf16" / "full"), losses(root / "ep-single-bf16")
+    rel = max_rel(got, ref)
+    assert rel <= BF16_REL, f"ZeRO-2 bf16 with ep = 2: losses differ from one bf16 process by up to {rel:.2e}"
+
+
+def test_the_engine_reduces_the_expert_gradients_to_one_process_s(stage_runs):
+    """ZeRO-0 fp32 leaves the engine's reduced gradients in p.grad: the expert slices' equal one
+    process's (its gradient of the mean loss over the global batch, sliced), so DeepSpeed summed them
+    over expert-DP and divided by the world, not by the expert-DP size (2x here)."""
+    for r in stage_runs[2]["ep"]:
+        g = r["grads"]
+        assert g["has_moe_layers"] and g["marked"], g
+        assert g["biggest_expert"] > 1e-4, g  # a zero gradient cannot pass
+        assert g["expert"] <= 1e-5 * g["biggest_expert"] and g["dense"] <= 1e-6, g
+
+
+@pytest.mark.parametrize("name", list(EP_RUNS))
+def test_expert_parallel_resume_at_the_same_ep_is_bit_exact(stage_runs, name):
+    root, _, extra = stage_runs
+    i = list(EP_RUNS).index(name)
+    assert_resumed_bit_exact(name, extra["ep"][0]["first"][i], extra["ep"][0]["second"][i],
+                             ep_layouts.START, ep_layouts.STEPS, root / name)
+
+
+def test_expert_parallel_resume_at_another_ep_is_refused_by_name(stage_runs):
+    for r in stage_runs[2]["ep"]:
+        message = r["cross_ep"]
+        assert message is not None, "an ep = 2 DeepSpeed checkpoint resumed at ep = 1"
+        assert "saved with parallel.ep = 2" in message and "asks for parallel.ep = 1" in message \
+            and "deepspeed_to_state_dict" in message, message

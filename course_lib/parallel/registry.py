@@ -69,6 +69,9 @@ EXPERT_PARALLEL_STRATEGIES: dict[str, tuple[str, str, str]] = {
               "the from-scratch ZeRO-2: as zero1, and each rank keeps only the gradients it owns"),
     "fsdp": ("course_lib.parallel.expert_parallel.in_trainer", "ExpertParallelFSDP",
              "FSDP2: experts DTensors on an (edp, ep) mesh, sharded over edp; the rest over every rank"),
+    "deepspeed": ("course_lib.parallel.deepspeed.experts", "ExpertParallelDeepSpeed",
+                  "DeepSpeed ZeRO 0-2: the kit's expert slices marked as DeepSpeed expert params, reduced by "
+                  "the engine over its expert-DP groups"),
 }
 #: ``train.strategy`` names that run with ``parallel.ep > 1``.
 EXPERT_PARALLEL_DP = tuple(EXPERT_PARALLEL_STRATEGIES)

@@ -21,7 +21,8 @@
               FSDP2 over dp x cp on the DTensor-TP model; cp runs ring attention over zig-zag sequence
               chunks, with dp and tp, not with pp; the world size must be dp * tp * pp * cp, checked
               when the ranks start); ep (expert parallel: each MoE layer's experts sharded over ep ranks,
-              tokens moved by all-to-all, with train.strategy = "ddp" or "fsdp" and tp = pp = cp = 1; ep divides
+              tokens moved by all-to-all, with train.strategy "ddp", "ddp-scratch", "zero1", "zero2", "fsdp" or
+              "deepspeed" (ZeRO 0-2) and tp = pp = cp = 1; ep divides
               the world size and model.moe_experts)
 
 Every unknown section or key, wrong type or out-of-range value is a ``ConfigError`` naming it
@@ -410,7 +411,7 @@ def _parallel_checks(cfg: dict, mcfg) -> None:
 def _expert_parallel_checks(cfg: dict, mcfg) -> None:
     """``parallel.ep`` (course_lib.parallel.expert_parallel.in_trainer): an MoE model whose expert count
     it divides, a data-parallel dimension that keeps the expert slices apart (ddp, ddp-scratch,
-    zero1, zero2, fsdp: registry.EXPERT_PARALLEL_STRATEGIES), no model parallelism. That
+    zero1, zero2, fsdp, deepspeed at ZeRO 0-2: registry.EXPERT_PARALLEL_STRATEGIES), no model parallelism. That
     ep divides the world size is checked when the ranks start (trainer.check_config.check_world)."""
     from course_lib.parallel.registry import EXPERT_PARALLEL_DP
 
@@ -434,13 +435,20 @@ def _expert_parallel_checks(cfg: dict, mcfg) -> None:
                           f"(tp = pp = cp = 1)")
     if t["strategy"] not in EXPERT_PARALLEL_DP:
         why = {
-            "deepspeed": "the DeepSpeed engine would average the expert slices over every rank (its own MoE "
-                         "layer is not wired into the trainer)",
             "fsdp-scratch": "the from-scratch SimpleFSDP shards every weight over every rank, experts included",
             "single": "'single' is one process (ep = 1)",
         }.get(t["strategy"], "not built")
         raise ConfigError(f"{what} does not run with train.strategy = {t['strategy']!r}: {why}. With parallel.ep "
                           f"> 1 train.strategy must be one of {', '.join(repr(n) for n in EXPERT_PARALLEL_DP)}")
+    if t["strategy"] == "deepspeed":  # course_lib.parallel.deepspeed.experts
+        if par["zero_stage"] == 3:
+            raise ConfigError(f"{what} with train.strategy = 'deepspeed' needs parallel.zero_stage 0, 1 or 2 (got 3): "
+                              f"DeepSpeed does not support MoE expert parameters under ZeRO-3 (its engine refuses "
+                              f"them: 'MoE not supported with Stage 3')")
+        if par["offload_optimizer"] != "none":
+            raise ConfigError(f"{what} with train.strategy = 'deepspeed' runs without parallel.offload_optimizer "
+                              f"(ZeRO-Offload's CPU gradient buffers were not tried with DeepSpeed's expert groups); "
+                              f"set parallel.offload_optimizer = 'none'")
     if cfg["checkpoint"]["format"] == "sharded" and t["strategy"] in ("ddp", "ddp-scratch"):
         raise ConfigError(f"checkpoint.format = 'sharded' does not fit {what} with train.strategy = "
                           f"{t['strategy']!r}: its "

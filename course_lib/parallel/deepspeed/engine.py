@@ -107,12 +107,24 @@ class DeepSpeedStrategy(Distributed):
             deepspeed.init_distributed(dist_backend=dist.get_backend())
             validate_ds_config(self.ds_config, world_size=self.info.world_size)
 
+            self._prepare_model(model)  # expert parallelism keeps this rank's experts here
             groups = self._param_groups(model, make_optimizer)
-            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
-                                                   config=copy.deepcopy(self.ds_config))
+            engine = self._initialize(model, groups)
         undo_build_step(engine)  # ZeRO-0 with bf16/fp16: the wrapper stepped AdamW once while being built
         self.model, self.module, self.engine = model, engine, engine
         self.optimizer = self._stepped_optimizer(engine)
+
+    def _prepare_model(self, model: nn.Module) -> None:
+        """What a subclass does to the model after DeepSpeed's process groups exist and before the
+        engine is built (nothing here; :mod:`course_lib.parallel.deepspeed.experts` shards the experts)."""
+
+    def _initialize(self, model: nn.Module, groups: list[dict]) -> Any:
+        """``deepspeed.initialize`` over ``groups``; returns the engine."""
+        import deepspeed
+
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
+                                               config=copy.deepcopy(self.ds_config))
+        return engine
 
     def _param_groups(self, model: nn.Module, make_optimizer: Callable) -> list[dict]:
         reference = make_optimizer(model)
