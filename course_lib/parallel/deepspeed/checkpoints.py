@@ -367,9 +367,17 @@ def deepspeed_to_state_dict(checkpoint_path: str | Path, *, trust_pickles: bool 
     DeepSpeed's ``zero_to_fp32`` merges the fp32 master partitions of every rank; ZeRO-0: the
     module weights rank 0 saved. Every ``.pt`` file is read with ``weights_only=True`` and
     :data:`SAFE_GLOBALS` (UntrustedPickleError for anything else), or with full unpickling when
-    ``trust_pickles`` (only for checkpoints you wrote: a forged file would run code)."""
+    ``trust_pickles`` (only for checkpoints you wrote: a forged file would run code).
+
+    With ``parallel.ep > 1`` (:mod:`course_lib.parallel.deepspeed.experts`) rank 0's module weights
+    with every EP rank's expert slices (its ``rank{R}.pt``) joined along the expert dimension: the
+    one-process layout. Only for an fp32 run, whose module weights are the trained fp32 values; a
+    bf16 run's fp32 masters lie in ZeRO's partitions of the expert groups, which ``zero_to_fp32``
+    does not merge (CheckpointLoadError)."""
     path = Path(checkpoint_path)
     manifest = verify_deepspeed(path)
+    if manifest.get("ep", 1) > 1:
+        return _expert_parallel_state_dict(path, int(manifest["ep"]), trust_pickles)
     if manifest.get("zero_stage", 0) >= 1 or any(f.startswith("zero_pp_rank_") for f in manifest["files"]):
         from deepspeed.utils import zero_to_fp32
 
@@ -383,5 +391,23 @@ def deepspeed_to_state_dict(checkpoint_path: str | Path, *, trust_pickles: bool 
             zero_to_fp32.torch = real
     else:
         state = load_ds_file(path / MODEL_STATES, trust_pickles=trust_pickles, map_location="cpu")["module"]
+    return {k: v.detach().to("cpu", torch.float32).clone() if v.is_floating_point() else v.detach().cpu().clone()
+            for k, v in state.items()}
+
+
+def _expert_parallel_state_dict(path: Path, ep: int, trust_pickles: bool) -> dict[str, torch.Tensor]:
+    """:func:`deepspeed_to_state_dict` of a checkpoint saved at ``parallel.ep = ep``: rank 0's
+    module with the expert slices of EP ranks 0..ep-1 (their ``rank{R}.pt``) concatenated."""
+    module = load_ds_file(path / MODEL_STATES, trust_pickles=trust_pickles, map_location="cpu")["module"]
+    low = sorted(k for k, v in module.items() if v.is_floating_point() and v.dtype != torch.float32)
+    if low:
+        raise CheckpointLoadError(f"{path}: saved at parallel.ep = {ep} with {module[low[0]].dtype} weights ({low[0]}, ...): "
+                                  f"their fp32 masters are in ZeRO's partitions of the expert groups, which "
+                                  f"zero_to_fp32 does not merge; only an fp32 run's checkpoint converts")
+    slices = [torch.load(path / _rank_file(r), map_location="cpu", weights_only=True)["per_rank"]["experts"]
+              for r in range(ep)]
+    state = dict(module)
+    for name in slices[0]:
+        state[name] = torch.cat([s[name] for s in slices])
     return {k: v.detach().to("cpu", torch.float32).clone() if v.is_floating_point() else v.detach().cpu().clone()
             for k, v in state.items()}
