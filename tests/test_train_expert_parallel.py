@@ -4,8 +4,9 @@ data-parallel over every rank.
 
 Layouts: train.strategy "ddp" (torch DDP over the non-expert weights), "ddp-scratch" (the kit's
 BucketedDDP in its place), "zero1"/"zero2" (the kit's ZeRO: dense optimizer state sharded over every
-rank, the expert slices' over the expert-DP group) and "fsdp" (FSDP2, experts DTensors on an (edp, ep)
-mesh sharded over edp, the rest over every rank).
+rank, the expert slices' over the expert-DP group), "fsdp" (FSDP2, experts DTensors on an (edp, ep)
+mesh sharded over edp, the rest over every rank) and, at EP 2 x expert-DP 2 only, "deepspeed"
+(ZeRO-2; its EP 2 runs, resumes and gradient check are in tests/test_deepspeed_strategy.py).
 
 The model is moe-tiny shrunk to 2 layers of 4 experts (d_model 16; capacity factor 1.25: an
 expert takes at most 10 of a micro-batch's 32 routed slots; the balancing loss and the DeepSeek-V3
@@ -27,6 +28,7 @@ One launch per world size (the 4-rank one in its own fixture, runs4).
 """
 from __future__ import annotations
 
+import importlib.util
 import shutil
 
 import pytest
@@ -61,6 +63,9 @@ LAYOUTS = {  # name -> (world, ep, strategy)
     "zero1-ep2-edp2": (4, 2, "zero1"), "zero2-ep2-edp2": (4, 2, "zero2"),
     "ddp-scratch-ep2-edp2": (4, 2, "ddp-scratch"),
 }
+if importlib.util.find_spec("deepspeed"):  # DeepSpeed's engine (ZeRO-2, the default stage) reducing the
+    # experts over its own expert-DP groups; its EP 2 runs are in tests/test_deepspeed_strategy.py
+    LAYOUTS["deepspeed-ep2-edp2"] = (4, 2, "deepspeed")
 ZERO_EP2 = ["zero1-ep2", "zero2-ep2", "ddp-scratch-ep2"]  # the from-scratch data parallelism around the experts
 # (resumed layout's cfg, source run folder, name): a checkpoint resumed at another EP size
 # (ddp's ep 2 file at ep 1 is the one-process state dict in a plain model: the one-process resume
@@ -124,10 +129,12 @@ def test_ep2_matches_one_process(runs, name):
     check_layout(runs, name)
 
 
-@pytest.mark.parametrize("name", ["ddp-ep2-edp2", "fsdp-ep2-edp2", *(n + "-edp2" for n in ZERO_EP2)])
+@pytest.mark.parametrize("name", ["ddp-ep2-edp2", "fsdp-ep2-edp2", *(n + "-edp2" for n in ZERO_EP2),
+                                  *(["deepspeed-ep2-edp2"] if "deepspeed-ep2-edp2" in LAYOUTS else [])])
 def test_ep2_edp2_matches_one_process(runs4, name):
     """Expert gradients reduced over the expert-DP group (FSDP2: its divide factor, gloo's sum; ZeRO:
-    the expert slices' reduce-scatter over it, divided by the world)."""
+    the expert slices' reduce-scatter over it, divided by the world; DeepSpeed: its engine's ZeRO-2
+    partitions of the expert groups, reduced over its own expert-DP groups)."""
     check_layout(runs4, name)
 
 
@@ -186,10 +193,14 @@ def test_ep2_full_checkpoint_resumes_in_one_process(runs, tmp_path, name):
     ({"parallel__ep": 2, "model__moe_experts": None}, r"parallel.ep = 2 shards the experts of an MoE model"),
     ({"parallel__ep": 3}, r"parallel.ep = 3 must divide model.moe_experts \(4\)"),
     ({"parallel__ep": 2, "parallel__tp": 2}, r"parallel.ep = 2 with parallel.tp = 2 is not built: Megatron .*ETP = TP or 1"),
-    ({"parallel__ep": 2, "train__strategy": "deepspeed"}, r"parallel.ep = 2 does not run with train.strategy = "
-                                                          r"'deepspeed'.*must be one of 'ddp', 'ddp-scratch', 'zero1', "
-                                                          r"'zero2', 'fsdp'"),
-    ({"parallel__ep": 2, "train__strategy": "fsdp-scratch"}, r"parallel.ep = 2 does not run with train.strategy = 'fsdp-scratch'"),
+    ({"parallel__ep": 2, "train__strategy": "fsdp-scratch"}, r"parallel.ep = 2 does not run with train.strategy = "
+                                                             r"'fsdp-scratch'.*must be one of 'ddp', 'ddp-scratch', "
+                                                             r"'zero1', 'zero2', 'fsdp', 'deepspeed'"),
+    ({"parallel__ep": 2, "train__strategy": "deepspeed", "parallel__zero_stage": 3},
+     r"parallel.ep = 2 with train.strategy = 'deepspeed' needs parallel.zero_stage 0, 1 or 2 \(got 3\): DeepSpeed "
+     r"does not support MoE"),
+    ({"parallel__ep": 2, "train__strategy": "deepspeed", "parallel__offload_optimizer": "cpu"},
+     r"parallel.ep = 2 with train.strategy = 'deepspeed' runs without parallel.offload_optimizer"),
     ({"parallel__ep": 2, "checkpoint__format": "sharded"}, r"checkpoint.format = 'sharded' does not fit parallel.ep"),
     ({"parallel__ep": 2, "train__strategy": "ddp-scratch", "checkpoint__format": "sharded"},
      r"checkpoint.format = 'sharded' does not fit parallel.ep = 2 with train.strategy = 'ddp-scratch'"),

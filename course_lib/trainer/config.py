@@ -443,8 +443,9 @@ def _expert_parallel_checks(cfg: dict, mcfg) -> None:
     if t["strategy"] == "deepspeed":  # course_lib.parallel.deepspeed.experts
         if par["zero_stage"] == 3:
             raise ConfigError(f"{what} with train.strategy = 'deepspeed' needs parallel.zero_stage 0, 1 or 2 (got 3): "
-                              f"DeepSpeed does not support MoE expert parameters under ZeRO-3 (its engine refuses "
-                              f"them: 'MoE not supported with Stage 3')")
+                              f"DeepSpeed does not support MoE expert parameters under ZeRO-3 except those of its own "
+                              f"AutoEP layers (for any other MoE its engine stops with 'MoE not supported with Stage "
+                              f"3'), and the kit's experts keep the kit's router and dispatch")
         if par["offload_optimizer"] != "none":
             raise ConfigError(f"{what} with train.strategy = 'deepspeed' runs without parallel.offload_optimizer "
                               f"(ZeRO-Offload's CPU gradient buffers were not tried with DeepSpeed's expert groups); "

@@ -40,9 +40,11 @@ engine, with its own expert groups.
   :func:`course_lib.parallel.deepspeed.checkpoints.deepspeed_to_state_dict` joins the slices into
   the one-process layout (weights only).
 
-Not here: ZeRO-3 (DeepSpeed refuses MoE at stage 3: "MoE not supported with Stage 3"), and the
-kit's MoE layer inside DeepSpeed's own ``deepspeed.moe.layer.MoE`` (its gate and dispatch are not
-the kit's).
+Not here (trainer.config refuses them, naming why): ZeRO-3 (DeepSpeed partitions expert parameters
+at stage 3 only for its own AutoEP layers and stops with "MoE not supported with Stage 3" for any
+other MoE), ZeRO-Offload (its CPU gradient buffers were not tried with the expert groups). Nor is
+the kit's MoE layer put inside DeepSpeed's ``deepspeed.moe.layer.MoE``: the router, capacity and
+dispatch stay the kit's.
 """
 from __future__ import annotations
 
