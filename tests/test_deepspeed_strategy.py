@@ -1,7 +1,8 @@
 """``train.strategy = "deepspeed"``: the generated DeepSpeed config, ZeRO 0-3 (and offload) equal to
 one process with the global batch, a skipped step that leaves no trace, the scheduler's LR inside
 DeepSpeed's step, bit-exact resume, checkpoint fall-back and conversion, refusals before any file,
-and both launchers (torchrun, deepspeed).
+both launchers (torchrun, deepspeed), expert parallelism through DeepSpeed's expert groups
+(``parallel.ep = 2``, ZeRO 0-2) and FP8 (``train.precision = "fp8"``, ZeRO 0-3).
 
 Ranks are started as few times as possible (several runs per start): a DeepSpeed start costs
 seconds. DeepSpeed's C++ ops (``deepspeed_shm_comm`` on every CPU start, ``cpu_adam`` for offload)
@@ -9,6 +10,7 @@ are compiled once into ``TORCH_EXTENSIONS_DIR`` (the venv's ``torch_extensions``
 ``course_lib/__init__.py``) and reused afterwards.
 """
 import copy
+import importlib.util
 import json
 import os
 import subprocess
@@ -144,6 +146,27 @@ def deepspeed_ops():
     build()
 
 
+#: train.precision = "fp8" under DeepSpeed: name -> (ZeRO stage, fp8.recipe, fp8.backend); each
+#: against one FP8 process taking the same micro-batches (the 2 ranks' micro-batches of 8 as 2
+#: micro-batches of 8: FP8 current scaling takes its scales per micro-batch, so that is the one
+#: process a data-parallel FP8 run can equal).
+TORCHAO = "torchao" if importlib.util.find_spec("torchao") else "kit"
+FP8_RUNS = {"z0-fp8-tensorwise": (0, "tensorwise", "kit"), "z2-fp8-tensorwise": (2, "tensorwise", "kit"),
+            f"z3-fp8-rowwise-{TORCHAO}": (3, "rowwise", TORCHAO)}
+FP8_STEPS = 4
+FP8_REL = 1e-3  # FP8 turns 1-ulp summation-order differences into FP8-ulp flips (measured <= 4.1e-5 in 4 steps)
+
+
+def fp8_cfg(recipe, backend, stage=None):
+    """tiny-cpu.toml in FP8, FP8_STEPS steps of 16 sequences: on 2 DeepSpeed ranks at ZeRO ``stage``
+    (one micro-batch of 8 each), or in one process (``stage`` None: 2 micro-batches of 8)."""
+    sets = {"train.precision": "fp8", "fp8.recipe": recipe, "fp8.backend": backend, "train.max_steps": FP8_STEPS,
+            "schedule.warmup_steps": 1, "train.micro_batch": 8}
+    if stage is None:
+        return cfg({**sets, "train.grad_accum": 2})
+    return ds_cfg({**sets, "parallel.zero_stage": stage})
+
+
 BF16_STEPS = 4  # DeepSpeed's build-time optimizer step shows from step 2 on (6.6e-3 there)
 BF16_REL = 2e-3  # bf16 weights (DeepSpeed) vs fp32 weights under autocast (one process): measured <= 7.4e-4 in 12 steps
 Z0_FAULTS = ["nan_loss@1", "inf_grad@2=blocks.1.mlp.down.weight"]  # ZeRO-0 fp32: the stabilizer sees p.grad
@@ -153,7 +176,7 @@ Z0_FAULTS = ["nan_loss@1", "inf_grad@2=blocks.1.mlp.down.weight"]  # ZeRO-0 fp32
 def stage_runs(tmp_path_factory, deepspeed_ops):
     """One launch of 2 ranks for every DeepSpeed check that needs ranks (a DeepSpeed start costs
     seconds per rank): every ZeRO stage and offload in fp32 (12 steps), every stage in bf16
-    (BF16_STEPS steps), ZeRO-0 fp32 through injected faults; then, in the same processes, the
+    (BF16_STEPS steps), ZeRO-0 fp32 through injected faults, FP8 (FP8_RUNS); then, in the same processes, the
     strategy-level skip/LR checks, the resume/fall-back/conversion runs, the refusals and the
     expert-parallel runs (their results under ``"skip"``, ``"resume"``, ``"refusals"``, ``"ep"``,
     one per rank). The one-process references are trained here, in the test process."""
@@ -161,12 +184,16 @@ def stage_runs(tmp_path_factory, deepspeed_ops):
     train(cfg(train__micro_batch=16), root / "single")
     train(ep_layouts.cfg(), root / "ep-single")
     train(ep_layouts.cfg(train__precision="bf16"), root / "ep-single-bf16")
+    for recipe, backend in sorted({(r, b) for _, r, b in FP8_RUNS.values()}):
+        train(fp8_cfg(recipe, backend), root / f"single-fp8-{recipe}-{backend}")
     train(cfg(train__micro_batch=16, train__precision="bf16", train__max_steps=BF16_STEPS), root / "single-bf16")
     train(cfg(train__micro_batch=16, train__max_steps=4), root / "single-faults", faults=Z0_FAULTS)
     runs = [(ds_cfg(sets), str(root / name), (), False) for name, sets in STAGES.items()]
     runs += [(ds_cfg({"parallel.zero_stage": stage, "train.precision": "bf16", "train.max_steps": BF16_STEPS}),
               str(root / f"z{stage}-bf16"), (), False) for stage in (0, 1, 2, 3)]
     runs.append((ds_cfg({"parallel.zero_stage": 0, "train.max_steps": 4}), str(root / "z0-faults"), Z0_FAULTS, False))
+    runs += [(fp8_cfg(recipe, backend, stage), str(root / name), (), False)
+             for name, (stage, recipe, backend) in FP8_RUNS.items()]
     skip_args = (ds_cfg({"parallel.zero_stage": 2, "train.micro_batch": 4, "train.grad_accum": 2}),
                  ds_cfg({"parallel.zero_stage": 2, "parallel.offload_optimizer": "cpu"}))
     resume_args = (RESUME_CFGS, str(root / "resume"), [("z2", "z3"), ("z3", "z2")])
@@ -469,3 +496,25 @@ def test_expert_parallel_resume_at_another_ep_is_refused_by_name(stage_runs):
         assert message is not None, "an ep = 2 DeepSpeed checkpoint resumed at ep = 1"
         assert "saved with parallel.ep = 2" in message and "asks for parallel.ep = 1" in message \
             and "deepspeed_to_state_dict" in message, message
+
+
+# ----------------------------------------------------------------------------- FP8
+
+@pytest.mark.parametrize("name", list(FP8_RUNS))
+def test_fp8_under_every_zero_stage_matches_one_fp8_process(stage_runs, name):
+    """The FP8 layers quantize inside their own forward/backward on fp32 weights, DeepSpeed runs its
+    fp32 path and the layers kept in high precision run under the fp8 policy's bf16 autocast, as in
+    one FP8 process: the first step (same weights, same micro-batches) is bit-equal, the first
+    gradient norm equal to summation order; later steps drift by FP8-rounding flips of 1-ulp sums
+    (ZeRO-0 measured bit-equal throughout, ZeRO-2 tensorwise 4.1e-5, torchao rowwise at ZeRO-3 0)."""
+    root = stage_runs[0]
+    stage, recipe, backend = FP8_RUNS[name]
+    got = read_rows(root / name / "metrics.jsonl")
+    ref = read_rows(root / f"single-fp8-{recipe}-{backend}" / "metrics.jsonl")
+    assert len(got) == FP8_STEPS and got[0]["loss"] == ref[0]["loss"], (name, got[0]["loss"], ref[0]["loss"])
+    assert got[0]["grad_norm"] == pytest.approx(ref[0]["grad_norm"], rel=1e-6), name
+    rel = max_rel([r["loss"] for r in got], [r["loss"] for r in ref])
+    print(f"{name}: losses within {rel:.2e} of one FP8 process")
+    assert rel <= (1e-6 if stage == 0 else FP8_REL), (name, rel)
+    report = json.loads((root / name / "fp8.json").read_text())
+    assert report["backend"] == backend and report["recipe"] == recipe and len(report["converted"]) == 12, report

@@ -149,9 +149,6 @@ def _fp8_checks(cfg: dict) -> None:
         backend = resolve_backend(f8["backend"], f8["recipe"])
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if t["strategy"] == "deepspeed":
-        raise ConfigError("train.precision = 'fp8' does not compose with train.strategy = 'deepspeed' here (the "
-                          "engine casts the model itself); use 'ddp', 'zero1', 'zero2' or 'fsdp'")
     _fp8_layout_checks(cfg, backend)
     if f8["fsdp_all_gather"] and (t["strategy"] != "fsdp" or backend != "torchao" or f8["recipe"] != "tensorwise"):
         raise ConfigError(f"fp8.fsdp_all_gather = true needs train.strategy = 'fsdp', fp8.recipe = 'tensorwise' and "

@@ -217,10 +217,12 @@ class DeepSpeedStrategy(Distributed):
 
     # ------------------------------------------------------------------ what the trainer reads
     def precision_policy(self, precision: str):
-        """fp32 always: the ``bf16``/``fp16`` sections make DeepSpeed cast and scale itself."""
+        """fp32 for fp32/bf16/fp16 (the ``bf16``/``fp16`` sections make DeepSpeed cast and scale
+        itself); for fp8 the fp8 policy, whose bf16 autocast the layers kept in high precision run
+        under in one FP8 process too (the FP8 layers quantize themselves; no loss scaling)."""
         from course_lib.precision import make_policy
 
-        return make_policy("fp32", self.device)
+        return make_policy("fp8" if precision == "fp8" else "fp32", self.device)
 
     def run_files(self) -> dict[str, str]:
         return {"ds_config.json": json.dumps(self.ds_config, indent=2) + "\n"}
