@@ -28,6 +28,11 @@ Who does what in one step (the trainer's loop is unchanged):
   does (partitions cleared, no optimizer call), so parameters, optimizer state and the next step
   are exactly as if the skipped micro-batches had never been seen.
 * **checkpoints**: :class:`course_lib.parallel.deepspeed.checkpoints.DeepSpeedCheckpoints`.
+* **fp8**: the FP8 Linear layers are swapped in before the engine is built and keep fp32 weights;
+  DeepSpeed runs its fp32 path and :meth:`precision_policy` hands the trainer the fp8 policy (bf16
+  autocast for the layers kept in high precision), as one FP8 process runs.
+* **experts** (``parallel.ep > 1``): the subclass in :mod:`course_lib.parallel.deepspeed.experts`
+  (the hooks :meth:`_prepare_model` and :meth:`_initialize`).
 * **start**: ZeRO-0 with bf16/fp16 steps AdamW once while the engine is built; that step is undone
   (:mod:`course_lib.parallel.deepspeed.init_step`). JIT-op loads run under
   :func:`course_lib.parallel.deepspeed.op_locks.guard`: a build lock left by a killed build ends the start

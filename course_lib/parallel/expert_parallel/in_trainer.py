@@ -30,9 +30,12 @@ each rank's own tokens, and the trainer sums the loads over every rank before up
 :class:`ExpertParallelScratchDDP` (``ddp-scratch``): :class:`ExpertParallelDDP` over the kit's
 ScratchDDP (BucketedDDP), the expert slices its ``ignored_params``.
 
-Not built (trainer.config refuses them with ep > 1, naming why): DeepSpeed and the from-scratch
-ZeRO-3 (SimpleFSDP) with experts, ep with tp/pp/cp (Megatron's ETP), sharded checkpoints under
-``ddp`` / ``ddp-scratch``.
+DeepSpeed with experts (ZeRO 0-2) is :mod:`course_lib.parallel.deepspeed.experts`: the same slices,
+reduced by DeepSpeed's engine over its own expert groups.
+
+Not built (trainer.config refuses them with ep > 1, naming why): the from-scratch ZeRO-3
+(SimpleFSDP) and DeepSpeed's ZeRO-3 with experts, ep with tp/pp/cp (Megatron's ETP), sharded
+checkpoints under ``ddp`` / ``ddp-scratch``.
 """
 from __future__ import annotations
 
