@@ -191,9 +191,9 @@ def stage_runs(tmp_path_factory, deepspeed_ops):
     runs = [(ds_cfg(sets), str(root / name), (), False) for name, sets in STAGES.items()]
     runs += [(ds_cfg({"parallel.zero_stage": stage, "train.precision": "bf16", "train.max_steps": BF16_STEPS}),
               str(root / f"z{stage}-bf16"), (), False) for stage in (0, 1, 2, 3)]
-    runs.append((ds_cfg({"parallel.zero_stage": 0, "train.max_steps": 4}), str(root / "z0-faults"), Z0_FAULTS, False))
     runs += [(fp8_cfg(recipe, backend, stage), str(root / name), (), False)
              for name, (stage, recipe, backend) in FP8_RUNS.items()]
+    runs.append((ds_cfg({"parallel.zero_stage": 0, "train.max_steps": 4}), str(root / "z0-faults"), Z0_FAULTS, False))
     skip_args = (ds_cfg({"parallel.zero_stage": 2, "train.micro_batch": 4, "train.grad_accum": 2}),
                  ds_cfg({"parallel.zero_stage": 2, "parallel.offload_optimizer": "cpu"}))
     resume_args = (RESUME_CFGS, str(root / "resume"), [("z2", "z3"), ("z3", "z2")])
