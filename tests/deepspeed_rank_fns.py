@@ -266,12 +266,13 @@ def start_with_op_folder(rank, world_size, ext_dir, cfg, out_dir):
     return {"message": message, "seconds": time.monotonic() - t0}
 
 
-def expert_parallel(rank, world_size, runs, root, grad_cfg, refusal_cfg):
+def expert_parallel(rank, world_size, runs, fresh, root, grad_cfg, refusal_cfg):
     """``parallel.ep = 2`` under DeepSpeed (course_lib/parallel/deepspeed/experts.py), one launch:
 
     * ``runs``: ``(cfg, out_dir)`` pairs trained into ``out_dir/full`` and resumed from the
       checkpoint before the last (ep_train_rank_fns.train_and_cross_resume: the one-process weights,
-      expert biases, last micro-batch's dropped tokens and loads of every rank);
+      expert biases, last micro-batch's dropped tokens and loads of every rank); ``fresh``: more
+      pairs trained only (their entries follow under ``"first"``, ``"second"`` has ``runs``' only);
     * ``grads``: :func:`expert_gradients` of ``grad_cfg`` (ZeRO-0 fp32);
     * ``cross_ep``: ``runs[0]``'s full run copied without its newest checkpoint and resumed with
       ``refusal_cfg`` (another parallel.ep): the CheckpointLoadError message (None if it resumed)."""
@@ -281,6 +282,7 @@ def expert_parallel(rank, world_size, runs, root, grad_cfg, refusal_cfg):
     from course_lib.train import train
 
     out = train_and_cross_resume(rank, world_size, runs, ())
+    out["first"] += train_and_cross_resume(rank, world_size, fresh, (), resume=False)["first"]
     out["grads"] = expert_gradients(rank, world_size, grad_cfg)
     dst = f"{root}/cross-ep"
     mp_fns.copy_without_newest(runs[0][1] + "/full", dst)
