@@ -303,23 +303,21 @@ def expert_gradients(rank, world_size, cfg):
     import copy
 
     import torch.distributed as dist
-
-    from course_lib.parallel.ranks.launch import init_distributed
-    from course_lib.precision import make_policy
-    from course_lib.parallel.expert_parallel.shard import is_expert
     from deepspeed.moe.utils import is_moe_param
+
+    from course_lib.model import TinyGPT
+    from course_lib.parallel.expert_parallel.shard import is_expert
+    from course_lib.parallel.ranks.launch import init_distributed
+    from course_lib.parallel.registry import make_strategy
+    from course_lib.precision import make_policy
+    from course_lib.trainer import config as train_config
 
     info = init_distributed(backend="gloo")
     torch.manual_seed(cfg["train"]["seed"])
-    from course_lib.trainer import config as train_config
-    from course_lib.model import TinyGPT
-
     full = TinyGPT(train_config.build_model_config(cfg))
-    reference = copy.deepcopy(full)
-    from course_lib.parallel.registry import make_strategy
-
+    reference = copy.deepcopy(full)  # one process's model: the same weights, every expert
     o = cfg["optim"]
-    strategy = make_strategy("deepspeed", info, torch.device("cpu"), cfg)
+    strategy = make_strategy("deepspeed", info, torch.device("cpu"), cfg)  # ExpertParallelDeepSpeed (ep > 1)
     strategy.setup(full, lambda m: torch.optim.AdamW(m.param_groups(o["weight_decay"]), lr=o["lr"],
                                                      betas=(o["beta1"], o["beta2"]), eps=o["eps"]))
     mine = _batches(cfg, rank, world_size, 1)[0]

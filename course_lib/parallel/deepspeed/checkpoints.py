@@ -401,7 +401,8 @@ def _expert_parallel_state_dict(path: Path, ep: int, trust_pickles: bool) -> dic
     module = load_ds_file(path / MODEL_STATES, trust_pickles=trust_pickles, map_location="cpu")["module"]
     low = sorted(k for k, v in module.items() if v.is_floating_point() and v.dtype != torch.float32)
     if low:
-        raise CheckpointLoadError(f"{path}: saved at parallel.ep = {ep} with {module[low[0]].dtype} weights ({low[0]}, ...): "
+        raise CheckpointLoadError(f"{path}: saved at parallel.ep = {ep} with {module[low[0]].dtype} weights "
+                                  f"({low[0]}, ...): "
                                   f"their fp32 masters are in ZeRO's partitions of the expert groups, which "
                                   f"zero_to_fp32 does not merge; only an fp32 run's checkpoint converts")
     slices = [torch.load(path / _rank_file(r), map_location="cpu", weights_only=True)["per_rank"]["experts"]

@@ -118,7 +118,11 @@ def _kit_moe_engine() -> type:
         def _configure_distributed_model(self, model: nn.Module) -> None:
             if any(is_moe_param(p) for p in model.parameters()):
                 # Set before the optimizer is configured (it is, later in __init__), which is what
-                # reads the flag; the checkpoint code reads num_experts.
+                # reads the flag; the checkpoint code reads num_experts. No gradient factor is added:
+                # DeepSpeed divides an expert's expert-DP sum by the data-parallel world size, and
+                # the kit's combine backward already summed the EP group's tokens, so that quotient
+                # is one process's gradient (a divide by the expert-DP size would be ep x too large;
+                # tests/deepspeed_rank_fns.expert_gradients compares the values).
                 self.has_moe_layers = True
                 self.num_experts = [m.n_experts for m in moe_layers(model)]
             super()._configure_distributed_model(model)
@@ -153,7 +157,8 @@ class _ExpertSlices:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if set(state) != set(self._params):
-            raise ValueError(f"the checkpoint's expert slices {sorted(state)} are not this model's {sorted(self._params)}")
+            raise ValueError(f"the checkpoint's expert slices {sorted(state)} are not this model's "
+                             f"{sorted(self._params)}")
         for n, p in self._params.items():
             if state[n].shape != p.shape:
                 raise ValueError(f"expert slice {n}: saved {tuple(state[n].shape)}, this rank holds {tuple(p.shape)}")
