@@ -264,3 +264,81 @@ def start_with_op_folder(rank, world_size, ext_dir, cfg, out_dir):
     except OpLockError as exc:
         message = str(exc)
     return {"message": message, "seconds": time.monotonic() - t0}
+
+
+def expert_parallel(rank, world_size, runs, fresh, root, grad_cfg, refusal_cfg):
+    """``parallel.ep = 2`` under DeepSpeed (course_lib/parallel/deepspeed/experts.py), one launch:
+
+    * ``runs``: ``(cfg, out_dir)`` pairs trained into ``out_dir/full`` and resumed from the
+      checkpoint before the last (ep_train_rank_fns.train_and_cross_resume: the one-process weights,
+      expert biases, last micro-batch's dropped tokens and loads of every rank); ``fresh``: more
+      pairs trained only (their entries follow under ``"first"``, ``"second"`` has ``runs``' only);
+    * ``grads``: :func:`expert_gradients` of ``grad_cfg`` (ZeRO-0 fp32);
+    * ``cross_ep``: ``runs[0]``'s full run copied without its newest checkpoint and resumed with
+      ``refusal_cfg`` (another parallel.ep): the CheckpointLoadError message (None if it resumed)."""
+    import model_parallel_rank_fns as mp_fns
+    from ep_train_rank_fns import train_and_cross_resume
+    from course_lib.checkpoint import CheckpointLoadError
+    from course_lib.train import train
+
+    out = train_and_cross_resume(rank, world_size, runs, ())
+    out["first"] += train_and_cross_resume(rank, world_size, fresh, (), resume=False)["first"]
+    out["grads"] = expert_gradients(rank, world_size, grad_cfg)
+    dst = f"{root}/cross-ep"
+    mp_fns.copy_without_newest(runs[0][1] + "/full", dst)
+    try:
+        train(refusal_cfg, dst, resume=True)
+        out["cross_ep"] = None
+    except CheckpointLoadError as exc:
+        out["cross_ep"] = str(exc)
+    return out
+
+
+def expert_gradients(rank, world_size, cfg):
+    """One step's gradients after DeepSpeed's engine reduced them (ZeRO-0 fp32 leaves them in
+    ``p.grad``), against one process's gradient of the mean loss over the same global batch (every
+    rank's micro-batches, gathered), computed on a full copy of the model in this rank: the largest
+    absolute difference over the dense weights and over this rank's expert slices, the largest
+    expert gradient (so a zero cannot pass), and whether the slices are DeepSpeed expert params."""
+    import copy
+
+    import torch.distributed as dist
+    from deepspeed.moe.utils import is_moe_param
+
+    from course_lib.model import TinyGPT
+    from course_lib.parallel.expert_parallel.shard import is_expert
+    from course_lib.parallel.ranks.launch import init_distributed
+    from course_lib.parallel.registry import make_strategy
+    from course_lib.precision import make_policy
+    from course_lib.trainer import config as train_config
+
+    info = init_distributed(backend="gloo")
+    torch.manual_seed(cfg["train"]["seed"])
+    full = TinyGPT(train_config.build_model_config(cfg))
+    reference = copy.deepcopy(full)  # one process's model: the same weights, every expert
+    o = cfg["optim"]
+    strategy = make_strategy("deepspeed", info, torch.device("cpu"), cfg)  # ExpertParallelDeepSpeed (ep > 1)
+    strategy.setup(full, lambda m: torch.optim.AdamW(m.param_groups(o["weight_decay"]), lr=o["lr"],
+                                                     betas=(o["beta1"], o["beta2"]), eps=o["eps"]))
+    mine = _batches(cfg, rank, world_size, 1)[0]
+    policy = make_policy("fp32", "cpu")
+    strategy.forward_backward(mine, autocast=policy.autocast, backward=policy.backward, on_loss=lambda x: x)
+    every = [None] * world_size
+    dist.all_gather_object(every, mine)
+    batches = [b for rank_batches in every for b in rank_batches]
+    for x, y in batches:  # one process: the mean of the micro-batch losses over the global batch
+        (reference(x, y)[1] / len(batches)).backward()
+    want = dict(reference.named_parameters())
+    dense = expert = biggest = 0.0
+    for name, p in strategy.model.named_parameters():
+        ref = want[name].grad
+        if is_expert(p):
+            per = p.shape[0]
+            ref = ref[strategy.ep.rank * per:(strategy.ep.rank + 1) * per]
+            expert = max(expert, (p.grad - ref).abs().max().item())
+            biggest = max(biggest, ref.abs().max().item())
+        else:
+            dense = max(dense, (p.grad - ref).abs().max().item())
+    marked = all(is_moe_param(p) == is_expert(p) for p in strategy.model.parameters())
+    return {"dense": dense, "expert": expert, "biggest_expert": biggest, "marked": marked,
+            "has_moe_layers": bool(strategy.engine.has_moe_layers)}

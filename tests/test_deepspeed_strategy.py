@@ -1,7 +1,8 @@
 """``train.strategy = "deepspeed"``: the generated DeepSpeed config, ZeRO 0-3 (and offload) equal to
 one process with the global batch, a skipped step that leaves no trace, the scheduler's LR inside
 DeepSpeed's step, bit-exact resume, checkpoint fall-back and conversion, refusals before any file,
-and both launchers (torchrun, deepspeed).
+both launchers (torchrun, deepspeed), expert parallelism through DeepSpeed's expert groups
+(``parallel.ep = 2``, ZeRO 0-2) and FP8 (``train.precision = "fp8"``, ZeRO 0-3).
 
 Ranks are started as few times as possible (several runs per start): a DeepSpeed start costs
 seconds. DeepSpeed's C++ ops (``deepspeed_shm_comm`` on every CPU start, ``cpu_adam`` for offload)
@@ -9,6 +10,7 @@ are compiled once into ``TORCH_EXTENSIONS_DIR`` (the venv's ``torch_extensions``
 ``course_lib/__init__.py``) and reused afterwards.
 """
 import copy
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,8 +23,10 @@ import torch
 pytest.importorskip("deepspeed")
 
 import deepspeed_rank_fns as ds_fns  # noqa: E402
+import test_train_expert_parallel as ep_layouts  # noqa: E402  (the EP runs' model, batch and schedule)
 from rank_fns import several  # noqa: E402
 from adam_tolerance import assert_weights_match_after_adam  # noqa: E402
+from layout_checks import assert_matches_one_process, assert_resumed_bit_exact  # noqa: E402
 from course_lib.trainer import config as train_config  # noqa: E402
 from course_lib.trainer.metrics import read_rows  # noqa: E402
 from course_lib.parallel import run_ranks  # noqa: E402
@@ -142,6 +146,27 @@ def deepspeed_ops():
     build()
 
 
+#: train.precision = "fp8" under DeepSpeed: name -> (ZeRO stage, fp8.recipe, fp8.backend); each
+#: against one FP8 process taking the same micro-batches (the 2 ranks' micro-batches of 8 as 2
+#: micro-batches of 8: FP8 current scaling takes its scales per micro-batch, so that is the one
+#: process a data-parallel FP8 run can equal).
+TORCHAO = "torchao" if importlib.util.find_spec("torchao") else "kit"
+FP8_RUNS = {"z0-fp8-tensorwise": (0, "tensorwise", "kit"), "z2-fp8-tensorwise": (2, "tensorwise", "kit"),
+            f"z3-fp8-rowwise-{TORCHAO}": (3, "rowwise", TORCHAO)}
+FP8_STEPS = 4
+FP8_REL = 1e-3  # FP8 turns 1-ulp summation-order differences into FP8-ulp flips (measured <= 4.1e-5 in 4 steps)
+
+
+def fp8_cfg(recipe, backend, stage=None):
+    """tiny-cpu.toml in FP8, FP8_STEPS steps of 16 sequences: on 2 DeepSpeed ranks at ZeRO ``stage``
+    (one micro-batch of 8 each), or in one process (``stage`` None: 2 micro-batches of 8)."""
+    sets = {"train.precision": "fp8", "fp8.recipe": recipe, "fp8.backend": backend, "train.max_steps": FP8_STEPS,
+            "schedule.warmup_steps": 1, "train.micro_batch": 8}
+    if stage is None:
+        return cfg({**sets, "train.grad_accum": 2})
+    return ds_cfg({**sets, "parallel.zero_stage": stage})
+
+
 BF16_STEPS = 4  # DeepSpeed's build-time optimizer step shows from step 2 on (6.6e-3 there)
 BF16_REL = 2e-3  # bf16 weights (DeepSpeed) vs fp32 weights under autocast (one process): measured <= 7.4e-4 in 12 steps
 Z0_FAULTS = ["nan_loss@1", "inf_grad@2=blocks.1.mlp.down.weight"]  # ZeRO-0 fp32: the stabilizer sees p.grad
@@ -151,26 +176,37 @@ Z0_FAULTS = ["nan_loss@1", "inf_grad@2=blocks.1.mlp.down.weight"]  # ZeRO-0 fp32
 def stage_runs(tmp_path_factory, deepspeed_ops):
     """One launch of 2 ranks for every DeepSpeed check that needs ranks (a DeepSpeed start costs
     seconds per rank): every ZeRO stage and offload in fp32 (12 steps), every stage in bf16
-    (BF16_STEPS steps), ZeRO-0 fp32 through injected faults; then, in the same processes, the
-    strategy-level skip/LR checks, the resume/fall-back/conversion runs and the refusals (their
-    results under ``"skip"``, ``"resume"``, ``"refusals"``, one per rank). The one-process
-    references are trained here, in the test process."""
+    (BF16_STEPS steps), ZeRO-0 fp32 through injected faults, FP8 (FP8_RUNS); then, in the same processes, the
+    strategy-level skip/LR checks, the resume/fall-back/conversion runs, the refusals and the
+    expert-parallel runs (their results under ``"skip"``, ``"resume"``, ``"refusals"``, ``"ep"``,
+    one per rank). The one-process references are trained here, in the test process."""
     root = tmp_path_factory.mktemp("stages")
     train(cfg(train__micro_batch=16), root / "single")
+    train(ep_layouts.cfg(), root / "ep-single")
+    train(ep_layouts.cfg(train__precision="bf16"), root / "ep-single-bf16")
+    for recipe, backend in sorted({(r, b) for _, r, b in FP8_RUNS.values()}):
+        train(fp8_cfg(recipe, backend), root / f"single-fp8-{recipe}-{backend}")
     train(cfg(train__micro_batch=16, train__precision="bf16", train__max_steps=BF16_STEPS), root / "single-bf16")
     train(cfg(train__micro_batch=16, train__max_steps=4), root / "single-faults", faults=Z0_FAULTS)
     runs = [(ds_cfg(sets), str(root / name), (), False) for name, sets in STAGES.items()]
     runs += [(ds_cfg({"parallel.zero_stage": stage, "train.precision": "bf16", "train.max_steps": BF16_STEPS}),
               str(root / f"z{stage}-bf16"), (), False) for stage in (0, 1, 2, 3)]
+    runs += [(fp8_cfg(recipe, backend, stage), str(root / name), (), False)
+             for name, (stage, recipe, backend) in FP8_RUNS.items()]
     runs.append((ds_cfg({"parallel.zero_stage": 0, "train.max_steps": 4}), str(root / "z0-faults"), Z0_FAULTS, False))
     skip_args = (ds_cfg({"parallel.zero_stage": 2, "train.micro_batch": 4, "train.grad_accum": 2}),
                  ds_cfg({"parallel.zero_stage": 2, "parallel.offload_optimizer": "cpu"}))
     resume_args = (RESUME_CFGS, str(root / "resume"), [("z2", "z3"), ("z3", "z2")])
     refusal_args = (refusal_cases(), str(root / "refusals"))
+    ep_args = ([(ep_cfg(name), str(root / name)) for name in EP_RUNS if name in EP_RESUMED],
+               [(ep_cfg(name), str(root / name)) for name in EP_RUNS if name not in EP_RESUMED], str(root / "ep"),
+               ep_cfg("ds-ep2-z0"), ep_cfg("ds-ep2-z0", ep=1))
     calls = [(ds_fns.train_many, (runs,)), (ds_fns.skip_and_lr, skip_args),
-             (ds_fns.resume_convert_fallback_many, resume_args), (ds_fns.refusals, refusal_args)]
+             (ds_fns.resume_convert_fallback_many, resume_args), (ds_fns.refusals, refusal_args),
+             (ds_fns.expert_parallel, ep_args)]
     out = run_ranks(several, 2, calls, timeout=900)
-    extra = {name: [rank_out[i + 1] for rank_out in out] for i, name in enumerate(("skip", "resume", "refusals"))}
+    extra = {name: [rank_out[i + 1] for rank_out in out]
+             for i, name in enumerate(("skip", "resume", "refusals", "ep"))}
     return root, [rank_out[0] for rank_out in out], extra
 
 
@@ -369,3 +405,120 @@ def test_fifty_steps_of_every_stage_stay_within_1e_4_of_one_process(tmp_path, de
     ref = losses(tmp_path / "single")
     for name in STAGES:
         assert max_rel(losses(tmp_path / name), ref) < 1e-4, name
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+#: parallel.ep = 2 on 2 ranks (course_lib/parallel/deepspeed/experts.py): name -> ZeRO stage, precision.
+#: The model, batch and schedule are tests/test_train_expert_parallel.py's (capacity drops tokens,
+#: the routing is uneven, the bias update moves), so the one-process reference is its too.
+EP_RUNS = {"ds-ep2-z0": (0, "fp32"), "ds-ep2-z2": (2, "fp32"), "ds-ep2-z1": (1, "fp32"),
+           "ds-ep2-z2-bf16": (2, "bf16")}
+
+
+#: The EP runs also resumed (ZeRO-1 shares ZeRO-2's optimizer class and checkpoint files; bf16 its
+#: resume path with the fp32 runs'): the resumed ones come first in EP_RUNS.
+EP_RESUMED = ("ds-ep2-z0", "ds-ep2-z2")
+EP_REL = 1e-6  # fp32, the same global batch: losses and gradient norms equal up to summation order
+
+
+def ep_cfg(name, ep=2):
+    """EP_RUNS[name] on 2 ranks at parallel.ep = ``ep``."""
+    stage, precision = EP_RUNS[name]
+    return ep_layouts.cfg(2, ep, "deepspeed", parallel__zero_stage=stage, train__precision=precision)
+
+
+@pytest.mark.parametrize("name", [n for n, (_, p) in EP_RUNS.items() if p == "fp32"])
+def test_expert_parallel_zero_0_1_2_match_one_process(stage_runs, name):
+    """Losses, gradient norms (the stabilizer's at ZeRO-0, DeepSpeed's at 1-2), clipping and the
+    gathered weights equal one process on the global batch (fp32: summation order only), the
+    expert biases equal on both ranks, tokens dropped over capacity and the routing uneven."""
+    root, _, extra = stage_runs
+    first = [r["first"][list(EP_RUNS).index(name)] for r in extra["ep"]]
+    got, ref = ep_layouts.rows(root / name / "full"), ep_layouts.rows(root / "ep-single")
+    weights = _ep_single_weights(root)
+    # 1e-6, not the layouts' 1e-4: the expert slices are ~2e-5 of the squared gradient norm here, so
+    # a norm that missed the other EP rank's slices would pass 1e-4 (measured 4e-8 to 7e-8 as built)
+    assert_matches_one_process(name, got, ref, rel=EP_REL)
+    w = ep_layouts.rel_l2(first[0]["weights"], weights)
+    print(f"{name}: max loss rel {max(abs(a['loss'] - b['loss']) / b['loss'] for a, b in zip(got, ref)):.2e}, "
+          f"weights rel L2 {w:.2e}")
+    assert set(first[0]["weights"]) == set(weights) and w <= 1e-6, (name, w)
+    # the last checkpoint converts into the one-process layout: the gathered weights, bit for bit
+    from course_lib.parallel.deepspeed.checkpoints import deepspeed_to_state_dict
+
+    converted = deepspeed_to_state_dict(root / name / "full" / "checkpoints" / f"step_{ep_layouts.STEPS:09d}")
+    assert set(converted) == set(weights), name
+    assert all(torch.equal(converted[k], first[0]["weights"][k]) for k in weights), name
+    assert all(torch.equal(a, b) for r in first for a, b in zip(r["bias"], first[0]["bias"]))
+    assert sum(b.abs().sum() for b in first[0]["bias"]) > 0
+    assert sum(sum(r["dropped"]) for r in first) > 0, name
+    assert any(max(load) > min(load) for r in first for load in r["load"]), name
+
+
+def _ep_single_weights(root):
+    from safetensors.torch import load_file
+
+    last = sorted((root / "ep-single" / "checkpoints").glob("step_*"))[-1]
+    return {k: v.float() for k, v in load_file(str(last / "model.safetensors")).items()}
+
+
+def test_expert_parallel_bf16_tracks_one_process_in_bf16(stage_runs):
+    root = stage_runs[0]
+    got, ref = losses(root / "ds-ep2-z2-bf16" / "full"), losses(root / "ep-single-bf16")
+    rel = max_rel(got, ref)
+    assert rel <= BF16_REL, f"ZeRO-2 bf16 with ep = 2: losses differ from one bf16 process by up to {rel:.2e}"
+    from course_lib.checkpoint.io import CheckpointLoadError
+    from course_lib.parallel.deepspeed.checkpoints import deepspeed_to_state_dict
+
+    with pytest.raises(CheckpointLoadError, match=r"parallel.ep = 2 with torch.bfloat16 weights.*zero_to_fp32"):
+        deepspeed_to_state_dict(root / "ds-ep2-z2-bf16" / "full" / "checkpoints" / f"step_{ep_layouts.STEPS:09d}")
+
+
+def test_the_engine_reduces_the_expert_gradients_to_one_process_s(stage_runs):
+    """ZeRO-0 fp32 leaves the engine's reduced gradients in p.grad: the expert slices' equal one
+    process's (its gradient of the mean loss over the global batch, sliced), so DeepSpeed summed them
+    over expert-DP and divided by the world, not by the expert-DP size (2x here)."""
+    for r in stage_runs[2]["ep"]:
+        g = r["grads"]
+        assert g["has_moe_layers"] and g["marked"], g
+        assert g["biggest_expert"] > 1e-5, g  # a zero gradient cannot pass
+        assert g["expert"] <= 1e-5 * g["biggest_expert"] and g["dense"] <= 1e-6, g
+
+
+@pytest.mark.parametrize("name", EP_RESUMED)
+def test_expert_parallel_resume_at_the_same_ep_is_bit_exact(stage_runs, name):
+    root, _, extra = stage_runs
+    i = list(EP_RUNS).index(name)
+    assert_resumed_bit_exact(name, extra["ep"][0]["first"][i], extra["ep"][0]["second"][i],
+                             ep_layouts.START, ep_layouts.STEPS, root / name)
+
+
+def test_expert_parallel_resume_at_another_ep_is_refused_by_name(stage_runs):
+    for r in stage_runs[2]["ep"]:
+        message = r["cross_ep"]
+        assert message is not None, "an ep = 2 DeepSpeed checkpoint resumed at ep = 1"
+        assert "saved with parallel.ep = 2" in message and "asks for parallel.ep = 1" in message \
+            and "deepspeed_to_state_dict" in message, message
+
+
+# ----------------------------------------------------------------------------- FP8
+
+@pytest.mark.parametrize("name", list(FP8_RUNS))
+def test_fp8_under_every_zero_stage_matches_one_fp8_process(stage_runs, name):
+    """The FP8 layers quantize inside their own forward/backward on fp32 weights, DeepSpeed runs its
+    fp32 path and the layers kept in high precision run under the fp8 policy's bf16 autocast, as in
+    one FP8 process: the first step (same weights, same micro-batches) is bit-equal, the first
+    gradient norm equal to summation order; later steps drift by FP8-rounding flips of 1-ulp sums
+    (ZeRO-0 measured bit-equal throughout, ZeRO-2 tensorwise 4.1e-5, torchao rowwise at ZeRO-3 0)."""
+    root = stage_runs[0]
+    stage, recipe, backend = FP8_RUNS[name]
+    got = read_rows(root / name / "metrics.jsonl")
+    ref = read_rows(root / f"single-fp8-{recipe}-{backend}" / "metrics.jsonl")
+    assert len(got) == FP8_STEPS and got[0]["loss"] == ref[0]["loss"], (name, got[0]["loss"], ref[0]["loss"])
+    assert got[0]["grad_norm"] == pytest.approx(ref[0]["grad_norm"], rel=1e-6), name
+    rel = max_rel([r["loss"] for r in got], [r["loss"] for r in ref])
+    print(f"{name}: losses within {rel:.2e} of one FP8 process")
+    assert rel <= (1e-6 if stage == 0 else FP8_REL), (name, rel)
+    report = json.loads((root / name / "fp8.json").read_text())
+    assert report["backend"] == backend and report["recipe"] == recipe and len(report["converted"]) == 12, report

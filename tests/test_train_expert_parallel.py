@@ -5,8 +5,10 @@ data-parallel over every rank.
 Layouts: train.strategy "ddp" (torch DDP over the non-expert weights), "ddp-scratch" (the kit's
 BucketedDDP in its place), "zero1"/"zero2" (the kit's ZeRO: dense optimizer state sharded over every
 rank, the expert slices' over the expert-DP group), "fsdp" (FSDP2, experts DTensors on an (edp, ep)
-mesh sharded over edp, the rest over every rank) and "fsdp-scratch" (the kit's SimpleFSDP over the
-dense weights, the expert slices whole on their rank, reduced over expert-DP).
+mesh sharded over edp, the rest over every rank), "fsdp-scratch" (the kit's SimpleFSDP over the
+dense weights, the expert slices whole on their rank, reduced over expert-DP) and, at EP 2 x expert-DP
+2 only, "deepspeed" (ZeRO-2; its EP 2 runs, resumes and gradient check are in
+tests/test_deepspeed_strategy.py).
 
 The model is moe-tiny shrunk to 2 layers of 4 experts (d_model 16; capacity factor 1.25: an
 expert takes at most 10 of a micro-batch's 32 routed slots; the balancing loss and the DeepSeek-V3
@@ -50,6 +52,7 @@ One launch per world size (the 4-rank one in its own fixture, runs4).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 
@@ -98,6 +101,9 @@ LAYOUTS = {  # name -> (world, ep, strategy[, more [parallel] keys])
     "ddp-tp2sp-dp2-ep2": (4, 2, "ddp", SP), "zero1-tp2sp-dp2-ep4": (4, 4, "zero1", SP),
     "ddp-tp2sp-dp2-ep1": (4, 1, "ddp", SP),  # every expert on every rank: expert-DP is the whole stage
 }
+if importlib.util.find_spec("deepspeed"):  # DeepSpeed's engine (ZeRO-2, the default stage) reducing the
+    # experts over its own expert-DP groups; its EP 2 runs are in tests/test_deepspeed_strategy.py
+    LAYOUTS["deepspeed-ep2-edp2"] = (4, 2, "deepspeed")
 COMPOSED = [n for n, v in LAYOUTS.items() if len(v) > 3]
 # the from-scratch data parallelism around the experts
 ZERO_EP2 = ["zero1-ep2", "zero2-ep2", "ddp-scratch-ep2", "fsdp-scratch-ep2"]
@@ -205,10 +211,12 @@ def test_ep2_matches_one_process(runs, name):
     check_layout(runs, name)
 
 
-@pytest.mark.parametrize("name", ["ddp-ep2-edp2", "fsdp-ep2-edp2", *(n + "-edp2" for n in ZERO_EP2)])
+@pytest.mark.parametrize("name", ["ddp-ep2-edp2", "fsdp-ep2-edp2", *(n + "-edp2" for n in ZERO_EP2),
+                                  *(["deepspeed-ep2-edp2"] if "deepspeed-ep2-edp2" in LAYOUTS else [])])
 def test_ep2_edp2_matches_one_process(runs4, name):
     """Expert gradients reduced over the expert-DP group (FSDP2: its divide factor, gloo's sum; ZeRO:
-    the expert slices' reduce-scatter over it, divided by the world)."""
+    the expert slices' reduce-scatter over it, divided by the world; DeepSpeed: its engine's ZeRO-2
+    partitions of the expert groups, reduced over its own expert-DP groups)."""
     check_layout(runs4, name)
 
 
@@ -364,9 +372,16 @@ def test_composed_full_checkpoint_resumes_in_one_process(runs4, tmp_path, name):
      r"model.moe_experts with parallel.pp = 2 does not run with train.precision = 'fp16'"),
     ({"parallel__ep": 2, "parallel__pp": 2, "model__checkpointing": "full"},
      r"model.moe_experts with parallel.pp = 2 does not run with model.checkpointing"),
-    ({"parallel__ep": 2, "train__strategy": "deepspeed"}, r"parallel.ep = 2 does not run with train.strategy = "
-                                                          r"'deepspeed'.*must be one of 'ddp', 'ddp-scratch', 'zero1', "
-                                                          r"'zero2', 'fsdp', 'fsdp-scratch'"),
+    ({"parallel__ep": 2, "train__strategy": "single"}, r"parallel.ep = 2 does not run with train.strategy = "
+                                                      r"'single'.*must be one of 'ddp', 'ddp-scratch', 'zero1', "
+                                                      r"'zero2', 'fsdp', 'fsdp-scratch', 'deepspeed'"),
+    ({"parallel__ep": 2, "train__strategy": "deepspeed", "parallel__zero_stage": 3},
+     r"parallel.ep = 2 with train.strategy = 'deepspeed' needs parallel.zero_stage 0, 1 or 2 \(got 3\): DeepSpeed "
+     r"does not support MoE"),
+    ({"parallel__ep": 2, "train__strategy": "deepspeed", "parallel__offload_optimizer": "cpu"},
+     r"parallel.ep = 2 with train.strategy = 'deepspeed' runs without parallel.offload_optimizer"),
+    ({"parallel__ep": 2, "train__strategy": "deepspeed", "train__precision": "fp8"},
+     r"parallel.ep = 2 does not run with train.precision = 'fp8' \(not tried with DeepSpeed's expert groups"),
     ({"parallel__ep": 2, "checkpoint__format": "sharded"}, r"checkpoint.format = 'sharded' does not fit parallel.ep"),
     ({"parallel__ep": 2, "train__strategy": "ddp-scratch", "checkpoint__format": "sharded"},
      r"checkpoint.format = 'sharded' does not fit parallel.ep = 2 with train.strategy = 'ddp-scratch'"),

@@ -35,8 +35,9 @@ def test_fp8_config_accepts_the_recipes_and_refuses_what_cannot_run(monkeypatch)
     for recipe in ("tensorwise", "rowwise", "delayed", "blockwise", "mxfp8"):
         assert cfg("train.precision=fp8", f"fp8.recipe={recipe}", "fp8.backend=kit")["fp8"]["recipe"] == recipe
     assert cfg("train.precision=fp8")["fp8"]["keep"] == ["lm_head", "router"]
+    # deepspeed runs FP8 at every ZeRO stage (tests/test_deepspeed_strategy.py)
+    assert cfg("train.precision=fp8", "train.strategy=deepspeed", "parallel.zero_stage=3")["train"]["precision"] == "fp8"
     refusals = {
-        ("train.strategy=deepspeed",): "deepspeed",
         # model-parallel layouts (pp, cp and tp with the kit run: tests/test_train_fp8_layouts.py)
         ("parallel.tp=2", "train.strategy=ddp", "fp8.backend=torchao"):
             r"torchao.*parallel.tp = 2.*Float8ColwiseParallel.*fp8.backend = 'kit'",

@@ -73,6 +73,9 @@ EXPERT_PARALLEL_STRATEGIES: dict[str, tuple[str, str, str]] = {
     "fsdp-scratch": ("course_lib.parallel.expert_parallel.fsdp_scratch_in_trainer", "ExpertParallelFSDPScratch",
                      "the from-scratch ZeRO-3 (SimpleFSDP) over the dense weights, expert slices whole and "
                      "reduced over expert-DP"),
+    "deepspeed": ("course_lib.parallel.deepspeed.experts", "ExpertParallelDeepSpeed",
+                  "DeepSpeed ZeRO 0-2: the kit's expert slices marked as DeepSpeed expert params, reduced by "
+                  "the engine over its expert-DP groups"),
 }
 #: ``train.strategy`` names that run with ``parallel.ep > 1``.
 EXPERT_PARALLEL_DP = tuple(EXPERT_PARALLEL_STRATEGIES)

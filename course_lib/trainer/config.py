@@ -22,9 +22,9 @@
               chunks, with dp and tp, not with pp; the world size must be dp * tp * pp * cp, checked
               when the ranks start); ep (expert parallel: each MoE layer's experts sharded over ep ranks,
               tokens moved by all-to-all; with tp = pp = cp = 1 under train.strategy "ddp", "ddp-scratch",
-              "zero1", "zero2" or "fsdp", with pp and/or tp (sequence_parallel required) under "ddp",
-              "zero1" or "zero2", folded over each pipeline stage's dp x tp ranks; ep divides the ranks of
-              a stage and model.moe_experts)
+              "zero1", "zero2", "fsdp", "fsdp-scratch" or "deepspeed" (ZeRO 0-2), with pp and/or tp
+              (sequence_parallel required) under "ddp", "zero1" or "zero2", folded over each pipeline
+              stage's dp x tp ranks; ep divides the ranks of a stage and model.moe_experts)
 
 Every unknown section or key, wrong type or out-of-range value is a ``ConfigError`` naming it
 (with a "did you mean" for typos), raised before any file is written or model is built.
@@ -150,9 +150,6 @@ def _fp8_checks(cfg: dict) -> None:
         backend = resolve_backend(f8["backend"], f8["recipe"])
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if t["strategy"] == "deepspeed":
-        raise ConfigError("train.precision = 'fp8' does not compose with train.strategy = 'deepspeed' here (the "
-                          "engine casts the model itself); use 'ddp', 'zero1', 'zero2' or 'fsdp'")
     _fp8_layout_checks(cfg, backend)
     if f8["fsdp_all_gather"] and (t["strategy"] != "fsdp" or backend != "torchao" or f8["recipe"] != "tensorwise"):
         raise ConfigError(f"fp8.fsdp_all_gather = true needs train.strategy = 'fsdp', fp8.recipe = 'tensorwise' and "
@@ -468,10 +465,10 @@ def _moe_unsupported_checks(cfg: dict, mcfg, what: str, fix: str, fp8_why: str |
 def _expert_parallel_checks(cfg: dict, mcfg) -> None:
     """``parallel.ep`` (course_lib.parallel.expert_parallel.in_trainer): an MoE model whose expert count
     it divides, a data-parallel dimension that keeps the expert slices apart (ddp, ddp-scratch,
-    zero1, zero2, fsdp, fsdp-scratch: registry.EXPERT_PARALLEL_STRATEGIES; with tp/pp > 1 ddp, zero1, zero2:
-    course_lib.parallel.composed.experts, checked with the other model-parallel keys). That ep
-    divides the world size (the ranks of a pipeline stage) is checked when the ranks start
-    (trainer.check_config.check_world)."""
+    zero1, zero2, fsdp, fsdp-scratch, deepspeed at ZeRO 0-2: registry.EXPERT_PARALLEL_STRATEGIES; with
+    tp/pp > 1 ddp, zero1, zero2: course_lib.parallel.composed.experts, checked with the other
+    model-parallel keys). That ep divides the world size (the ranks of a pipeline stage) is checked
+    when the ranks start (trainer.check_config.check_world)."""
     from course_lib.parallel.registry import EXPERT_PARALLEL_DP
 
     par, t = cfg["parallel"], cfg["train"]
@@ -490,12 +487,20 @@ def _expert_parallel_checks(cfg: dict, mcfg) -> None:
         return
     if t["strategy"] not in EXPERT_PARALLEL_DP:
         why = {
-            "deepspeed": "the DeepSpeed engine would average the expert slices over every rank (its own MoE "
-                         "layer is not wired into the trainer)",
             "single": "'single' is one process (ep = 1)",
         }.get(t["strategy"], "not built")
         raise ConfigError(f"{what} does not run with train.strategy = {t['strategy']!r}: {why}. With parallel.ep "
                           f"> 1 train.strategy must be one of {', '.join(repr(n) for n in EXPERT_PARALLEL_DP)}")
+    if t["strategy"] == "deepspeed":  # course_lib.parallel.deepspeed.experts
+        if par["zero_stage"] == 3:
+            raise ConfigError(f"{what} with train.strategy = 'deepspeed' needs parallel.zero_stage 0, 1 or 2 (got 3): "
+                              f"DeepSpeed does not support MoE expert parameters under ZeRO-3 except those of its own "
+                              f"AutoEP layers (for any other MoE its engine stops with 'MoE not supported with Stage "
+                              f"3'), and the kit's experts keep the kit's router and dispatch")
+        if par["offload_optimizer"] != "none":
+            raise ConfigError(f"{what} with train.strategy = 'deepspeed' runs without parallel.offload_optimizer "
+                              f"(ZeRO-Offload's CPU gradient buffers were not tried with DeepSpeed's expert groups); "
+                              f"set parallel.offload_optimizer = 'none'")
     if cfg["checkpoint"]["format"] == "sharded" and t["strategy"] in ("ddp", "ddp-scratch"):
         raise ConfigError(f"checkpoint.format = 'sharded' does not fit {what} with train.strategy = "
                           f"{t['strategy']!r}: its "
@@ -503,7 +508,10 @@ def _expert_parallel_checks(cfg: dict, mcfg) -> None:
                           f"could not reshard them across EP sizes; full checkpoints gather the experts into the "
                           f"one-process layout (use 'auto' or 'full'), or use train.strategy = 'fsdp', whose "
                           f"sharded checkpoints do reshard")
-    _moe_unsupported_checks(cfg, mcfg, what, "set parallel.ep = 1 or leave it out")
+    fp8_why = ("not tried with DeepSpeed's expert groups: FP8 runs with parallel.ep under ddp, ddp-scratch, "
+               "zero1, zero2, fsdp and fsdp-scratch, and with deepspeed at ep = 1"
+               if t["strategy"] == "deepspeed" else None)
+    _moe_unsupported_checks(cfg, mcfg, what, "set parallel.ep = 1 or leave it out", fp8_why)
 
 
 def _split_checks(cfg: dict, mcfg) -> None:

@@ -80,6 +80,11 @@ def _zero_files(rank: int) -> tuple[str, str]:
     return plain, "bf16_" + plain
 
 
+def _expert_optim_file(ep_rank: int) -> str:
+    """The optimizer file DeepSpeed writes per EP rank at ZeRO-0 with experts (no ZeRO shards)."""
+    return f"expp_rank_{ep_rank}_mp_rank_00_optim_states.pt"
+
+
 def _ds_dirs(root: Path) -> tuple[list[tuple[int, str, dict]], dict[str, str]]:
     """``([(seq, name, manifest)] newest first, {name: why unreadable})`` under ``root``."""
     return newest_first(root, DS_FORMAT)
@@ -89,9 +94,10 @@ def _ds_dirs(root: Path) -> tuple[list[tuple[int, str, dict]], dict[str, str]]:
 
 def save_deepspeed(root: str | Path, step: int, engine: Any, *, shared: dict[str, Any] | None = None,
                    per_rank: dict[str, Any] | None = None, metrics: dict | None = None,
-                   keep_last: int = 3) -> Path:
+                   keep_last: int = 3, ep: int = 1) -> Path:
     """Collective: save ``engine`` (every rank's shards) plus the kit's per-rank and shared state
     as checkpoint ``step`` under ``root``; keep the ``keep_last`` newest. Returns the final path.
+    ``ep``: the run's parallel.ep, recorded in the manifest (a resume at another ep is refused).
     A failure on any rank raises CheckpointError on every rank and commits nothing."""
     check_int("step", step, 0)
     check_int("keep_last", keep_last, 1)
@@ -111,7 +117,7 @@ def save_deepspeed(root: str | Path, step: int, engine: Any, *, shared: dict[str
         cio.write_durable(tmp / _rank_file(rank), mine)
 
     return collective_save(root, step, what="deepspeed", format=DS_FORMAT, prepare=prepare, write=write,
-                           manifest={"zero_stage": int(engine.zero_optimization_stage()),
+                           manifest={"zero_stage": int(engine.zero_optimization_stage()), "ep": int(ep),
                                      "metrics": dict(metrics or {})}, keep_last=keep_last)
 
 
@@ -131,7 +137,10 @@ def verify_deepspeed(path: Path, manifest: dict | None = None) -> dict:
     # ZeRO-3 writes each rank's module partition, the others rank 0's whole module.
     needed += [f"zero_pp_rank_{r}_{MODEL_STATES}" for r in range(world)] if stage == 3 else [MODEL_STATES]
     missing = [f for f in needed if f not in files]
-    if any(f.endswith("_optim_states.pt") for f in files) or stage >= 1:
+    ep = manifest.get("ep", 1)
+    if stage == 0 and ep > 1:  # ZeRO-0 with experts: DeepSpeed writes one optimizer file per EP rank
+        missing += [_expert_optim_file(r) for r in range(ep) if _expert_optim_file(r) not in files]
+    elif any(f.endswith("_optim_states.pt") for f in files) or stage >= 1:
         missing += [_zero_files(r)[0] for r in range(world) if not any(f in files for f in _zero_files(r))]
     if missing:
         raise CheckpointCorruptError(f"{path}: the manifest lacks {', '.join(missing)}")
@@ -164,7 +173,19 @@ def stage_mismatch(saved: int, asked: int) -> str | None:
             f"and start a new run from them (the optimizer state does not convert)")
 
 
-def _choose(root: Path, world_size: int, stage: int | None = None) -> tuple:
+def ep_mismatch(saved: int, asked: int) -> str | None:
+    """Why a checkpoint saved at ``parallel.ep = saved`` cannot resume at ``asked`` (None: it can)."""
+    if saved == asked:
+        return None
+    return (f"saved with parallel.ep = {saved}, this run asks for parallel.ep = {asked}: DeepSpeed partitions the "
+            f"optimizer state of the expert slices over the expert-data-parallel groups of that ep, and each rank's "
+            f"file holds its own slices, so another ep would read other experts' state. Resume with "
+            f"parallel.ep = {saved}, or convert the weights with course_lib.parallel.deepspeed.checkpoints."
+            f"deepspeed_to_state_dict(path) (experts joined into the one-process layout) and start a new run from "
+            f"them with model.init_from (the optimizer state does not convert)")
+
+
+def _choose(root: Path, world_size: int, stage: int | None = None, ep: int = 1) -> tuple:
     """Rank 0's choice (see :func:`course_lib.checkpoint.collective.choose_newest`); a checkpoint of
     another world size, or of a ZeRO ``stage`` DeepSpeed cannot load into this one, stops the choice
     rather than falling back past it."""
@@ -176,6 +197,7 @@ def _choose(root: Path, world_size: int, stage: int | None = None) -> tuple:
                 f"partitioned per rank: resume with the same number of ranks, or convert it with "
                 f"deepspeed_to_state_dict and start a new run from the weights")
         why = None if stage is None else stage_mismatch(int(manifest.get("zero_stage", 0)), stage)
+        why = why or ep_mismatch(int(manifest.get("ep", 1)), ep)
         if why:
             raise CheckpointLoadError(why)
         return manifest
@@ -184,12 +206,15 @@ def _choose(root: Path, world_size: int, stage: int | None = None) -> tuple:
 
 
 def load_deepspeed(root: str | Path, engine: Any, *, shared: dict[str, Any] | None = None,
-                   per_rank: dict[str, Any] | None = None, restore_rng: bool = True) -> LoadResult | None:
+                   per_rank: dict[str, Any] | None = None, restore_rng: bool = True,
+                   ep: int = 1) -> LoadResult | None:
     """Collective: restore the newest deepspeed checkpoint under ``root`` that verifies (rank 0
     picks, every rank loads that one). None on every rank when there is none at all;
-    CheckpointLoadError on every rank when checkpoints exist but none can be loaded."""
+    CheckpointLoadError on every rank when checkpoints exist but none can be loaded (or were saved
+    at another ZeRO stage or ``parallel.ep`` than ``ep``). ``per_rank`` entries are restored after
+    DeepSpeed's own files, so they win over what those hold (the expert slices)."""
     root, rank = Path(root), dist.get_rank()
-    chosen = agreed_choice(lambda: _choose(root, dist.get_world_size(), int(engine.zero_optimization_stage())),
+    chosen = agreed_choice(lambda: _choose(root, dist.get_world_size(), int(engine.zero_optimization_stage()), ep),
                            "deepspeed", root)
     if chosen is None:
         return None
@@ -259,17 +284,25 @@ class DeepSpeedCheckpoints:
         shared = {"scheduler": state.scheduler, "precision": state.scaler, **state.stateful}
         return {k: v for k, v in shared.items() if v is not None}
 
+    def _rank_state(self) -> dict[str, Any]:
+        """The strategy's own per-rank entries (expert parallelism: this rank's expert slices)."""
+        return getattr(self.strategy, "rank_state", dict)()
+
+    def _ep(self) -> int:
+        return int(self.strategy.cfg["parallel"].get("ep", 1))
+
     def save(self, step: int, state: Any, metrics: dict) -> None:
         """Collective: every rank writes its shards, RNG and data position."""
-        save_deepspeed(self.root, step, self.strategy.engine, shared=self._shared(state),
-                       per_rank={"data": state.data} if state.data is not None else {},
-                       metrics=metrics, keep_last=self.keep_last)
+        per_rank = {**({"data": state.data} if state.data is not None else {}), **self._rank_state()}
+        save_deepspeed(self.root, step, self.strategy.engine, shared=self._shared(state), per_rank=per_rank,
+                       metrics=metrics, keep_last=self.keep_last, ep=self._ep())
 
     def load(self, state: Any, *, restore_data: bool = True) -> LoadResult | None:
         """Collective: every rank restores the checkpoint rank 0 picks; ``restore_data=False``
         keeps the data position (a roll-back must not replay the batches that caused it)."""
-        per_rank = {"data": state.data} if restore_data and state.data is not None else {}
-        return load_deepspeed(self.root, self.strategy.engine, shared=self._shared(state), per_rank=per_rank)
+        per_rank = {**({"data": state.data} if restore_data and state.data is not None else {}), **self._rank_state()}
+        return load_deepspeed(self.root, self.strategy.engine, shared=self._shared(state), per_rank=per_rank,
+                              ep=self._ep())
 
     def flush(self) -> None:
         """Nothing in flight: saves are synchronous."""
@@ -334,9 +367,17 @@ def deepspeed_to_state_dict(checkpoint_path: str | Path, *, trust_pickles: bool 
     DeepSpeed's ``zero_to_fp32`` merges the fp32 master partitions of every rank; ZeRO-0: the
     module weights rank 0 saved. Every ``.pt`` file is read with ``weights_only=True`` and
     :data:`SAFE_GLOBALS` (UntrustedPickleError for anything else), or with full unpickling when
-    ``trust_pickles`` (only for checkpoints you wrote: a forged file would run code)."""
+    ``trust_pickles`` (only for checkpoints you wrote: a forged file would run code).
+
+    With ``parallel.ep > 1`` (:mod:`course_lib.parallel.deepspeed.experts`) rank 0's module weights
+    with every EP rank's expert slices (its ``rank{R}.pt``) joined along the expert dimension: the
+    one-process layout. Only for an fp32 run, whose module weights are the trained fp32 values; a
+    bf16 run's fp32 masters lie in ZeRO's partitions of the expert groups, which ``zero_to_fp32``
+    does not merge (CheckpointLoadError)."""
     path = Path(checkpoint_path)
     manifest = verify_deepspeed(path)
+    if manifest.get("ep", 1) > 1:
+        return _expert_parallel_state_dict(path, int(manifest["ep"]), trust_pickles)
     if manifest.get("zero_stage", 0) >= 1 or any(f.startswith("zero_pp_rank_") for f in manifest["files"]):
         from deepspeed.utils import zero_to_fp32
 
@@ -350,5 +391,24 @@ def deepspeed_to_state_dict(checkpoint_path: str | Path, *, trust_pickles: bool 
             zero_to_fp32.torch = real
     else:
         state = load_ds_file(path / MODEL_STATES, trust_pickles=trust_pickles, map_location="cpu")["module"]
+    return {k: v.detach().to("cpu", torch.float32).clone() if v.is_floating_point() else v.detach().cpu().clone()
+            for k, v in state.items()}
+
+
+def _expert_parallel_state_dict(path: Path, ep: int, trust_pickles: bool) -> dict[str, torch.Tensor]:
+    """:func:`deepspeed_to_state_dict` of a checkpoint saved at ``parallel.ep = ep``: rank 0's
+    module with the expert slices of EP ranks 0..ep-1 (their ``rank{R}.pt``) concatenated."""
+    module = load_ds_file(path / MODEL_STATES, trust_pickles=trust_pickles, map_location="cpu")["module"]
+    low = sorted(k for k, v in module.items() if v.is_floating_point() and v.dtype != torch.float32)
+    if low:
+        raise CheckpointLoadError(f"{path}: saved at parallel.ep = {ep} with {module[low[0]].dtype} weights "
+                                  f"({low[0]}, ...): "
+                                  f"their fp32 masters are in ZeRO's partitions of the expert groups, which "
+                                  f"zero_to_fp32 does not merge; only an fp32 run's checkpoint converts")
+    slices = [torch.load(path / _rank_file(r), map_location="cpu", weights_only=True)["per_rank"]["experts"]
+              for r in range(ep)]
+    state = dict(module)
+    for name in slices[0]:
+        state[name] = torch.cat([s[name] for s in slices])
     return {k: v.detach().to("cpu", torch.float32).clone() if v.is_floating_point() else v.detach().cpu().clone()
             for k, v in state.items()}

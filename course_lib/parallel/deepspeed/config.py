@@ -18,6 +18,13 @@ What is deliberately *not* in the DeepSpeed config:
   optimizer DeepSpeed steps (see :class:`~course_lib.parallel.deepspeed.engine.DeepSpeedStrategy`).
 * **No loss scaling or autocast on the trainer's side**: the ``bf16``/``fp16`` sections make DeepSpeed
   cast and scale itself; the strategy hands the trainer an fp32 precision policy.
+* **FP8 is not a DeepSpeed section.** ``train.precision = "fp8"`` swaps the model's Linear layers for
+  FP8 ones (:func:`course_lib.precision.fp8_model.convert_for_training`) before the engine is built;
+  their weights stay fp32 parameters and they quantize inside their own forward and backward. The
+  engine therefore runs its fp32 path (no ``bf16`` section: casting the weights to bf16 would change
+  what the FP8 layers quantize, and DeepSpeed's bf16 optimizer would keep other masters than one
+  FP8 process does), and the strategy hands the trainer the fp8 policy's bf16 autocast for the
+  layers kept in high precision, exactly as one FP8 process runs.
 
 Clipping: with ZeRO >= 1 (or bf16) the gradients live inside DeepSpeed's buffers, not in
 ``p.grad``, so DeepSpeed clips (``gradient_clipping = stability.max_grad_norm``). With fp32 ZeRO-0 the
@@ -36,8 +43,8 @@ from course_lib.validate import ConfigError
 def engine_clips(cfg: dict) -> bool:
     """True when DeepSpeed (not the trainer's stabilizer) clips, because it keeps the gradients out
     of ``p.grad``: any ZeRO stage >= 1, and bf16/fp16 at stage 0 (their optimizers accumulate into
-    fp32 copies)."""
-    return cfg["parallel"]["zero_stage"] >= 1 or cfg["train"]["precision"] != "fp32"
+    fp32 copies). fp8 is DeepSpeed's fp32 path (see :func:`build_ds_config`)."""
+    return cfg["parallel"]["zero_stage"] >= 1 or cfg["train"]["precision"] not in ("fp32", "fp8")
 
 
 def _device_type(device: Any) -> str:

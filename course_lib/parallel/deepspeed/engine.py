@@ -28,6 +28,11 @@ Who does what in one step (the trainer's loop is unchanged):
   does (partitions cleared, no optimizer call), so parameters, optimizer state and the next step
   are exactly as if the skipped micro-batches had never been seen.
 * **checkpoints**: :class:`course_lib.parallel.deepspeed.checkpoints.DeepSpeedCheckpoints`.
+* **fp8**: the FP8 Linear layers are swapped in before the engine is built and keep fp32 weights;
+  DeepSpeed runs its fp32 path and :meth:`precision_policy` hands the trainer the fp8 policy (bf16
+  autocast for the layers kept in high precision), as one FP8 process runs.
+* **experts** (``parallel.ep > 1``): the subclass in :mod:`course_lib.parallel.deepspeed.experts`
+  (the hooks :meth:`_prepare_model` and :meth:`_initialize`).
 * **start**: ZeRO-0 with bf16/fp16 steps AdamW once while the engine is built; that step is undone
   (:mod:`course_lib.parallel.deepspeed.init_step`). JIT-op loads run under
   :func:`course_lib.parallel.deepspeed.op_locks.guard`: a build lock left by a killed build ends the start
@@ -107,12 +112,24 @@ class DeepSpeedStrategy(Distributed):
             deepspeed.init_distributed(dist_backend=dist.get_backend())
             validate_ds_config(self.ds_config, world_size=self.info.world_size)
 
+            self._prepare_model(model)  # expert parallelism keeps this rank's experts here
             groups = self._param_groups(model, make_optimizer)
-            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
-                                                   config=copy.deepcopy(self.ds_config))
+            engine = self._initialize(model, groups)
         undo_build_step(engine)  # ZeRO-0 with bf16/fp16: the wrapper stepped AdamW once while being built
         self.model, self.module, self.engine = model, engine, engine
         self.optimizer = self._stepped_optimizer(engine)
+
+    def _prepare_model(self, model: nn.Module) -> None:
+        """What a subclass does to the model after DeepSpeed's process groups exist and before the
+        engine is built (nothing here; :mod:`course_lib.parallel.deepspeed.experts` shards the experts)."""
+
+    def _initialize(self, model: nn.Module, groups: list[dict]) -> Any:
+        """``deepspeed.initialize`` over ``groups``; returns the engine."""
+        import deepspeed
+
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
+                                               config=copy.deepcopy(self.ds_config))
+        return engine
 
     def _param_groups(self, model: nn.Module, make_optimizer: Callable) -> list[dict]:
         reference = make_optimizer(model)
@@ -205,10 +222,12 @@ class DeepSpeedStrategy(Distributed):
 
     # ------------------------------------------------------------------ what the trainer reads
     def precision_policy(self, precision: str):
-        """fp32 always: the ``bf16``/``fp16`` sections make DeepSpeed cast and scale itself."""
+        """fp32 for fp32/bf16/fp16 (the ``bf16``/``fp16`` sections make DeepSpeed cast and scale
+        itself); for fp8 the fp8 policy, whose bf16 autocast the layers kept in high precision run
+        under in one FP8 process too (the FP8 layers quantize themselves; no loss scaling)."""
         from course_lib.precision import make_policy
 
-        return make_policy("fp32", self.device)
+        return make_policy("fp8" if precision == "fp8" else "fp32", self.device)
 
     def run_files(self) -> dict[str, str]:
         return {"ds_config.json": json.dumps(self.ds_config, indent=2) + "\n"}

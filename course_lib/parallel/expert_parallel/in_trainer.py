@@ -34,8 +34,11 @@ With tp/pp > 1 the trainer's strategy is :class:`~course_lib.parallel.composed.m
 and its experts are :mod:`course_lib.parallel.composed.experts` (folded over each pipeline stage's
 dp x tp ranks, expert-tensor-parallel size 1, tp with sequence parallelism only).
 
-Not built (trainer.config refuses them with ep > 1, naming why): DeepSpeed with experts, ep with
-cp, ep with tp but no sequence parallelism (ETP = TP), sharded checkpoints under ``ddp`` /
+DeepSpeed with experts (ZeRO 0-2) is :mod:`course_lib.parallel.deepspeed.experts`: the same slices,
+reduced by DeepSpeed's engine over its own expert groups.
+
+Not built (trainer.config refuses them with ep > 1, naming why): DeepSpeed's ZeRO-3 with experts,
+ep with cp, ep with tp but no sequence parallelism (ETP = TP), sharded checkpoints under ``ddp`` /
 ``ddp-scratch``.
 """
 from __future__ import annotations
