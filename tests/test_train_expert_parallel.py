@@ -48,7 +48,8 @@ equals one process within 1e-5 (losses, gradient norms, weights) and every MoE t
 gradient norm within 1e-4; the one-process file resumes at pp 2 x ep 2, pp 2 x ep 2's file at tp 2 x
 ep 4, and pp 2 / tp 2 files in one process.
 
-One launch per world size (the 4-rank one in its own fixture, runs4).
+One launch per world size (the 4-rank one in its own fixture, runs4; the SLOW4 layouts in a second
+4-rank launch under -m slow).
 """
 from __future__ import annotations
 
@@ -148,10 +149,22 @@ CROSSES4 = [((4, 2, "zero1"), "zero1-ep2/full", "zero1-ep2-at-ep2-edp2"),
             ((4, 4, "zero1", SP), "ddp-pp2-dp2-ep2/full", "ddp-pp2-dp2-ep2-at-zero1-tp2sp-dp2-ep4")]
 
 
-def launch(root, world, resume, crosses=()) -> dict:
+# 4-rank layouts whose code path a default layout already runs (zero2's expert state at expert-DP 2:
+# zero1's, with zero2's gradient release held at EP 2; ddp-scratch's expert-DP reduction: ddp's;
+# zero2 inside pipeline stages: zero1's flat ranges there): their own launch, under -m slow, for time.
+SLOW4 = ("zero2-ep2-edp2", "ddp-scratch-ep2-edp2", "zero2-pp2-dp2-ep2")
+
+
+def on4(name):
+    """A 4-rank layout's pytest parameter: marked slow when it is one of SLOW4."""
+    return pytest.param(name, marks=pytest.mark.slow) if name in SLOW4 else name
+
+
+def launch(root, world, resume, crosses=(), slow=False) -> dict:
     """The LAYOUTS of ``world`` ranks (and ``crosses``) in one launch: {name: {"first": every rank's
-    entry, "second": rank 0's resume (with ``resume``)}, cross name: rank 0's entry}."""
-    names = [n for n, v in LAYOUTS.items() if v[0] == world]
+    entry, "second": rank 0's resume (with ``resume``)}, cross name: rank 0's entry}. ``slow``: the
+    SLOW4 layouts only (the default launch leaves them out)."""
+    names = [n for n, v in LAYOUTS.items() if v[0] == world and (n in SLOW4) == slow]
     ranks = run_ranks(fns.train_and_cross_resume, world,
                       [(cfg(*LAYOUTS[n], **VARIANTS.get(n, (None, {}))[1]), str(root / n)) for n in names],
                       [(cfg(*c), str(root / src), str(root / dst)) for c, src, dst in crosses], resume, timeout=600)
@@ -176,6 +189,17 @@ def runs(tmp_path_factory):
 def runs4(runs):
     """The 4-rank launch (EP 2 x expert-DP 2), beside the same one-process run."""
     return {**runs, **launch(runs["root"], 4, False, CROSSES4)}
+
+
+@pytest.fixture(scope="module")
+def runs4_slow(runs):
+    """The SLOW4 layouts' own 4-rank launch (-m slow)."""
+    return {**runs, **launch(runs["root"], 4, False, slow=True)}
+
+
+def four(request, name):
+    """The 4-rank results that hold ``name``: runs4, or runs4_slow for SLOW4."""
+    return request.getfixturevalue("runs4_slow" if name in SLOW4 else "runs4")
 
 
 def check_layout(runs, name, rel=None):
@@ -211,13 +235,13 @@ def test_ep2_matches_one_process(runs, name):
     check_layout(runs, name)
 
 
-@pytest.mark.parametrize("name", ["ddp-ep2-edp2", "fsdp-ep2-edp2", *(n + "-edp2" for n in ZERO_EP2),
-                                  *(["deepspeed-ep2-edp2"] if "deepspeed-ep2-edp2" in LAYOUTS else [])])
-def test_ep2_edp2_matches_one_process(runs4, name):
+@pytest.mark.parametrize("name", [on4(n) for n in ["ddp-ep2-edp2", "fsdp-ep2-edp2", *(n + "-edp2" for n in ZERO_EP2),
+                                                   *(["deepspeed-ep2-edp2"] if "deepspeed-ep2-edp2" in LAYOUTS else [])]])
+def test_ep2_edp2_matches_one_process(request, name):
     """Expert gradients reduced over the expert-DP group (FSDP2: its divide factor, gloo's sum; ZeRO:
     the expert slices' reduce-scatter over it, divided by the world; DeepSpeed: its engine's ZeRO-2
     partitions of the expert groups, reduced over its own expert-DP groups)."""
-    check_layout(runs4, name)
+    check_layout(four(request, name), name)
 
 
 def test_bf16_ep2_matches_one_bf16_process(runs):
@@ -267,14 +291,15 @@ def test_an_idle_expert_in_the_trainer_still_matches_one_process(runs):
     check_layout(runs, "ddp-ep2-idle")
 
 
-@pytest.mark.parametrize("name", COMPOSED)
-def test_ep_composed_with_pp_or_tp_matches_one_process(runs4, name):
+@pytest.mark.parametrize("name", [on4(n) for n in COMPOSED])
+def test_ep_composed_with_pp_or_tp_matches_one_process(request, name):
     """EP inside ModelParallel: pipeline stages (each stage's experts over its dp ranks, the balancing
     loss of stage 0 joining its backward), tp 2 with sequence parallelism (each tp rank routes its
     half of every sequence, capacity and balancing loss decided over both halves, experts over tp
     and dp ranks); ddp, zero1 and zero2 as the data-parallel dimension. Held within 1e-5, not 1e-4
     (measured <= 3e-7): the experts are a small share of the total gradient norm, and an expert
     counted twice in it moves the norm by ~6e-5."""
+    runs4 = four(request, name)
     check_layout(runs4, name, rel=1e-5)
     # Per step, the gradient norm of every MoE tensor (each expert stack whole: its slices' squares
     # summed over the EP group; the router's summed over tp under SP) equals one process's.
@@ -289,20 +314,20 @@ def test_ep_composed_with_pp_or_tp_matches_one_process(runs4, name):
     assert worst <= 1e-4, name
 
 
-def test_zero_ep2_edp2_shards_the_expert_state_over_expert_dp(runs4):
+@pytest.mark.parametrize("name", [on4("zero1-ep2-edp2"), on4("zero2-ep2-edp2")])
+def test_zero_ep2_edp2_shards_the_expert_state_over_expert_dp(request, name):
     """Under zero1/zero2 at EP 2 x expert-DP 2 each rank holds the AdamW moments of part of its
     slices only (the other expert-DP rank the rest), and of part of the dense weights."""
-    for name in ("zero1-ep2-edp2", "zero2-ep2-edp2"):
-        counts = [r["state_numel"] for r in runs4[name]["first"]]
-        for kind in ("dense", "expert"):
-            per_rank = [c[kind] for c in counts]
-            whole = counts[0][kind + "_params"]  # this layout's elements of that kind on one rank
-            assert all(0 < n < 2 * whole for n in per_rank), (name, kind, per_rank, whole)
-        # expert-DP pairs (0, 2) and (1, 3) split their slices' moments: 2 moments x the slice, once
-        for a, b in ((0, 2), (1, 3)):
-            assert counts[a]["expert"] + counts[b]["expert"] == 2 * counts[a]["expert_params"], (name, counts)
-        assert sum(c["dense"] for c in counts) == 2 * counts[0]["dense_params"], (name, counts)
-        assert all(c["all"] == c["dense"] + c["expert"] for c in counts)  # optimizer.state: both parts
+    counts = [r["state_numel"] for r in four(request, name)[name]["first"]]
+    for kind in ("dense", "expert"):
+        per_rank = [c[kind] for c in counts]
+        whole = counts[0][kind + "_params"]  # this layout's elements of that kind on one rank
+        assert all(0 < n < 2 * whole for n in per_rank), (name, kind, per_rank, whole)
+    # expert-DP pairs (0, 2) and (1, 3) split their slices' moments: 2 moments x the slice, once
+    for a, b in ((0, 2), (1, 3)):
+        assert counts[a]["expert"] + counts[b]["expert"] == 2 * counts[a]["expert_params"], (name, counts)
+    assert sum(c["dense"] for c in counts) == 2 * counts[0]["dense_params"], (name, counts)
+    assert all(c["all"] == c["dense"] + c["expert"] for c in counts)  # optimizer.state: both parts
 
 
 @pytest.mark.parametrize("name", ["ddp-ep2", "fsdp-ep2", *ZERO_EP2, "zero2-ep2-bf16", "ddp-ep2-fp8", "fsdp-ep2-fp8"])
