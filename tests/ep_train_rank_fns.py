@@ -69,17 +69,24 @@ def entry(rank, result) -> dict:
 
 def train_and_cross_resume(rank, world_size, runs, crosses, resume=True):
     """Every fresh run of ``runs`` (each ``(cfg, out_dir)``, trained into ``out_dir/full``) and, with
-    ``resume``, its resume in the same layout (model_parallel_rank_fns.train_then_resume), then each
+    ``resume`` (True: every run; or the out_dirs to resume), its resume in the same layout (model_parallel_rank_fns.train_then_resume), then each
     ``(cfg, src, dst)`` of ``crosses``: the run folder ``src`` copied to ``dst`` without its newest
     checkpoint and resumed there under ``cfg`` (another EP size), in one launch."""
     import model_parallel_rank_fns as fns
     from course_lib.train import train
 
     record_grad_norms()
-    if resume:
-        out = fns.train_then_resume(rank, world_size, runs, entry=entry)
-    else:
-        out = {"first": [entry(rank, train(cfg, o + "/full")) for cfg, o in runs]}
+    again = [o for _, o in runs] if resume is True else list(resume or ())  # the out_dirs resumed
+    resumed = fns.train_then_resume(rank, world_size, [r for r in runs if r[1] in again], entry=entry)
+    first, second = iter(resumed["first"]), iter(resumed["second"])
+    out = {"first": [], "second": []}
+    for cfg, o in runs:  # in the order of runs; second: None for a run not resumed
+        if o in again:
+            out["first"].append(next(first))
+            out["second"].append(next(second))
+        else:
+            out["first"].append(entry(rank, train(cfg, o + "/full")))
+            out["second"].append(None)
     out["cross"] = []
     for cfg, src, dst in crosses:
         fns.copy_without_newest(src, dst)

@@ -167,8 +167,8 @@ def launch(root, world, resume, crosses=(), slow=False) -> dict:
     names = [n for n, v in LAYOUTS.items() if v[0] == world and (n in SLOW4) == slow]
     ranks = run_ranks(fns.train_and_cross_resume, world,
                       [(cfg(*LAYOUTS[n], **VARIANTS.get(n, (None, {}))[1]), str(root / n)) for n in names],
-                      [(cfg(*c), str(root / src), str(root / dst)) for c, src, dst in crosses], resume, timeout=600)
-    out = {n: {"first": [r["first"][i] for r in ranks], "second": ranks[0]["second"][i] if resume else None}
+                      [(cfg(*c), str(root / src), str(root / dst)) for c, src, dst in crosses], [str(root / n) for n in names if n in RESUMED] if resume else (), timeout=600)
+    out = {n: {"first": [r["first"][i] for r in ranks], "second": ranks[0]["second"][i]}
            for i, n in enumerate(names)}
     return {**out, **{dst: ranks[0]["cross"][j] for j, (_, _, dst) in enumerate(crosses)}}
 
@@ -330,7 +330,13 @@ def test_zero_ep2_edp2_shards_the_expert_state_over_expert_dp(request, name):
     assert all(c["all"] == c["dense"] + c["expert"] for c in counts)  # optimizer.state: both parts
 
 
-@pytest.mark.parametrize("name", ["ddp-ep2", "fsdp-ep2", *ZERO_EP2, "zero2-ep2-bf16", "ddp-ep2-fp8", "fsdp-ep2-fp8"])
+# The 2-rank layouts resumed at the same ep (each strategy's checkpoint code once, and bf16's); the
+# fp8 and idle-expert variants save through the same code as their fp32 layouts (their resumes were
+# bit-exact when built) and are trained only, for time.
+RESUMED = ["ddp-ep2", "fsdp-ep2", *ZERO_EP2, "zero2-ep2-bf16"]
+
+
+@pytest.mark.parametrize("name", RESUMED)
 def test_resume_at_the_same_ep_is_bit_exact(runs, name):
     assert_resumed_bit_exact(name, runs[name]["first"][0], runs[name]["second"], START, STEPS, runs["root"] / name)
 
