@@ -129,16 +129,11 @@ class DenseLayout:
         empty without experts. Every rank of a group has the same keys in the same order (same
         stage, same steps taken), so the all-gathers line up."""
         ep = self.ep
-        if ep is None or ep.size == 1:
-            keep = {k: v.detach().cpu().clone() for k, v in self.local.state_dict().items() if k in self.expert_keys}
-            states = {}
-            if optimizer is not None:
-                states = {n: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                              for k, v in optimizer.state.get(p, {}).items()}
-                          for n, p in self.param_of.items() if is_expert(p)}
-            return keep, states
+        single = ep is None or ep.size == 1
 
-        def whole(t: torch.Tensor) -> torch.Tensor:
+        def whole(t: torch.Tensor) -> torch.Tensor:  # this rank's slice -> every expert, on the CPU
+            if single or t.dim() == 0:  # every expert here; a 0-d tensor (Adam's step) is not sliced
+                return t.detach().cpu().clone()
             parts = [torch.empty_like(t) for _ in range(ep.size)]
             dist.all_gather(parts, t.detach().contiguous(), group=ep.group)
             return torch.cat(parts).cpu()
@@ -146,10 +141,10 @@ class DenseLayout:
         model = {k: whole(v) for k, v in self.local.state_dict().items() if k in self.expert_keys}
         states = {}
         if optimizer is not None:
-            for n in sorted(n for n, p in self.param_of.items() if is_expert(p)):
-                st = optimizer.state.get(self.param_of[n], {})
-                states[n] = {k: whole(v.to(self.param_of[n].device)) if torch.is_tensor(v) and v.dim() > 0 else v
-                             for k, v in sorted(st.items())}
+            for n in sorted(n for n, p in self.param_of.items() if is_expert(p)):  # same order on every rank
+                p = self.param_of[n]
+                states[n] = {k: whole(v.to(p.device)) if torch.is_tensor(v) else v
+                             for k, v in sorted(optimizer.state.get(p, {}).items())}
         return model, states
 
     def gather_model(self, mesh) -> dict | None:

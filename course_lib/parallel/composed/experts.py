@@ -35,7 +35,7 @@ from torch import nn
 
 from course_lib.model.moe import moe_layers
 from course_lib.parallel.expert_parallel.group import make_ep_group
-from course_lib.parallel.expert_parallel.shard import is_expert, shard_experts
+from course_lib.parallel.expert_parallel.shard import is_expert, reduce_expert_gradients, shard_experts
 
 
 class StageExperts:
@@ -65,19 +65,9 @@ class StageExperts:
         self.params = [p for p in local.parameters() if is_expert(p)]
         self.counts_in_norm = (mesh.rank % self.stage_size) // ep == 0
 
-    @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Each expert slice's gradient -> one process's: sum over the expert-DP group, / dp.
-        One all-reduce of the slices, flattened (a slice without gradient counts as zeros)."""
-        if not self.params:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.ep.edp_group is not None:
-            dist.all_reduce(flat, group=self.ep.edp_group)
-        flat /= self.dp
-        for p, f in zip(self.params, flat.split([p.numel() for p in self.params])):
-            p.grad = f.view_as(p).clone()
+        """Each expert slice's gradient -> one process's: sum over the expert-DP group, / dp."""
+        reduce_expert_gradients(self.params, self.ep, divisor=self.dp)
 
     def reduce_load(self, load: torch.Tensor) -> None:
         """Sum a layer's expert loads (tokens per expert, [E]) over this stage's ranks, in place."""

@@ -60,17 +60,28 @@ def sync_gradients(model: nn.Module, ep: EPGroup) -> None:
         p.grad.div_(world)
 
 
-def reduce_expert_gradients(params: list[nn.Parameter], ep: EPGroup) -> None:
+@torch.no_grad()
+def reduce_expert_gradients(params: list[nn.Parameter], ep: EPGroup, divisor: int | None = None) -> None:
     """One process's gradient of the mean loss for expert slices whose ``.grad`` holds this rank's
     local sum (over its micro-batches, the combine's backward having summed the EP group's tokens):
-    all-reduce over the expert-DP group, divide by the world size. Used after the dense part's own
-    synchronization by the trainer's ddp, ddp-scratch and fsdp-scratch expert layouts."""
-    world = dist.get_world_size()
-    for p in params:
-        if p.grad is not None:
-            if ep.edp_group is not None:
-                dist.all_reduce(p.grad, group=ep.edp_group)
-            p.grad.div_(world)
+    sum over the expert-DP group, divide by ``divisor`` - the number of data-parallel replicas of
+    the loss: the world size (default) under pure data parallelism, dp under tp/pp
+    (course_lib.parallel.composed.experts). One all-reduce of the slices flattened; a slice without
+    a gradient counts as zeros, so every rank of the group hands over the same length. Used after
+    the dense part's own synchronization by every trainer layout with experts but DeepSpeed's."""
+    if not params:
+        return
+    divisor = dist.get_world_size() if divisor is None else divisor
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if ep.edp_group is not None:
+        dist.all_reduce(flat, group=ep.edp_group)
+    flat /= divisor
+    for p, f in zip(params, flat.split([p.numel() for p in params])):
+        if p.grad is None:
+            p.grad = f.view_as(p).clone()
+        else:
+            p.grad.copy_(f.view_as(p))
 
 
 def gather_experts(model: nn.Module, ep: EPGroup) -> dict[str, torch.Tensor]:
